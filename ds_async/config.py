@@ -1,0 +1,236 @@
+"""The ``"ds_async"`` section of a DeepSpeed JSON config, as dataclasses.
+
+The DeepSpeed JSON is the single source of truth: DeepSpeed reads its own keys, ds_async reads this section.
+Parsing is strict: an unknown or misspelled key, a value of the wrong type, or batch sizes that do not add up
+stop the run at start with one message that names the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+SCHEDULES = ("1f1b", "2bw", "pipedream")
+
+
+class ConfigError(ValueError):
+    """A problem in the user's config; the message names the offending key."""
+
+
+@dataclass
+class ModelConfig:
+    family: Literal["llama"] = "llama"
+    """Model architecture. (Mixtral-style MoE is planned.)"""
+    config: dict[str, Any] = field(default_factory=dict)
+    """Inline Hugging Face config kwargs (e.g. ``LlamaConfig(**config)``). Exclusive with ``path``."""
+    path: str | None = None
+    """A ``save_pretrained`` directory: its ``config.json`` defines the model and, if ``load_weights``, its
+    safetensors give the initial weights (each stage reads only its own tensors)."""
+    load_weights: bool = True
+    """With ``path``: start from the directory's weights (false: only take its config, initialise fresh)."""
+
+
+@dataclass
+class PartitionConfig:
+    method: Literal["uniform", "parameters", "explicit"] = "parameters"
+    """How layers (embedding, each decoder layer, head) are split into stages: the same number of layers per stage,
+    balanced parameter counts, or the ``boundaries`` given here."""
+    boundaries: list[int] | None = None
+    """For ``explicit``: ``stages + 1`` increasing layer indices starting at 0 and ending at the layer count
+    (``num_hidden_layers + 2``); stage ``s`` owns layers ``[boundaries[s], boundaries[s+1])``."""
+
+
+@dataclass
+class DataConfig:
+    train: str = "gensim:lee"
+    """Training text: a local parquet/json(l)/txt file or glob, a hub dataset name, or ``gensim:lee`` (the Lee
+    news corpus that ships inside gensim's wheel; ``pip install ds_async[demo]``)."""
+    validation: str | None = "gensim:lee"
+    """Held-out text for validation loss (same forms as ``train``); null disables evaluation."""
+    text_field: str = "text"
+    """Column holding the document text."""
+    seq_len: int = 128
+    """Tokens per packed row."""
+    shuffle_buffer: int = 1000
+    """Documents in the streaming shuffle buffer (0: keep file order)."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int | None = None
+    """Optimizer steps to run. Exactly one of ``steps`` and ``tokens`` must be set."""
+    tokens: int | None = None
+    """Training tokens to consume (rounded up to whole steps)."""
+
+
+@dataclass
+class EvalConfig:
+    every: int = 50
+    """Validation loss every this many steps (0: only at the end)."""
+    batches: int = 4
+    """Micro-batches per data-parallel rank in each validation pass."""
+
+
+@dataclass
+class LoggingConfig:
+    dir: str = "runs"
+    """Root folder for runs; each run writes ``<dir>/<run_name>/`` (tensorboard events, manifest, PNG)."""
+    run_name: str | None = None
+    """Run folder name (default: schedule-optimizer-timestamp)."""
+    every: int = 1
+    """Write train scalars every this many steps."""
+    progress: bool = True
+    """Show a tqdm progress bar on the reporting rank."""
+    plot: bool = True
+    """Write ``loss.png`` with the train/validation curves at the end."""
+
+
+@dataclass
+class DsAsyncConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model to train."""
+    tokenizer: str = "train:8192"
+    """A ``tokenizer.json`` path, a HF tokenizer name/directory, or ``train:<vocab>`` to train a byte-level BPE on
+    the training stream at start (cached in the run folder)."""
+    pipeline_stages: int = 2
+    """Pipeline depth p; the remaining ranks become data-parallel replicas (world = p x dp)."""
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    """Layer-to-stage split."""
+    schedule: Literal["1f1b", "2bw", "pipedream"] = "1f1b"
+    """``1f1b``: DeepSpeed's synchronous TrainSchedule (flush every step). ``2bw``: PipeDream-2BW, flush-free with
+    a constant one-step weight delay. ``pipedream``: per-stage variable delay (original PipeDream)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training and validation text streams."""
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=100))
+    """How long to train."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Validation cadence."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Where and how often to log."""
+    seed: int = 1234
+    """Seeds weight init, data order and every RNG."""
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _check(value, tp, key: str):
+    """Return ``value`` converted to type ``tp`` or raise ConfigError naming ``key``."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected an object, got {type(value).__name__} {value!r}")
+        return _from_dict(tp, value, key)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _check(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise errors[0] if len(errors) == 1 else ConfigError(
+            f"{key}: expected {' or '.join(_type_name(a) for a in args)}, got {type(value).__name__} {value!r}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{key}: must be one of {list(typing.get_args(tp))}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_check(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected an object, got {type(value).__name__} {value!r}")
+        return dict(value)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _from_dict(cls, raw: dict, prefix: str):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        import difflib
+        hint = difflib.get_close_matches(unknown[0], names, n=1)
+        suggestion = f" (did you mean '{prefix}.{hint[0]}'?)" if hint else ""
+        raise ConfigError(f"{prefix}.{unknown[0]}: unknown key{suggestion}; known keys: {sorted(names)}")
+    return cls(**{k: _check(v, hints[k], f"{prefix}.{k}") for k, v in raw.items()})
+
+
+def parse(section: dict) -> DsAsyncConfig:
+    """Parse and validate the ``"ds_async"`` section on its own (no DeepSpeed keys involved)."""
+    cfg = _from_dict(DsAsyncConfig, section, "ds_async")
+    if (cfg.train.steps is None) == (cfg.train.tokens is None):
+        raise ConfigError("ds_async.train: set exactly one of 'steps' and 'tokens'")
+    for key, value in (("ds_async.pipeline_stages", cfg.pipeline_stages), ("ds_async.data.seq_len", cfg.data.seq_len)):
+        if value < 1:
+            raise ConfigError(f"{key}: must be >= 1, got {value}")
+    if (cfg.model.path is None) == (not cfg.model.config):
+        raise ConfigError("ds_async.model: set exactly one of 'config' (inline HF config) and 'path' (a directory)")
+    if (cfg.partition.method == "explicit") != (cfg.partition.boundaries is not None):
+        raise ConfigError("ds_async.partition.boundaries: required with method 'explicit' and only then")
+    return cfg
+
+
+def check_batch(ds_config: dict, cfg: DsAsyncConfig, world_size: int) -> tuple[int, int, int]:
+    """Resolve (train_batch_size, micro_batch, grad_accum) the way DeepSpeed would, or say which key is wrong.
+
+    Returns the three sizes; the data-parallel degree is ``world_size / pipeline_stages``.
+    """
+    p = cfg.pipeline_stages
+    if world_size % p:
+        raise ConfigError(f"ds_async.pipeline_stages: {p} does not divide the world size {world_size}")
+    dp = world_size // p
+    tbs = ds_config.get("train_batch_size")
+    mbs = ds_config.get("train_micro_batch_size_per_gpu")
+    gas = ds_config.get("gradient_accumulation_steps")
+    for key, v in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", mbs),
+                   ("gradient_accumulation_steps", gas)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f"{key}: expected a positive integer, got {v!r}")
+    if mbs is None:
+        raise ConfigError("train_micro_batch_size_per_gpu: required for pipeline training")
+    if gas is None:
+        if tbs is None or tbs % (mbs * dp):
+            raise ConfigError(f"train_batch_size: {tbs} is not a multiple of train_micro_batch_size_per_gpu ({mbs}) "
+                              f"x data-parallel degree ({dp})")
+        gas = tbs // (mbs * dp)
+    if tbs is None:
+        tbs = mbs * gas * dp
+    if tbs != mbs * gas * dp:
+        raise ConfigError(f"train_batch_size: {tbs} != train_micro_batch_size_per_gpu ({mbs}) x "
+                          f"gradient_accumulation_steps ({gas}) x data-parallel degree ({dp}) = {mbs * gas * dp}")
+    if cfg.schedule != "1f1b" and gas < p:
+        raise ConfigError(f"gradient_accumulation_steps: schedule '{cfg.schedule}' needs at least as many "
+                          f"micro-batches as stages (m={gas} < p={p})")
+    return tbs, mbs, gas
+
+
+def load(path: str) -> tuple[dict, DsAsyncConfig]:
+    """Read a DeepSpeed JSON file; return (DeepSpeed's part, parsed ds_async section)."""
+    with open(path) as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON: {e}") from None
+    section = raw.pop("ds_async", None)
+    if section is None:
+        raise ConfigError(f"{path}: no \"ds_async\" section")
+    return raw, parse(section)
+
+
+def resolved(cfg: DsAsyncConfig) -> dict:
+    """The config with every default filled in, for the run manifest."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,36 @@
+"""``deepspeed.initialize`` for pipelines, building ds_async's engine.
+
+``deepspeed.initialize`` hard-codes ``PipelineEngine`` for a ``PipelineModule``; this is its pipeline branch with
+our class. Everything else (config parsing, optimizer and scheduler construction from the JSON) is DeepSpeed's.
+"""
+from __future__ import annotations
+
+import deepspeed
+from deepspeed.accelerator import get_accelerator
+from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.config import DeepSpeedConfig
+
+from .pipe.engine import AsyncPipelineEngine
+
+
+def init_distributed() -> None:
+    """Join the process group the launcher (deepspeed, torchrun) described; gloo on CPU. Idempotent."""
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+
+
+def initialize(model: PipelineModule, config: dict, schedule: str = "1f1b", optimizer=None, lr_scheduler=None,
+               model_parameters=None) -> AsyncPipelineEngine:
+    """Build the engine for ``model`` from a DeepSpeed config dict (without its ``ds_async`` section)."""
+    if not isinstance(model, PipelineModule):
+        raise TypeError(f"ds_async.initialize needs a deepspeed PipelineModule, got {type(model).__name__}")
+    init_distributed()
+    mpu = model.mpu()
+    config_class = DeepSpeedConfig(config, mpu)
+    deepspeed.set_optimizer_flags(config_class, model)
+    if model_parameters is None:
+        model_parameters = [p for p in model.parameters() if p.requires_grad]
+    engine = AsyncPipelineEngine(schedule=schedule, args=None, model=model, optimizer=optimizer,
+                                 model_parameters=model_parameters, lr_scheduler=lr_scheduler, mpu=mpu,
+                                 config=config, config_class=config_class)
+    engine._configure_python_gc()
+    return engine

@@ -1,0 +1,80 @@
+"""Hugging Face models as DeepSpeed pipeline modules."""
+from __future__ import annotations
+
+from deepspeed.pipe import PipelineModule
+
+from ..config import ConfigError, DsAsyncConfig
+from . import hf_io, llama
+
+
+class StagedPipelineModule(PipelineModule):
+    """``PipelineModule`` that also accepts an explicit list of stage boundaries."""
+
+    def __init__(self, layers, boundaries: list[int] | None = None, **kwargs):
+        self._explicit = boundaries
+        super().__init__(layers, **kwargs)
+
+    def _partition_layers(self, method="uniform"):
+        if self._explicit is None:
+            return super()._partition_layers(method)
+        self.parts = list(self._explicit)
+        stage_id = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+
+def model_config(cfg: DsAsyncConfig):
+    """The HF config object of the model the ``ds_async.model`` section describes."""
+    from transformers import AutoConfig, LlamaConfig
+
+    if cfg.model.path is not None:
+        hf = AutoConfig.from_pretrained(cfg.model.path)
+    else:
+        hf = LlamaConfig(**{"tie_word_embeddings": False, **cfg.model.config})
+    if hf.model_type != cfg.model.family:
+        raise ConfigError(f"ds_async.model.family: '{cfg.model.family}' but the config is a '{hf.model_type}'")
+    return hf
+
+
+def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineModule:
+    """The pipeline module for this rank: only this stage's layers are built (and read from disk)."""
+    from ..initialize import init_distributed
+
+    init_distributed()
+    hf_dir = cfg.model.path if cfg.model.path and cfg.model.load_weights else None
+    specs = llama.layer_specs(hf_config, seed=cfg.seed, hf_dir=hf_dir)
+    boundaries = cfg.partition.boundaries
+    if boundaries is not None:
+        p, n = cfg.pipeline_stages, len(specs)
+        if (len(boundaries) != p + 1 or boundaries[0] != 0 or boundaries[-1] != n
+                or any(a >= b for a, b in zip(boundaries, boundaries[1:]))):
+            raise ConfigError(f"ds_async.partition.boundaries: need {p + 1} strictly increasing indices from 0 to "
+                              f"{n} (embedding + {n - 2} decoder layers + head), got {boundaries}")
+    return StagedPipelineModule(specs, boundaries=boundaries, num_stages=cfg.pipeline_stages,
+                                loss_fn=llama.causal_lm_loss,
+                                partition_method="uniform" if cfg.partition.method == "explicit"
+                                else cfg.partition.method, **kwargs)
+
+
+def hf_state_dict(module: PipelineModule) -> dict:
+    """This stage's tensors under their Hugging Face names."""
+    out = {}
+    for layer in module.forward_funcs:
+        local = layer.state_dict()
+        out.update({hf: local[name] for name, hf in layer.hf_names().items()})
+    return out
+
+
+def export_hf(engine, out_dir: str, hf_config) -> None:
+    """Write the model as a sharded HF checkpoint (one file per stage) that ``from_pretrained`` loads.
+
+    Collective over all ranks: the first data-parallel replica of each stage writes its shard, rank 0 the index.
+    """
+    from deepspeed import comm as dist
+
+    stages = engine.num_stages
+    if engine.grid.data_parallel_id == 0:
+        hf_io.save_shard(hf_state_dict(engine.module), out_dir, hf_io.shard_name(engine.stage_id, stages))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        hf_io.write_index(out_dir, stages, hf_config)
+    dist.barrier()

@@ -1,0 +1,102 @@
+"""Multi-process jobs for the tests, run under torchrun by ``tests/distributed.py``.
+
+    python -m torch.distributed.run --nproc_per_node N tests/jobs.py JOB OUT_DIR '{"kwarg": ...}'
+
+Every job builds a real ds_async pipeline engine (DeepSpeed, gloo on CPU). The rank that holds the result
+writes ``OUT_DIR/result.pt``; the first data-parallel replica of each stage writes ``params_stage<s>.pt``
+(its tensors under Hugging Face names) so runs with different partitions compare by name.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ds_async import config as cfgmod
+from ds_async import data
+from ds_async.initialize import initialize
+from ds_async.models import build_pipeline, export_hf, hf_state_dict, model_config
+
+TINY_LLAMA = {"vocab_size": 8192, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+              "rms_norm_eps": 1e-5}
+
+
+def ds_config(mbs: int, gas: int, optimizer: dict | None = None, **extra) -> dict:
+    opt = optimizer or {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "torch_adam": True}}
+    return {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas, "steps_per_print": 10 ** 9,
+            "optimizer": opt, **extra}
+
+
+CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus"
+
+
+def global_micro_batches(seed: int, seq_len: int, mbs: int, count: int) -> list:
+    """The run's whole data, identical on every rank: ``count`` micro-batches (input_ids, labels) of real text
+    (the shared corpus' Wikipedia validation split, tokenized with its 8k BPE, shuffled by ``seed``)."""
+    stream = data.load_text_stream(str(CORPUS / "enwiki-validation.parquet"), "validation")
+    tokenizer = data.load_tokenizer(str(CORPUS / "tokenizers" / "bpe8192.json"))
+    packed = data.PackedBatches(stream, tokenizer, seq_len, mbs, seed=seed, shuffle_buffer=50, repeat=False)
+    return list(itertools.islice(packed, count))
+
+
+def rank_stream(batches: list, step_count: int, gas: int, dp_rank: int, dp_world: int):
+    """This replica's share of each step: step t uses global micro-batches [t*G, (t+1)*G), G = gas * dp."""
+    g = gas * dp_world
+    for t in range(step_count):
+        yield from batches[t * g + dp_rank * gas: t * g + (dp_rank + 1) * gas]
+
+
+def _engine(stages: int, mbs: int, gas: int, schedule: str = "1f1b", model: dict | None = None,
+            partition: dict | None = None, seed: int = 1234, **ds_extra):
+    section = {"model": model or {"config": TINY_LLAMA}, "pipeline_stages": stages, "schedule": schedule,
+               "partition": partition or {"method": "uniform"}, "train": {"steps": 1}, "seed": seed}
+    cfg = cfgmod.parse(section)
+    hf_config = model_config(cfg)
+    engine = initialize(build_pipeline(cfg, hf_config), ds_config(mbs, gas, **ds_extra), schedule=schedule)
+    return engine, hf_config
+
+
+def _save_params(engine, out: Path) -> None:
+    if engine.grid.data_parallel_id == 0:
+        torch.save({k: v.detach().clone() for k, v in hf_state_dict(engine.module).items()},
+                   out / f"params_stage{engine.stage_id}.pt")
+
+
+def job_logits(out: Path, hf_dir: str, stages: int, input_ids: list, partition: dict | None = None) -> None:
+    """Forward ``input_ids`` through the pipeline built from a HF directory; save the logits."""
+    ids = torch.tensor(input_ids)
+    engine, _ = _engine(stages, ids.shape[0], 1, model={"path": hf_dir}, partition=partition)
+    _, logits = engine.eval_batch(iter([(ids, ids)]), return_logits=True, num_micro_batches=1, bcast_loss=False)
+    if engine.is_reporting_rank:
+        torch.save({"logits": logits}, out / "result.pt")
+
+
+def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: int = 32, data_seed: int = 0,
+              schedule: str = "1f1b", optimizer: dict | None = None, export: bool = False) -> None:
+    """Train ``steps`` steps on fixed data; save per-step losses and final parameters."""
+    engine, hf_config = _engine(stages, mbs, gas, schedule=schedule, optimizer=optimizer)
+    dp_rank, dp_world = engine.grid.data_parallel_id, engine.grid.data_parallel_size
+    batches = global_micro_batches(data_seed, seq_len, mbs, steps * gas * dp_world)
+    it = rank_stream(batches, steps, gas, dp_rank, dp_world)
+    losses = [engine.train_batch(it).item() for _ in range(steps)]
+    _save_params(engine, out)
+    result = {"losses": torch.tensor(losses, dtype=torch.float64)}
+    if export:
+        export_hf(engine, str(out / "hf"), hf_config)
+        ids = batches[0][0]
+        _, result["logits"] = engine.eval_batch(iter([(ids, ids)]), return_logits=True, num_micro_batches=1,
+                                                bcast_loss=False)
+        result["input_ids"] = ids
+    if engine.is_reporting_rank:
+        torch.save(result, out / "result.pt")
+
+
+JOBS = {"logits": job_logits, "train": job_train}
+
+if __name__ == "__main__":
+    name, out_dir, kwargs = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+    JOBS[name](out_dir, **kwargs)

@@ -1,0 +1,265 @@
+"""ds_async.data and ds_async.tokenizer on real text: the shared corpus and the Lee corpus embedded in gensim."""
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from tokenizers import Tokenizer, models
+
+from ds_async.data import (
+    EMBEDDED_CORPUS,
+    PackedBatches,
+    eos_id,
+    load_text_stream,
+    load_tokenizer,
+    resolve_files,
+)
+from ds_async.tokenizer import main as train_tokenizer_main
+from ds_async.tokenizer import train_bpe
+
+CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus"
+
+
+@pytest.fixture(scope="module")
+def corpus() -> Path:
+    if not (CORPUS / "tokenizers" / "bpe8192.json").is_file():
+        pytest.skip(f"shared corpus not found at {CORPUS} (the repo must be cloned next to shared/)")
+    return CORPUS
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus):
+    return load_tokenizer(str(corpus / "tokenizers" / "bpe8192.json"))
+
+
+@pytest.fixture(scope="module")
+def lee_texts() -> list[str]:
+    return [row["text"] for row in load_text_stream(EMBEDDED_CORPUS, "train")]
+
+
+def token_stream(tokenizer, texts) -> list[int]:
+    """The packing contract, built one document at a time: tokens + EOS per document, concatenated."""
+    stream = []
+    for text in texts:
+        stream += tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        stream.append(eos_id(tokenizer))
+    return stream
+
+
+def take(batches, n):
+    return [next(batches) for _ in range(n)]
+
+
+def flat_inputs(batches) -> list[int]:
+    return torch.cat([inputs.flatten() for inputs, _ in batches]).tolist()
+
+
+def documents(tokens: list[int], eos: int) -> list[tuple[int, ...]]:
+    """Token sequences of the complete documents (those whose EOS is present) in a packed stream."""
+    docs, start = [], 0
+    for i, token in enumerate(tokens):
+        if token == eos:
+            docs.append(tuple(tokens[start:i]))
+            start = i + 1
+    return docs
+
+
+def write_docs(path: Path, texts: list[str], field: str = "text") -> None:
+    if path.suffix == ".txt":
+        path.write_text("\n".join(texts) + "\n")
+    elif path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps({field: t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    else:
+        pq.write_table(pa.table({field: texts}), path)
+
+
+def test_embedded_corpus_splits():
+    builder, train = resolve_files(EMBEDDED_CORPUS, "train")
+    assert builder == "text" and train.endswith("lee_background.cor")
+    assert resolve_files(EMBEDDED_CORPUS, "validation")[1].endswith("lee.cor")
+    texts = [row["text"] for row in load_text_stream(EMBEDDED_CORPUS, "validation")]
+    assert len(texts) == 50 and all(len(t) > 100 for t in texts)
+    with pytest.raises(ValueError, match="splits"):
+        resolve_files(EMBEDDED_CORPUS, "test")
+
+
+def test_resolve_local_files_and_hub_names(tmp_path):
+    for name in ("b.txt", "a.txt", "c.cor", "d.jsonl", "e.json", "f.parquet"):
+        (tmp_path / name).touch()
+    assert resolve_files(str(tmp_path / "*.txt"), "train") == ("text", [str(tmp_path / n) for n in ("a.txt", "b.txt")])
+    assert resolve_files(str(tmp_path / "c.cor"), "train") == ("text", [str(tmp_path / "c.cor")])
+    assert resolve_files([str(tmp_path / "d.jsonl"), str(tmp_path / "e.json")], "train")[0] == "json"
+    assert resolve_files(str(tmp_path / "*.parquet"), "validation") == ("parquet", [str(tmp_path / "f.parquet")])
+    assert resolve_files("HuggingFaceFW/fineweb-edu", "train") == ("HuggingFaceFW/fineweb-edu", None)
+    with pytest.raises(ValueError, match="extensions"):
+        resolve_files([str(tmp_path / "a.txt"), str(tmp_path / "f.parquet")], "train")
+
+
+def test_glob_matching_nothing_names_the_pattern(tmp_path):
+    pattern = str(tmp_path / "missing-*.parquet")
+    with pytest.raises(FileNotFoundError, match="missing-"):
+        resolve_files(pattern, "train")
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl", ".parquet"])
+def test_every_builder_streams_the_documents(tmp_path, lee_texts, suffix):
+    texts = lee_texts[:5]
+    write_docs(tmp_path / f"docs{suffix}", texts, field="body")
+    rows = list(load_text_stream(str(tmp_path / f"*{suffix}"), "train", text_field="body"))
+    assert [row["body"] for row in rows] == texts
+
+
+# Shuffled parquet streams pause 5 s whenever an iteration ends (datasets' workaround for apache/arrow#45214),
+# so the shuffled cases below read text and JSON files.
+@pytest.mark.parametrize("shuffle_buffer", [0, 16])
+def test_packing_emits_every_token_once_in_order(corpus, tokenizer, shuffle_buffer):
+    if shuffle_buffer:
+        ds = load_text_stream(EMBEDDED_CORPUS, "train")
+    else:
+        ds = load_text_stream(str(corpus / "enwiki-validation.parquet"), "validation")
+    batches = take(PackedBatches(ds, tokenizer, seq_len=96, micro_batch_size=3, seed=5,
+                                 shuffle_buffer=shuffle_buffer, tokenize_batch=4), 40)
+    assert all(x.shape == y.shape == (3, 96) and x.dtype == y.dtype == torch.long for x, y in batches)
+
+    ordered = ds.shuffle(seed=5, buffer_size=shuffle_buffer) if shuffle_buffer else ds
+    texts = [row["text"] for _, row in zip(range(60), ordered)]  # 60 non-empty documents > 40 batches
+    expected = token_stream(tokenizer, texts)
+    inputs = flat_inputs(batches)
+    labels = torch.cat([labels.flatten() for _, labels in batches]).tolist()
+    assert len(expected) > len(inputs)
+    assert inputs == expected[: len(inputs)]
+    # Row by row: labels are the inputs shifted by one, continuing into the next row's first token.
+    assert labels == expected[1 : len(inputs) + 1]
+
+
+def test_end_of_stream_drops_only_the_last_partial_batch(tokenizer):
+    ds = load_text_stream(EMBEDDED_CORPUS, "validation")
+    batches = list(PackedBatches(ds, tokenizer, seq_len=64, micro_batch_size=2, shuffle_buffer=0, repeat=False))
+    expected = token_stream(tokenizer, [row["text"] for row in ds])
+    assert len(batches) == (len(expected) - 1) // 128
+    assert flat_inputs(batches) == expected[: len(batches) * 128]
+
+
+@pytest.mark.parametrize("num_files", [1, 4])
+def test_data_parallel_ranks_read_disjoint_documents(tmp_path, tokenizer, lee_texts, num_files):
+    # One file: ranks take alternate documents. Four files: ranks take alternate files.
+    for i in range(num_files):
+        write_docs(tmp_path / f"part{i}.jsonl", lee_texts[i * 20 : (i + 1) * 20])
+    ds = load_text_stream(str(tmp_path / "*.jsonl"), "train")
+    eos = eos_id(tokenizer)
+    ranks = [
+        documents(flat_inputs(PackedBatches(ds, tokenizer, seq_len=16, micro_batch_size=1, dp_rank=r,
+                                            dp_world_size=2, seed=3, shuffle_buffer=8, repeat=False)), eos)
+        for r in range(2)
+    ]
+    everything = documents(token_stream(tokenizer, lee_texts[: num_files * 20]), eos)
+    assert set(ranks[0]).isdisjoint(ranks[1])
+    assert set(ranks[0]) | set(ranks[1]) <= set(everything)
+    # Each rank loses at most its last document, in the dropped partial batch.
+    assert len(ranks[0]) + len(ranks[1]) >= len(everything) - 2
+    if num_files == 1:
+        shuffled = documents(token_stream(tokenizer, [r["text"] for r in ds.shuffle(seed=3, buffer_size=8)]), eos)
+        assert ranks[0] == shuffled[0::2][: len(ranks[0])]
+        assert ranks[1] == shuffled[1::2][: len(ranks[1])]
+
+
+def test_same_seed_same_batches_other_seed_other_batches(tokenizer):
+    ds = load_text_stream(EMBEDDED_CORPUS, "train")
+
+    def first_batches(seed):
+        return flat_inputs(take(PackedBatches(ds, tokenizer, seq_len=128, micro_batch_size=2, seed=seed,
+                                              shuffle_buffer=100), 5))
+
+    assert first_batches(1) == first_batches(1)
+    assert first_batches(1) != first_batches(2)
+
+
+def test_repeat_reshuffles_each_epoch(tmp_path, tokenizer, lee_texts):
+    write_docs(tmp_path / "docs.txt", [t[:150] for t in lee_texts[:12]])
+    batches = PackedBatches(load_text_stream(str(tmp_path / "docs.txt"), "train"), tokenizer,
+                            seq_len=32, micro_batch_size=2, seed=0, shuffle_buffer=12)
+    docs = documents(flat_inputs(take(batches, 40)), eos_id(tokenizer))
+    assert batches.state_dict()["epoch"] >= 2
+    first, second = docs[:12], docs[12:24]
+    assert sorted(first) == sorted(second) and first != second
+
+
+@pytest.mark.parametrize(
+    ("files", "dp_rank", "dp_world_size"),
+    [(["a.txt"], 0, 1), (["a.jsonl"], 1, 2), (["a.jsonl", "b.jsonl", "c.jsonl", "d.jsonl"], 1, 2)],
+)
+def test_resume_matches_uninterrupted_iteration(tmp_path, tokenizer, lee_texts, files, dp_rank, dp_world_size):
+    # Short documents so that epochs last a few batches and resumption points land in several epochs.
+    texts = [t[:120] for t in lee_texts[:12]]
+    per_file = len(texts) // len(files)
+    for i, name in enumerate(files):
+        write_docs(tmp_path / name, texts[i * per_file : (i + 1) * per_file])
+    ds = load_text_stream([str(tmp_path / name) for name in files], "train")
+
+    def fresh():
+        return PackedBatches(ds, tokenizer, seq_len=24, micro_batch_size=2, dp_rank=dp_rank,
+                             dp_world_size=dp_world_size, seed=7, shuffle_buffer=6, tokenize_batch=5)
+
+    reference = take(fresh(), 50)
+    epochs = set()
+    for k in (1, 5, 12, 20, 34):
+        interrupted = fresh()
+        take(interrupted, k)
+        state = json.loads(json.dumps(interrupted.state_dict()))  # a checkpoint holds plain data
+        epochs.add(state["epoch"])
+        resumed = fresh()
+        resumed.load_state_dict(state)
+        assert resumed.tokens_seen == k * 2 * 24
+        for (x, y), (ref_x, ref_y) in zip(take(resumed, 16), reference[k : k + 16]):
+            assert torch.equal(x, ref_x) and torch.equal(y, ref_y)
+    assert len(epochs) >= 3
+
+
+def test_empty_documents_are_skipped_and_counted(tmp_path, tokenizer, lee_texts):
+    texts = [lee_texts[0], "", "   \t ", lee_texts[1], "\u3000", lee_texts[2]]
+    write_docs(tmp_path / "docs.jsonl", texts)
+    batches = PackedBatches(load_text_stream(str(tmp_path / "docs.jsonl"), "train"), tokenizer,
+                            seq_len=32, micro_batch_size=1, shuffle_buffer=0, repeat=False, tokenize_batch=2)
+    inputs = flat_inputs(list(batches))
+    assert batches.state_dict()["skipped_docs"] == 3
+    assert inputs == token_stream(tokenizer, lee_texts[:3])[: len(inputs)]
+
+
+def test_epoch_without_text_fails_instead_of_spinning(tmp_path, tokenizer):
+    write_docs(tmp_path / "blank.jsonl", ["", " "])
+    batches = PackedBatches(load_text_stream(str(tmp_path / "blank.jsonl"), "train"), tokenizer,
+                            seq_len=8, micro_batch_size=1)
+    with pytest.raises(ValueError, match="no non-empty documents"):
+        next(batches)
+
+
+def test_train_bpe_and_load_it_back(tmp_path, lee_texts):
+    path = train_bpe(iter(lee_texts), vocab_size=400, out_path=str(tmp_path / "new" / "tokenizer.json"))
+    raw = Tokenizer.from_file(path)
+    assert raw.get_vocab_size() == 400 and raw.token_to_id("<|endoftext|>") == 0
+
+    tokenizer = load_tokenizer(path)
+    assert eos_id(tokenizer) == 0
+    text = "Byte-level BPE round-trips anything: naïve café, 東京, <|endoftext|>."
+    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert 0 not in ids and tokenizer.decode(ids) == text
+
+
+def test_tokenizer_command(tmp_path):
+    out = tmp_path / "tok" / "tokenizer.json"
+    train_tokenizer_main(["--data", EMBEDDED_CORPUS, "--split", "validation", "--vocab-size", "300",
+                          "--max-docs", "40", "--out", str(out)])
+    assert Tokenizer.from_file(str(out)).get_vocab_size() == 300
+
+
+def test_load_tokenizer(corpus, tmp_path):
+    assert eos_id(load_tokenizer(str(corpus / "tokenizers" / "bpe8192.json"))) == 0
+    no_eos = tmp_path / "no_eos.json"
+    Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(no_eos))
+    with pytest.raises(ValueError, match="no EOS"):
+        load_tokenizer(str(no_eos))
+    with pytest.raises(FileNotFoundError):
+        load_tokenizer(str(tmp_path / "absent.json"))
