@@ -32,3 +32,40 @@ def run_job(nproc: int, job: str, out_dir: Path, timeout: int = 600, **kwargs) -
         raise AssertionError(f"job {job} on {nproc} ranks failed (rc={proc.returncode}); log tail:\n"
                              + (proc.stdout + proc.stderr)[-6000:])
     return torch.load(out_dir / "result.pt", weights_only=True)
+
+
+def stage_params(out_dir: Path, stages: int) -> dict:
+    """All stages' parameters of a job, by Hugging Face name."""
+    merged = {}
+    for s in range(stages):
+        merged.update(torch.load(out_dir / f"params_stage{s}.pt", weights_only=True))
+    return merged
+
+
+def emulate_run(schedule: str, stages: int, steps: int, micro_batches: int, data_parallel: int, optimizer: dict,
+                seq_len: int, mbs: int, clip: float = 1.0, data_seed: int = 0, seed: int = 1234):
+    """The single-process emulation of a ``jobs.job_train`` run: (per-step losses, final parameters by HF name)."""
+    from deepspeed.runtime.utils import partition_uniform
+    from transformers import LlamaConfig
+
+    from ds_async.emulate import DelayedTrainer
+    from ds_async.models import hf_state_dict
+    from ds_async.models.llama import causal_lm_loss, layer_specs
+    from ds_async.optim import build_optimizer
+    from jobs import TINY_LLAMA, global_micro_batches
+
+    config = LlamaConfig(**TINY_LLAMA, tie_word_embeddings=False)
+    layers = torch.nn.ModuleList(spec.build() for spec in layer_specs(config, seed=seed))
+    parts = partition_uniform(len(layers), stages)
+    stage_of = [next(s for s in range(stages) if parts[s] <= i < parts[s + 1]) for i in range(len(layers))]
+    trainer = DelayedTrainer(layers, stage_of, causal_lm_loss, build_optimizer(optimizer, layers.parameters()),
+                             schedule, micro_batches, stages, data_parallel=data_parallel, clip=clip)
+    g = micro_batches * data_parallel
+    batches = global_micro_batches(data_seed, seq_len, mbs, steps * g)
+    losses = [trainer.train_batch(batches[t * g:(t + 1) * g]) for t in range(steps)]
+
+    class _Stage:
+        forward_funcs = layers
+
+    params = {k: v.detach().clone() for k, v in hf_state_dict(_Stage).items()}
+    return torch.tensor(losses, dtype=torch.float64), params

@@ -25,10 +25,10 @@ TINY_LLAMA = {"vocab_size": 8192, "hidden_size": 64, "intermediate_size": 128, "
               "rms_norm_eps": 1e-5}
 
 
-def ds_config(mbs: int, gas: int, optimizer: dict | None = None, **extra) -> dict:
+def ds_config(mbs: int, gas: int, optimizer: dict | None = None, clip: float = 1.0, **extra) -> dict:
     opt = optimizer or {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "torch_adam": True}}
     return {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas, "steps_per_print": 10 ** 9,
-            "optimizer": opt, **extra}
+            "optimizer": opt, "gradient_clipping": clip, **extra}
 
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus"
@@ -76,9 +76,9 @@ def job_logits(out: Path, hf_dir: str, stages: int, input_ids: list, partition: 
 
 
 def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: int = 32, data_seed: int = 0,
-              schedule: str = "1f1b", optimizer: dict | None = None, export: bool = False) -> None:
+              schedule: str = "1f1b", optimizer: dict | None = None, clip: float = 1.0, export: bool = False) -> None:
     """Train ``steps`` steps on fixed data; save per-step losses and final parameters."""
-    engine, hf_config = _engine(stages, mbs, gas, schedule=schedule, optimizer=optimizer)
+    engine, hf_config = _engine(stages, mbs, gas, schedule=schedule, optimizer=optimizer, clip=clip)
     dp_rank, dp_world = engine.grid.data_parallel_id, engine.grid.data_parallel_size
     batches = global_micro_batches(data_seed, seq_len, mbs, steps * gas * dp_world)
     it = rank_stream(batches, steps, gas, dp_rank, dp_world)

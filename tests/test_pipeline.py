@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from distributed import run_job
+from distributed import emulate_run, run_job, stage_params
 from jobs import TINY_LLAMA
 
 
@@ -32,36 +32,43 @@ def test_pipeline_logits_equal_hf(hf_model, tmp_path, stages, partition):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+STEPS, MBS, SEQ = 6, 2, 32
+ADAMW = {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "torch_adam": True}}
+
+
 @pytest.fixture(scope="module")
-def one_stage_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("p1")
-    return run_job(1, "train", out, stages=1, steps=6, mbs=2, gas=4, export=True), out
-
-
-def _params(out, stages):
-    merged = {}
-    for s in range(stages):
-        merged.update(torch.load(out / f"params_stage{s}.pt", weights_only=True))
-    return merged
+def reference_run():
+    """The same model, data and optimizer trained in one process with no pipeline at all."""
+    return emulate_run("1f1b", stages=1, steps=STEPS, micro_batches=4, data_parallel=1, optimizer=ADAMW, seq_len=SEQ,
+                       mbs=MBS)
 
 
 @pytest.mark.parametrize("nproc,stages,gas", [(2, 2, 4), (4, 2, 2)], ids=["p2", "p2xdp2"])
-def test_pipelined_training_matches_one_stage(one_stage_run, tmp_path, nproc, stages, gas):
-    ref, ref_dir = one_stage_run
-    got = run_job(nproc, "train", tmp_path, stages=stages, steps=6, mbs=2, gas=gas)
-    assert ref["losses"][-1] < ref["losses"][0] - 0.05, "the reference run must actually learn"
-    torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
-    want, have = _params(ref_dir, 1), _params(tmp_path, stages)
-    assert want.keys() == have.keys()
-    for name in want:
-        torch.testing.assert_close(have[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+def test_pipelined_training_matches_one_stage(reference_run, tmp_path, nproc, stages, gas):
+    losses, params = reference_run
+    got = run_job(nproc, "train", tmp_path, stages=stages, steps=STEPS, mbs=MBS, gas=gas, seq_len=SEQ,
+                  optimizer=ADAMW)
+    assert losses[-1] < losses[0] - 0.1, "the reference run must actually learn"
+    torch.testing.assert_close(got["losses"], losses, rtol=1e-5, atol=0)
+    have = stage_params(tmp_path, stages)
+    assert have.keys() == params.keys()
+    for name in params:
+        # Adam turns fp32 rounding in near-zero gradients into lr-sized steps on a handful of entries (seen: 3 of
+        # 524k embedding entries off by 1.7e-6 after 6 steps), hence atol = lr / 300 rather than bit equality.
+        torch.testing.assert_close(have[name], params[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_hf_export_round_trip(one_stage_run):
+@pytest.fixture(scope="module")
+def exported_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("export")
+    return run_job(2, "train", out, stages=2, steps=2, mbs=MBS, gas=2, seq_len=SEQ, export=True), out
+
+
+def test_hf_export_round_trip(exported_run):
     """Export -> from_pretrained -> the same logits the trained pipeline computes."""
-    result, out = one_stage_run
+    result, out = exported_run
     model = AutoModelForCausalLM.from_pretrained(out / "hf", attn_implementation="sdpa").eval()
-    params = _params(out, 1)
+    params = stage_params(out, 2)
     assert model.state_dict().keys() == params.keys()
     with torch.no_grad():
         logits = model(result["input_ids"]).logits

@@ -1,0 +1,93 @@
+"""Single-process delayed-update training: the reference the pipeline engine is tested against, and the cheap way
+to study optimizers under delay on one device.
+
+Each micro-batch runs forward and backward with every stage's layers set to the weights the schedule's version
+rule (:mod:`ds_async.pipe.delay`) assigns; gradients accumulate over the batch and the optimizer then updates the
+newest weights, exactly as the pipeline does, without any of its communication.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from .optim.clip import clip_by_global_norm
+from .pipe.delay import max_versions, weight_version
+
+
+class DelayedTrainer:
+    """Train ``layers`` (applied in order; the last returns logits) under a schedule's weight-version rule.
+
+    Args:
+        layers: the model as a sequence of modules, the same ones the pipeline stages hold.
+        stage_of_layer: the pipeline stage of each layer (only ``pipedream`` delays depend on it).
+        loss_fn: ``loss_fn(logits, labels)``, averaged over the micro-batches of a batch.
+        optimizer: built over ``layers``' parameters; it always updates the newest weights.
+        schedule: ``1f1b`` (no delay), ``2bw`` or ``pipedream``.
+        micro_batches: ``m``, micro-batches per optimizer step on each data-parallel replica.
+        stages: pipeline depth ``p``.
+        data_parallel: replicas; each batch is given as all replicas' micro-batches, replica by replica.
+        clip: ``gradient_clipping``: the whole model's gradient norm is clipped, 0 for none.
+        after_step: called after each optimizer step (e.g. an LR scheduler's ``step``).
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], stage_of_layer: Sequence[int], loss_fn: Callable,
+                 optimizer: torch.optim.Optimizer, schedule: str, micro_batches: int, stages: int,
+                 data_parallel: int = 1, clip: float = 0.0, after_step: Callable[[], None] | None = None):
+        self.layers, self.loss_fn, self.optimizer = list(layers), loss_fn, optimizer
+        self.schedule, self.m, self.p, self.dp = schedule, micro_batches, stages, data_parallel
+        self.clip, self.after_step = clip, after_step
+        self.stage_params = [[q for layer, s in zip(self.layers, stage_of_layer) if s == stage
+                              for q in layer.parameters()] for stage in range(stages)]
+        depth = max(max_versions(schedule, s, stages, micro_batches) for s in range(stages))
+        self.history: list[list[torch.Tensor]] = []  # history[k] = all parameters at W(step - k), newest first
+        self.depth, self.step_count = depth, 0
+
+    def _params(self) -> list[torch.Tensor]:
+        return [q for group in self.stage_params for q in group]
+
+    def _snapshot(self) -> None:
+        self.history.insert(0, [q.detach().clone() for q in self._params()])
+        del self.history[self.depth:]
+
+    def _load_versions(self, micro_batch: int) -> None:
+        """Set each stage's parameters to the version the schedule assigns to ``micro_batch``."""
+        offset = 0
+        for stage, group in enumerate(self.stage_params):
+            version = weight_version(self.schedule, micro_batch, stage, self.p, self.m)
+            age = self.step_count - version
+            with torch.no_grad():
+                for k, q in enumerate(group):
+                    q.copy_(self.history[age][offset + k])
+            offset += len(group)
+
+    def train_batch(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """One optimizer step over ``m x data_parallel`` micro-batches; returns their mean loss."""
+        self._snapshot()
+        total, count = 0.0, 0
+        for k, (inputs, labels) in enumerate(micro_batches):
+            self._load_versions(self.step_count * self.m + k % self.m)
+            x = inputs
+            for layer in self.layers:
+                x = layer(x)
+            loss = self.loss_fn(x, labels) / (self.m * self.dp)
+            loss.backward()
+            total += loss.item()
+            count += 1
+        if count != self.m * self.dp:
+            raise ValueError(f"train_batch needs {self.m * self.dp} micro-batches, got {count}")
+        self._restore_newest()
+        if self.clip:
+            clip_by_global_norm([q.grad for q in self._params() if q.grad is not None], self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.after_step is not None:
+            self.after_step()
+        self.step_count += 1
+        return total
+
+    def _restore_newest(self) -> None:
+        with torch.no_grad():
+            for q, newest in zip(self._params(), self.history[0]):
+                q.copy_(newest)
