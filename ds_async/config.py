@@ -212,7 +212,7 @@ def check_batch(ds_config: dict, cfg: DsAsyncConfig, world_size: int) -> tuple[i
     if tbs != mbs * gas * dp:
         raise ConfigError(f"train_batch_size: {tbs} != train_micro_batch_size_per_gpu ({mbs}) x "
                           f"gradient_accumulation_steps ({gas}) x data-parallel degree ({dp}) = {mbs * gas * dp}")
-    if cfg.schedule != "1f1b" and gas < p:
+    if cfg.schedule == "2bw" and gas < p:
         raise ConfigError(f"gradient_accumulation_steps: schedule '{cfg.schedule}' needs at least as many "
                           f"micro-batches as stages (m={gas} < p={p})")
     return tbs, mbs, gas

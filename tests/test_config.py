@@ -1,0 +1,83 @@
+"""The ds_async config section fails at start, with one message naming the key."""
+import json
+
+import pytest
+
+from ds_async import config
+from ds_async.config import ConfigError
+
+BASE = {"model": {"config": {"hidden_size": 64}}, "train": {"steps": 3}}
+
+
+def parse(**overrides):
+    return config.parse({**BASE, **overrides})
+
+
+def test_defaults_fill_in():
+    cfg = parse()
+    assert cfg.schedule == "1f1b" and cfg.data.seq_len == 128 and cfg.train.steps == 3
+
+
+def test_misspelled_key_is_named_with_a_suggestion():
+    with pytest.raises(ConfigError, match=r"ds_async\.data\.seq_lenght: unknown key \(did you mean 'ds_async\.data\.seq_len'\?\)"):
+        parse(data={"seq_lenght": 256})
+
+
+def test_unknown_top_level_key():
+    with pytest.raises(ConfigError, match=r"ds_async\.shedule: unknown key \(did you mean 'ds_async\.schedule'"):
+        parse(shedule="2bw")
+
+
+def test_wrong_type_is_named():
+    with pytest.raises(ConfigError, match=r"ds_async\.data\.seq_len: expected int, got str '128'"):
+        parse(data={"seq_len": "128"})
+    with pytest.raises(ConfigError, match=r"ds_async\.logging\.progress: expected bool, got int 1"):
+        parse(logging={"progress": 1})
+
+
+def test_bad_choice_is_named():
+    with pytest.raises(ConfigError, match=r"ds_async\.schedule: must be one of \['1f1b', '2bw', 'pipedream'\], got '3bw'"):
+        parse(schedule="3bw")
+
+
+def test_steps_or_tokens():
+    with pytest.raises(ConfigError, match="exactly one of 'steps' and 'tokens'"):
+        parse(train={"steps": 3, "tokens": 100})
+
+
+@pytest.mark.parametrize("ds,world,message", [
+    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}, 2,
+     r"train_batch_size: 30 != train_micro_batch_size_per_gpu \(4\) x gradient_accumulation_steps \(4\) x "
+     r"data-parallel degree \(1\) = 16"),
+    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, 4,
+     r"train_batch_size: 30 is not a multiple of train_micro_batch_size_per_gpu \(4\) x data-parallel degree \(2\)"),
+    ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}, 3,
+     r"ds_async\.pipeline_stages: 2 does not divide the world size 3"),
+])
+def test_inconsistent_batch_sizes(ds, world, message):
+    with pytest.raises(ConfigError, match=message):
+        config.check_batch(ds, parse(), world)
+
+
+def test_batch_sizes_resolve():
+    assert config.check_batch({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, parse(), 4) == (32, 4, 4)
+
+
+def test_async_schedule_needs_enough_micro_batches():
+    with pytest.raises(ConfigError, match=r"needs at least as many micro-batches as stages \(m=1 < p=2\)"):
+        config.check_batch({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1},
+                           parse(schedule="2bw"), 2)
+
+
+def test_shipped_configs_parse(tmp_path):
+    from pathlib import Path
+    for path in sorted((Path(__file__).resolve().parents[1] / "ds_configs").glob("*.json")):
+        ds, cfg = config.load(str(path))
+        assert "ds_async" not in ds and cfg.pipeline_stages >= 1, path
+
+
+def test_missing_section(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"train_batch_size": 8}))
+    with pytest.raises(ConfigError, match="no \"ds_async\" section"):
+        config.load(str(path))
