@@ -82,9 +82,9 @@ def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: i
     dp_rank, dp_world = engine.grid.data_parallel_id, engine.grid.data_parallel_size
     batches = global_micro_batches(data_seed, seq_len, mbs, steps * gas * dp_world)
     it = rank_stream(batches, steps, gas, dp_rank, dp_world)
-    losses = [engine.train_batch(it).item() for _ in range(steps)]
+    losses = [engine.train_batch(it, flush=t == steps - 1) for t in range(steps)]
     _save_params(engine, out)
-    result = {"losses": torch.tensor(losses, dtype=torch.float64)}
+    result = {"losses": torch.tensor([0.0 if x is None else x.item() for x in losses], dtype=torch.float64)}
     if export:
         export_hf(engine, str(out / "hf"), hf_config)
         ids = batches[0][0]

@@ -1,29 +1,141 @@
-"""``AsyncPipelineEngine``: DeepSpeed's PipelineEngine with a choice of schedule.
+"""``AsyncPipelineEngine``: DeepSpeed's PipelineEngine with flush-free schedules.
 
-``1f1b`` is DeepSpeed's own TrainSchedule, untouched: the synchronous baseline.
+``1f1b`` is DeepSpeed's own TrainSchedule, untouched: the synchronous baseline. ``2bw`` and ``pipedream`` run a
+:class:`~ds_async.pipe.schedule.FlushFreeSchedule` that lives across ``train_batch`` calls; this class adds only
+what differs: forwards on stashed weight versions (:class:`~ds_async.pipe.versions.WeightVersions`), gradients
+gathered per batch, the optimizer step at the batch boundary while the next batch is in flight, and a loss report
+that involves only the last stage's replicas.
 """
 from __future__ import annotations
 
+from types import MethodType
+
+import torch
 from deepspeed import comm as dist
+from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..config import SCHEDULES
 from ..optim.clip import clip_by_global_norm
+from . import schedule as fs
+from .delay import weight_version
+from .versions import WeightVersions
 
 
 class AsyncPipelineEngine(PipelineEngine):
     def __init__(self, *args, schedule: str = "1f1b", **kwargs):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        if schedule != "1f1b":
-            raise NotImplementedError(f"schedule '{schedule}' is not implemented yet")
         self.schedule_name = schedule
         super().__init__(*args, **kwargs)
+        self.is_async = schedule != "1f1b"
+        self._segment = None  # (FlushFreeSchedule, its step iterator) while the pipeline is not drained
+        self._batch_losses: dict[int, torch.Tensor] = {}
+        self._next_forward = 0  # global index of the next micro-batch this stage will forward
+        self._stepped = False
+        self.versions = None
+        if self.is_async:
+            slots = fs.FlushFreeSchedule(self.micro_batches, self.num_stages, self.stage_id, schedule).num_versions()
+            self.versions = WeightVersions(self.module, slots, first_version=self.global_steps)
 
     @property
     def is_reporting_rank(self) -> bool:
         """The rank that logs: first data-parallel replica of the last stage (it computes the loss)."""
         return self.is_last_stage() and self.grid.data_parallel_id == 0
+
+    # ----------------------------------------------------------------------------------------------- training
+    def train_batch(self, data_iter=None, flush: bool = False):
+        """Run batch ``t = global_steps`` until this stage has applied its update.
+
+        Under ``2bw``/``pipedream`` the pipeline is not drained: forwards of the next batch may already have run,
+        and the iterator keeps being read across calls. ``flush=True`` drains it after this batch (before an
+        evaluation, a checkpoint, or at the end). Returns the batch's mean loss (averaged over replicas) on the
+        last stage and ``None`` on the others, which never wait for it.
+        """
+        if not self.is_async:
+            return super().train_batch(data_iter)
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_batch() requires gradients enabled")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        batch = self.global_steps
+        if self._segment is None:
+            sched = fs.FlushFreeSchedule(self.micro_batches, self.num_stages, self.stage_id, self.schedule_name,
+                                         first_batch=batch)
+            self._reserve_pipe_buffers(sched.num_pipe_buffers())
+            self._segment = (sched, iter(sched.steps()))
+        sched, steps = self._segment
+        if flush:
+            sched.end_batch = batch + 1
+        self.fwd_outputs, self.total_loss, self._compute_loss = [], None, True  # DeepSpeed's per-call state
+        self._stepped = False
+        for cmds in steps:
+            for cmd in cmds:
+                MethodType(self._ASYNC_INSTRUCTIONS[type(cmd)], self)(**cmd.kwargs)
+            if self._stepped and not flush:
+                break
+        if flush:
+            self._segment = None
+            self.versions.restore_master()
+        return self._batch_loss(batch)
+
+    def _batch_loss(self, batch: int):
+        if not self.is_last_stage():
+            return None
+        loss = self._batch_losses.pop(batch) / self.micro_batches
+        if self.is_data_parallel:
+            dist.all_reduce(loss, group=self.mpu.get_data_parallel_group())
+            loss /= self.dp_world_size
+        self.agg_train_loss = loss
+        return loss
+
+    def _exec_stashed_forward(self, buffer_id: int, micro_batch: int, version: int):
+        self.versions.activate(version)
+        self._next_forward = micro_batch + 1
+        super()._exec_forward_pass(buffer_id)
+        if self.is_last_stage():
+            batch = micro_batch // self.micro_batches
+            self._batch_losses[batch] = self._batch_losses.get(batch, 0.0) + self.loss.detach().float()
+
+    def _exec_stashed_backward(self, buffer_id: int, micro_batch: int, version: int):
+        super()._exec_backward_pass(buffer_id)
+        self.versions.backward_done(version)
+
+    def _exec_batch_reduce(self, batch: int):
+        self.versions.restore_master()
+        self.versions.gather_grads()
+        self._exec_reduce_grads()
+
+    def _exec_batch_step(self, batch: int):
+        self._exec_optimizer_step()
+        needed = weight_version(self.schedule_name, self._next_forward, self.stage_id, self.num_stages,
+                                self.micro_batches)
+        self.versions.publish(batch + 1, needed_from=needed)
+        self._stepped = True
+
+    _ASYNC_INSTRUCTIONS = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        fs.ForwardPass: _exec_stashed_forward,
+        fs.BackwardPass: _exec_stashed_backward,
+        fs.ReduceGrads: _exec_batch_reduce,
+        fs.OptimizerStep: _exec_batch_step,
+    }
+
+    def eval_batch(self, data_iter, *args, **kwargs):
+        if self._segment is not None:
+            raise RuntimeError("eval_batch() needs a drained pipeline: call train_batch(..., flush=True) first")
+        return super().eval_batch(data_iter, *args, **kwargs)
+
+    # ---------------------------------------------------------------------------------- fixes to DeepSpeed
+    def _recv_tensor_meta(self, send_stage):
+        # DeepSpeed carves activation receive buffers from the same cache as gradient receive buffers, so on a
+        # middle stage a received activation and a received gradient can share memory. Give activations their own.
+        shared, self._grad_layer_buf = self._grad_layer_buf, []
+        try:
+            return super()._recv_tensor_meta(send_stage)
+        finally:
+            self._grad_layer_buf = shared
 
     def clip_fp32_gradients(self):
         """Clip by the whole model's gradient norm (DeepSpeed's pipeline averages per-stage norms instead)."""
