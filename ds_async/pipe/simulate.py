@@ -1,0 +1,171 @@
+"""Dry run of a schedule over all stages, with no processes.
+
+Every stage's instruction stream is executed against the others with blocking point-to-point semantics: a send
+completes only together with the matching receive on the neighbour (the worst case for NCCL and gloo). The run
+proves the schedule cannot deadlock, pairs every send with its receive, and checks the weight-version invariants:
+
+- each micro-batch's backward uses the version its forward used (weight stashing);
+- a forward only uses weights that exist on its stage (``W(v)`` needs ``v`` optimizer steps done there);
+- at most ``max_versions`` versions are alive per stage (in-flight ones plus the newest): 2 for 2BW;
+- the update of batch ``t`` uses gradients computed at the rule's version on every stage (2BW: exactly ``t - 1``).
+
+It also measures the bubble on DeepSpeed's step grid: a step in which a stage has no forward or backward is idle.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from deepspeed.runtime.pipe import schedule as ds
+
+from . import schedule as fs
+from .delay import max_versions, weight_version
+
+_SENDS = {ds.SendActivation: (+1, ds.RecvActivation), ds.SendGrad: (-1, ds.RecvGrad)}
+
+
+class ScheduleError(AssertionError):
+    """The schedule deadlocks or breaks a weight-version invariant."""
+
+
+@dataclass
+class SimResult:
+    stages: int
+    micro_batches: int
+    batches: int
+    grid: list[list[str]]  # grid[step][stage]: "F12v2", "B7v1", "." (idle); "+S3" marks optimizer step 3
+    idle_steps: list[int]  # per stage, over the whole segment (warm-up and drain included)
+    busy_steps: list[int]
+    messages: int
+    max_alive: list[int] = field(default_factory=list)
+    delays: dict[tuple[int, int], set[int]] = field(default_factory=dict)  # (stage, batch) -> {t - version}
+
+    @property
+    def bubble(self) -> list[float]:
+        return [i / (i + b) for i, b in zip(self.idle_steps, self.busy_steps)]
+
+    def render(self) -> str:
+        width = max(len(c) for row in self.grid for c in row) + 1
+        head = "step  " + "".join(f"s{s}".ljust(width) for s in range(self.stages))
+        lines = [head] + [f"{k:<6d}" + "".join(c.ljust(width) for c in row) for k, row in enumerate(self.grid)]
+        lines.append("bubble " + " ".join(f"s{s}={b:.3f}" for s, b in enumerate(self.bubble)))
+        return "\n".join(lines)
+
+
+def simulate(delay: str, stages: int, micro_batches: int, batches: int,
+             schedule_cls: type[fs.FlushFreeSchedule] = fs.FlushFreeSchedule) -> SimResult:
+    """Run ``batches`` batches of the flush-free schedule (``2bw`` or ``pipedream``) on every stage."""
+    scheds = [schedule_cls(micro_batches, stages, s, delay, end_batch=batches) for s in range(stages)]
+    per_stage = [list(sch.steps()) for sch in scheds]
+    nsteps = len(per_stage[0])
+    if any(len(x) != nsteps for x in per_stage):
+        raise ScheduleError("stages disagree on the number of steps")
+
+    grid = [["." for _ in range(stages)] for _ in range(nsteps)]
+    idle, busy = [0] * stages, [0] * stages
+    for s, steps in enumerate(per_stage):
+        for k, cmds in enumerate(steps):
+            labels = []
+            for c in cmds:
+                if isinstance(c, fs.ForwardPass):
+                    labels.append(f"F{c.micro_batch}v{c.version}")
+                elif isinstance(c, fs.BackwardPass):
+                    labels.append(f"B{c.micro_batch}v{c.version}")
+                elif isinstance(c, fs.OptimizerStep):
+                    labels.append(f"+S{c.batch}")
+            work = any(isinstance(c, (fs.ForwardPass, fs.BackwardPass)) for c in cmds)
+            busy[s] += work
+            idle[s] += not work
+            grid[k][s] = "".join(labels) or "."
+
+    # Execute the flattened streams with rendezvous p2p.
+    streams = [[c for cmds in steps for c in cmds] for steps in per_stage]
+    pos = [0] * stages
+    steps_done = [0] * stages
+    in_flight: list[dict[int, int]] = [dict() for _ in range(stages)]  # micro-batch -> version
+    alive_max = [0] * stages
+    delays: dict[tuple[int, int], set[int]] = defaultdict(set)
+    buffer_owner: list[dict[int, int]] = [dict() for _ in range(stages)]
+    messages = 0
+
+    def local(s: int, c) -> None:
+        if isinstance(c, fs.ForwardPass):
+            if c.version > steps_done[s]:
+                raise ScheduleError(f"stage {s}: forward of micro-batch {c.micro_batch} on W({c.version}) before "
+                                    f"it exists ({steps_done[s]} steps done)")
+            want = weight_version(delay, c.micro_batch, s, stages, micro_batches)
+            if c.version != want:
+                raise ScheduleError(f"stage {s}: micro-batch {c.micro_batch} tagged v{c.version}, rule says v{want}")
+            if buffer_owner[s].get(c.buffer_id) is not None:
+                raise ScheduleError(f"stage {s}: buffer {c.buffer_id} still holds micro-batch "
+                                    f"{buffer_owner[s][c.buffer_id]} when {c.micro_batch} is forwarded")
+            buffer_owner[s][c.buffer_id] = c.micro_batch
+            in_flight[s][c.micro_batch] = c.version
+            alive = set(in_flight[s].values()) | {steps_done[s]}
+            alive_max[s] = max(alive_max[s], len(alive))
+        elif isinstance(c, fs.BackwardPass):
+            if in_flight[s].get(c.micro_batch) != c.version:
+                raise ScheduleError(f"stage {s}: backward of micro-batch {c.micro_batch} on v{c.version}, forward "
+                                    f"used v{in_flight[s].get(c.micro_batch)}")
+            del in_flight[s][c.micro_batch]
+            buffer_owner[s][c.buffer_id] = None
+            delays[(s, c.micro_batch // micro_batches)].add(c.micro_batch // micro_batches - c.version)
+        elif isinstance(c, fs.OptimizerStep):
+            if c.batch != steps_done[s]:
+                raise ScheduleError(f"stage {s}: optimizer step {c.batch} out of order")
+            if any(mb // micro_batches <= c.batch for mb in in_flight[s]):
+                raise ScheduleError(f"stage {s}: step {c.batch} while its micro-batches are in flight")
+            steps_done[s] += 1
+
+    while True:
+        progressed = False
+        for s in range(stages):
+            while pos[s] < len(streams[s]):
+                c = streams[s][pos[s]]
+                if type(c) in _SENDS:
+                    direction, recv_type = _SENDS[type(c)]
+                    peer = s + direction
+                    if not 0 <= peer < stages:
+                        raise ScheduleError(f"stage {s}: {c} has no peer")
+                    if pos[peer] < len(streams[peer]) and type(streams[peer][pos[peer]]) is recv_type:
+                        pos[peer] += 1
+                        pos[s] += 1
+                        messages += 1
+                        progressed = True
+                        continue
+                    break
+                if type(c) in (ds.RecvActivation, ds.RecvGrad):
+                    break  # completes when the sender reaches its send
+                local(s, c)
+                pos[s] += 1
+                progressed = True
+        if all(p == len(x) for p, x in zip(pos, streams)):
+            break
+        if not progressed:
+            blocked = {s: repr(streams[s][pos[s]]) for s in range(stages) if pos[s] < len(streams[s])}
+            raise ScheduleError(f"deadlock: {blocked}")
+
+    for s in range(stages):
+        if steps_done[s] != batches:
+            raise ScheduleError(f"stage {s}: {steps_done[s]} optimizer steps, expected {batches}")
+        if in_flight[s]:
+            raise ScheduleError(f"stage {s}: micro-batches {sorted(in_flight[s])} never finished")
+        if alive_max[s] > max_versions(delay, s, stages, micro_batches):
+            raise ScheduleError(f"stage {s}: {alive_max[s]} versions alive, budget "
+                                f"{max_versions(delay, s, stages, micro_batches)}")
+    return SimResult(stages, micro_batches, batches, grid, idle, busy, messages, alive_max, dict(delays))
+
+
+def main(argv=None) -> None:
+    import argparse
+    parser = argparse.ArgumentParser(description="Print the step x stage grid of a flush-free schedule.")
+    parser.add_argument("--delay", default="2bw", choices=["2bw", "pipedream"])
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--batches", type=int, default=3)
+    a = parser.parse_args(argv)
+    print(simulate(a.delay, a.stages, a.micro_batches, a.batches).render())
+
+
+if __name__ == "__main__":
+    main()

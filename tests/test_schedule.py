@@ -1,0 +1,98 @@
+"""The flush-free schedules as data: no processes, every stage simulated together."""
+import pytest
+from deepspeed.runtime.pipe import schedule as ds
+
+from ds_async.pipe import schedule as fs
+from ds_async.pipe.delay import max_versions, weight_version
+from ds_async.pipe.simulate import ScheduleError, simulate
+
+GRID = [(2, 2), (2, 5), (3, 3), (3, 5), (4, 4), (4, 8), (5, 7), (8, 8), (8, 16)]
+
+
+@pytest.mark.parametrize("p,m", GRID)
+@pytest.mark.parametrize("batches", [1, 4])
+def test_2bw_invariants(p, m, batches):
+    r = simulate("2bw", p, m, batches)
+    assert r.messages == 2 * (p - 1) * m * batches  # one activation and one gradient per micro-batch and boundary
+    for s in range(p):
+        assert r.max_alive[s] <= 2
+        for t in range(batches):
+            assert r.delays[(s, t)] == ({0} if t == 0 else {1}), (s, t)  # W(t+1) = W(t) - U(grad at W(t-1))
+    # Warm-up and drain happen once per segment, not once per batch: the idle steps do not grow with batches.
+    assert r.idle_steps == [2 * (p - 1)] * p
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (4, 1), (4, 2), (3, 5), (8, 1)])
+def test_pipedream_variable_delay(p, m):
+    batches = 3 * p
+    r = simulate("pipedream", p, m, batches)
+    for s in range(p):
+        assert r.max_alive[s] <= max_versions("pipedream", s, p, m)
+        for t in range(p, batches):
+            if m == 1:  # original PipeDream: stage s lags p - 1 - s updates
+                assert r.delays[(s, t)] == {p - 1 - s}
+            else:
+                assert max(r.delays[(s, t)]) == -(-(p - 1 - s) // m)
+    assert r.max_alive[0] == max_versions("pipedream", 0, p, m)
+
+
+def test_sync_pays_the_bubble_every_batch():
+    """DeepSpeed's TrainSchedule idles 2(p-1) steps per batch; the flush-free one 2(p-1) per segment."""
+    p, m, batches = 4, 4, 5
+    sync_idle = sum(not any(isinstance(c, (ds.ForwardPass, ds.BackwardPass)) for c in cmds)
+                    for cmds in ds.TrainSchedule(m, p, 0).steps()) * batches
+    assert sync_idle == 2 * (p - 1) * batches
+    assert simulate("2bw", p, m, batches).idle_steps[0] == 2 * (p - 1)
+
+
+def test_schedule_lives_across_calls():
+    """end_batch may be set while the generator runs: the stage then drains after that batch."""
+    sched = fs.FlushFreeSchedule(4, 2, 0, "2bw")
+    steps = iter(sched.steps())
+    seen = []
+    for cmds in steps:
+        seen += cmds
+        if any(isinstance(c, fs.OptimizerStep) for c in cmds):
+            break
+    sched.end_batch = 2
+    seen += [c for cmds in steps for c in cmds]
+    assert [c.batch for c in seen if isinstance(c, fs.OptimizerStep)] == [0, 1]
+    assert max(c.micro_batch for c in seen if isinstance(c, fs.ForwardPass)) == 7
+
+
+def test_2bw_refuses_fewer_micro_batches_than_stages():
+    with pytest.raises(ValueError, match=r"m=3 < p=4"):
+        fs.FlushFreeSchedule(3, 4, 0, "2bw")
+
+
+def test_version_rule():
+    assert [weight_version("2bw", j, 0, 4, 4) for j in range(12)] == [0] * 8 + [1] * 4
+    assert [weight_version("pipedream", j, 0, 4, 1) for j in range(6)] == [0, 0, 0, 0, 1, 2]
+    assert [weight_version("1f1b", j, 0, 4, 4) for j in range(8)] == [0] * 4 + [1] * 4
+
+
+class _DropsASend(fs.FlushFreeSchedule):
+    def steps(self):
+        dropped = False
+        for cmds in super().steps():
+            if not dropped and any(isinstance(c, ds.SendActivation) for c in cmds):
+                cmds = [c for c in cmds if not isinstance(c, ds.SendActivation)]
+                dropped = True
+            yield cmds
+
+
+class _ForwardsTooEarly(fs.FlushFreeSchedule):
+    def _version(self, local):
+        return super()._version(local) + 1
+
+
+def test_simulator_finds_deadlocks_and_version_errors():
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate("2bw", 3, 3, 2, schedule_cls=_DropsASend)
+    with pytest.raises(ScheduleError, match="before it exists"):
+        simulate("2bw", 2, 2, 2, schedule_cls=_ForwardsTooEarly)
+
+
+def test_grid_renders():
+    text = simulate("2bw", 3, 3, 2).render()
+    assert "F0v0" in text and "+S1" in text and "bubble" in text
