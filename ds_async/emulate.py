@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from .optim.clip import clip_by_global_norm
+from .optim.clip import clip_, squared_norm
 from .pipe.delay import max_versions, weight_version
 
 
@@ -79,7 +79,10 @@ class DelayedTrainer:
             raise ValueError(f"train_batch needs {self.m * self.dp} micro-batches, got {count}")
         self._restore_newest()
         if self.clip:
-            clip_by_global_norm([q.grad for q in self._params() if q.grad is not None], self.clip)
+            # Per-stage partial sums added in stage order: what the engine's all-reduce over the pipeline does.
+            per_stage = [[q.grad for q in group if q.grad is not None] for group in self.stage_params]
+            sq = sum((squared_norm(g) for g in per_stage[1:]), squared_norm(per_stage[0]))
+            clip_([g for group in per_stage for g in group], sq, self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.after_step is not None:

@@ -54,6 +54,7 @@ def emulate_run(schedule: str, stages: int, steps: int, micro_batches: int, data
     from ds_async.optim import build_optimizer
     from jobs import TINY_LLAMA, global_micro_batches
 
+    torch.set_num_threads(1)  # as the job's ranks (OMP_NUM_THREADS=1): the same kernels, the same rounding
     config = LlamaConfig(**TINY_LLAMA, tie_word_embeddings=False)
     layers = torch.nn.ModuleList(spec.build() for spec in layer_specs(config, seed=seed))
     parts = partition_uniform(len(layers), stages)
@@ -69,3 +70,15 @@ def emulate_run(schedule: str, stages: int, steps: int, micro_batches: int, data
 
     params = {k: v.detach().clone() for k, v in hf_state_dict(_Stage).items()}
     return torch.tensor(losses, dtype=torch.float64), params
+
+
+def assert_params_close(have: dict, want: dict, rel: float) -> None:
+    """Every tensor within ``rel`` of the reference in relative L2 norm (``rel=0``: bit-equal); on failure name
+    the tensor with its error and how many entries differ."""
+    assert have.keys() == want.keys(), sorted(set(have) ^ set(want))
+    for name, w in want.items():
+        err = (have[name] - w).norm() / w.norm()
+        if err > rel or (rel == 0 and not torch.equal(have[name], w)):
+            diff = (have[name] - w).abs()
+            raise AssertionError(f"{name}: relative error {err.item():.3g} > {rel}; {int((diff > 0).sum())}/"
+                                 f"{w.numel()} entries differ, max abs {diff.max().item():.3g}")

@@ -51,13 +51,20 @@ def rank_stream(batches: list, step_count: int, gas: int, dp_rank: int, dp_world
 
 
 def _engine(stages: int, mbs: int, gas: int, schedule: str = "1f1b", model: dict | None = None,
-            partition: dict | None = None, seed: int = 1234, **ds_extra):
+            partition: dict | None = None, seed: int = 1234, stock: bool = False, **ds_extra):
+    """A ds_async engine, or with ``stock=True`` DeepSpeed's own PipelineEngine via ``deepspeed.initialize``."""
     section = {"model": model or {"config": TINY_LLAMA}, "pipeline_stages": stages, "schedule": schedule,
                "partition": partition or {"method": "uniform"}, "train": {"steps": 1}, "seed": seed}
     cfg = cfgmod.parse(section)
     hf_config = model_config(cfg)
-    engine = initialize(build_pipeline(cfg, hf_config), ds_config(mbs, gas, **ds_extra), schedule=schedule)
-    return engine, hf_config
+    module, config = build_pipeline(cfg, hf_config), ds_config(mbs, gas, **ds_extra)
+    if stock:
+        import deepspeed
+        engine = deepspeed.initialize(model=module, config=config,
+                                      model_parameters=[p for p in module.parameters() if p.requires_grad])[0]
+        engine.is_reporting_rank = engine.is_last_stage() and engine.grid.data_parallel_id == 0
+        return engine, hf_config
+    return initialize(module, config, schedule=schedule), hf_config
 
 
 def _save_params(engine, out: Path) -> None:
@@ -76,13 +83,16 @@ def job_logits(out: Path, hf_dir: str, stages: int, input_ids: list, partition: 
 
 
 def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: int = 32, data_seed: int = 0,
-              schedule: str = "1f1b", optimizer: dict | None = None, clip: float = 1.0, export: bool = False) -> None:
+              schedule: str = "1f1b", optimizer: dict | None = None, clip: float = 1.0, export: bool = False,
+              stock: bool = False) -> None:
     """Train ``steps`` steps on fixed data; save per-step losses and final parameters."""
-    engine, hf_config = _engine(stages, mbs, gas, schedule=schedule, optimizer=optimizer, clip=clip)
+    engine, hf_config = _engine(stages, mbs, gas, schedule=schedule, optimizer=optimizer, clip=clip, stock=stock)
     dp_rank, dp_world = engine.grid.data_parallel_id, engine.grid.data_parallel_size
     batches = global_micro_batches(data_seed, seq_len, mbs, steps * gas * dp_world)
     it = rank_stream(batches, steps, gas, dp_rank, dp_world)
-    losses = [engine.train_batch(it, flush=t == steps - 1) for t in range(steps)]
+    if not stock:
+        engine.drain_after(steps - 1)
+    losses = [engine.train_batch(it) for _ in range(steps)]
     _save_params(engine, out)
     result = {"losses": torch.tensor([0.0 if x is None else x.item() for x in losses], dtype=torch.float64)}
     if export:

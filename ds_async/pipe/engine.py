@@ -16,7 +16,7 @@ from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..config import SCHEDULES
-from ..optim.clip import clip_by_global_norm
+from ..optim.clip import clip_, squared_norm
 from . import schedule as fs
 from .delay import weight_version
 from .versions import WeightVersions
@@ -33,6 +33,7 @@ class AsyncPipelineEngine(PipelineEngine):
         self._batch_losses: dict[int, torch.Tensor] = {}
         self._next_forward = 0  # global index of the next micro-batch this stage will forward
         self._stepped = False
+        self._drain_at: int | None = None  # last batch of the current segment, when known in advance
         self.versions = None
         if self.is_async:
             slots = fs.FlushFreeSchedule(self.micro_batches, self.num_stages, self.stage_id, schedule).num_versions()
@@ -44,6 +45,19 @@ class AsyncPipelineEngine(PipelineEngine):
         return self.is_last_stage() and self.grid.data_parallel_id == 0
 
     # ----------------------------------------------------------------------------------------------- training
+    def drain_after(self, batch: int) -> None:
+        """Plan the next drain: the pipeline empties after batch ``batch`` (before an eval, a save, the end).
+
+        Stage 0 reads up to ``p - 1`` micro-batches ahead; when ``m < p - 1`` (PipeDream with small batches) that
+        crosses more than one batch boundary, so the end must be known before the batches ahead are started.
+        """
+        if self._segment is not None and self._next_forward > (batch + 1) * self.micro_batches:
+            raise RuntimeError(f"cannot drain after batch {batch}: micro-batch {self._next_forward - 1} was already "
+                               "started; plan the drain with drain_after() earlier")
+        self._drain_at = batch
+        if self._segment is not None:
+            self._segment[0].end_batch = batch + 1
+
     def train_batch(self, data_iter=None, flush: bool = False):
         """Run batch ``t = global_steps`` until this stage has applied its update.
 
@@ -60,14 +74,16 @@ class AsyncPipelineEngine(PipelineEngine):
             self.set_dataiterator(data_iter)
         self.module.train()
         batch = self.global_steps
+        if flush:
+            self.drain_after(batch)
         if self._segment is None:
+            end = None if self._drain_at is None or self._drain_at < batch else self._drain_at + 1
             sched = fs.FlushFreeSchedule(self.micro_batches, self.num_stages, self.stage_id, self.schedule_name,
-                                         first_batch=batch)
+                                         first_batch=batch, end_batch=end)
             self._reserve_pipe_buffers(sched.num_pipe_buffers())
             self._segment = (sched, iter(sched.steps()))
         sched, steps = self._segment
-        if flush:
-            sched.end_batch = batch + 1
+        flush = sched.end_batch == batch + 1
         self.fwd_outputs, self.total_loss, self._compute_loss = [], None, True  # DeepSpeed's per-call state
         self._stepped = False
         for cmds in steps:
@@ -140,5 +156,6 @@ class AsyncPipelineEngine(PipelineEngine):
     def clip_fp32_gradients(self):
         """Clip by the whole model's gradient norm (DeepSpeed's pipeline averages per-stage norms instead)."""
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        group = self.grid.get_pipe_parallel_group()
-        clip_by_global_norm(grads, self.gradient_clipping(), lambda t: dist.all_reduce(t, group=group))
+        sq = squared_norm(grads)
+        dist.all_reduce(sq, group=self.grid.get_pipe_parallel_group())
+        clip_(grads, sq, self.gradient_clipping())
