@@ -106,10 +106,14 @@ def train(config_path: str, max_steps: int | None = None, run_name: str | None =
                  micro_batch_size=mbs, micro_batches=gas, tokens_per_step=tokens_per_step, total_steps=total_steps,
                  model=hf_config.to_dict())
 
+    evaluating = bool(cfg.data.validation and cfg.eval.every)
     for step in range(1, total_steps + 1):
-        loss = engine.train_batch(train_iter)
-        log.train_step(step, loss.item(), engine.get_lr()[0])
-        if cfg.data.validation and cfg.eval.every and step % cfg.eval.every == 0 and step != total_steps:
+        # Flush-free schedules drain only where the pipeline must be empty: before an evaluation and at the end.
+        next_drain = min(total_steps, -(-step // cfg.eval.every) * cfg.eval.every) if evaluating else total_steps
+        engine.drain_after(next_drain - 1)
+        loss = engine.train_batch(train_iter)  # None off the last stage under async schedules
+        log.train_step(step, float("nan") if loss is None else loss.item(), engine.get_lr()[0])
+        if evaluating and step % cfg.eval.every == 0 and step != total_steps:
             log.validation(step, validate())
     if cfg.data.validation:
         log.validation(total_steps, validate())
