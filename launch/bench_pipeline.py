@@ -1,0 +1,129 @@
+"""Pipeline throughput benchmark: stock-equivalent 1F1B vs flush-free 2BW on the same model and machine.
+
+    deepspeed --num_gpus 4 launch/bench_pipeline.py --schedule 1f1b --micro-batches 4 --out bench.json
+    deepspeed --num_gpus 4 launch/bench_pipeline.py --schedule 2bw  --micro-batches 4 --out bench.json
+
+Prints and appends one JSON row per run: step time, tokens/s, MFU (model FLOPs over the card's dense bf16 peak),
+peak memory per stage, and the bubble implied by the stage's busy time. Data are random tokens (speed only);
+the model is a LLaMA built exactly as in training (``ds_async.models``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def model_flops_per_token(cfg, seq_len: int) -> float:
+    """6 N (matmul parameters, forward + backward) + attention scores: 12 L h s (causal not halved)."""
+    h, L, v, ffn = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.intermediate_size
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * ffn
+    return 6 * (L * per_layer + h * v) + 12 * L * h * seq_len
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--schedule", choices=["1f1b", "2bw"], required=True)
+    ap.add_argument("--stages", type=int, default=None, help="pipeline depth (default: world size)")
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--micro-batch-size", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=15)
+    ap.add_argument("--ffn", type=int, default=5632)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--precision", choices=["bf16", "autocast"], default="bf16",
+                    help="bf16: DeepSpeed's bf16 weights + fp32 master; autocast: fp32 weights, bf16 compute")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--out", default=None, help="append the result row to this JSON-lines file")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None)
+    a = ap.parse_args()
+
+    from deepspeed import comm as dist
+    from transformers import LlamaConfig
+
+    from ds_async import config as cfgmod
+    from ds_async.initialize import init_distributed, initialize
+    from ds_async.metrics import code_version
+    from ds_async.models import build_pipeline
+
+    init_distributed()
+    world = dist.get_world_size()
+    stages = a.stages or world
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    model = {"vocab_size": a.vocab, "hidden_size": a.hidden, "intermediate_size": a.ffn,
+             "num_hidden_layers": a.layers, "num_attention_heads": a.heads, "num_key_value_heads": a.heads,
+             "max_position_embeddings": a.seq_len}
+    cfg = cfgmod.parse({"model": {"config": model}, "pipeline_stages": stages, "schedule": a.schedule,
+                        "train": {"steps": a.steps}, "partition": {"method": "parameters"}})
+    hf = LlamaConfig(**model, tie_word_embeddings=False)
+    ds_config = {"train_micro_batch_size_per_gpu": a.micro_batch_size, "gradient_accumulation_steps": a.micro_batches,
+                 "steps_per_print": 10 ** 9, "gradient_clipping": 1.0, "wall_clock_breakdown": False,
+                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": True,
+                                                           "foreach": True}}}
+    if a.precision == "bf16":
+        ds_config["bf16"] = {"enabled": True}
+    else:
+        ds_config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    engine = initialize(build_pipeline(cfg, hf), ds_config, schedule=a.schedule)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def batches():
+        while True:
+            ids = torch.randint(0, a.vocab, (a.micro_batch_size, a.seq_len + 1), generator=gen)
+            yield ids[:, :-1].to(dev), ids[:, 1:].to(dev)
+
+    it = batches()
+    total = a.warmup + a.steps
+    engine.drain_after(total - 1)
+    for _ in range(a.warmup):
+        engine.train_batch(it)
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(a.steps - 1):
+        engine.train_batch(it)
+    torch.cuda.synchronize()
+    dist.barrier()
+    elapsed = time.perf_counter() - t0  # steady state: the last step (with the final drain) is timed apart
+    engine.train_batch(it)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 2 ** 30
+    peaks = [None] * world
+    dist.all_gather_object(peaks, (engine.stage_id, engine.grid.data_parallel_id, round(peak, 2)))
+
+    step_time = elapsed / (a.steps - 1)
+    tokens = engine.train_batch_size() * a.seq_len
+    name = torch.cuda.get_device_name()
+    card = next((k for k in PEAK_BF16 if k in name), None)
+    flops = model_flops_per_token(hf, a.seq_len) * tokens / step_time
+    mfu = flops / (world * PEAK_BF16[card]) if card else None
+    p, m = stages, a.micro_batches
+    row = {"schedule": a.schedule, "stages": p, "data_parallel": world // p, "micro_batches": m,
+           "micro_batch_size": a.micro_batch_size, "seq_len": a.seq_len, "precision": a.precision,
+           "step_time_s": round(step_time, 4), "tokens_per_s": round(tokens / step_time, 1),
+           "mfu": None if mfu is None else round(mfu, 4), "ideal_1f1b_bubble": round((p - 1) / (m + p - 1), 4),
+           "peak_mem_GiB_by_stage": {f"s{s}": g for s, d, g in sorted(peaks) if d == 0},
+           "card": f"{world}x {name}", "model": model, "code": code_version()}
+    n_params = torch.tensor([sum(x.numel() for x in engine.module.parameters())], device=dev)
+    dist.all_reduce(n_params, group=engine.grid.get_pipe_parallel_group())
+    row["params_M"] = round(n_params.item() / 1e6, 1)
+    if dist.get_rank() == 0:
+        print("BENCH " + json.dumps(row), flush=True)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
