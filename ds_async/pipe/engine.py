@@ -121,7 +121,19 @@ class AsyncPipelineEngine(PipelineEngine):
     def _exec_batch_reduce(self, batch: int):
         self.versions.restore_master()
         self.versions.gather_grads()
+        if self.using_bf16_optimizer:
+            self._hand_grads_to_bf16_optimizer()
         self._exec_reduce_grads()
+
+    def _hand_grads_to_bf16_optimizer(self):
+        # DeepSpeed's BF16_Optimizer collects gradients into its fp32 buffers from hooks on the bf16 parameters;
+        # forwards ran on version slots, so those hooks never fired: hand the gathered gradients over here.
+        opt = self.optimizer
+        for i, group in enumerate(opt.bf16_groups):
+            for j, lp in enumerate(group):
+                if lp.grad is not None:
+                    opt._update_hp_grad(lp, i, j, clear_lp_grads=False)
+                    lp.grad = None
 
     def _exec_batch_step(self, batch: int):
         self._exec_optimizer_step()
