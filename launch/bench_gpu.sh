@@ -5,7 +5,7 @@ set -uo pipefail
 out=${1:?output JSON-lines file}; shift
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 export OMP_NUM_THREADS=4
-for m in 4 8; do
+for m in ${MICRO_BATCHES:-4 8}; do
   for sched in ${SCHEDULES:-1f1b 2bw}; do
     torchrun --nproc_per_node "$ngpu" launch/bench_pipeline.py --schedule $sched --micro-batches $m --out "$out" "$@" \
       2>&1 | grep -E "^BENCH|Error|error:" | tail -3

@@ -34,7 +34,12 @@ class AsyncPipelineEngine(PipelineEngine):
         self._next_forward = 0  # global index of the next micro-batch this stage will forward
         self._stepped = False
         self._drain_at: int | None = None  # last batch of the current segment, when known in advance
+        self._version_ready: dict[int, torch.cuda.Event] = {}  # published on the side stream, not yet waited for
         self.versions = None
+        # On GPUs the optimizer step runs on a side stream: with blocking p2p, a step on the compute stream would
+        # stall every neighbour, once per stage per batch. Forwards never read the master, so nothing waits for
+        # the step but the next gradient hand-over and the first forward on the version it publishes.
+        self._step_stream = torch.cuda.Stream() if self.is_async and self.device.type == "cuda" else None
         if self.is_async:
             slots = fs.FlushFreeSchedule(self.micro_batches, self.num_stages, self.stage_id, schedule).num_versions()
             self.versions = WeightVersions(self.module, slots, first_version=self.global_steps)
@@ -93,6 +98,9 @@ class AsyncPipelineEngine(PipelineEngine):
                 break
         if flush:
             self._segment = None
+            if self._step_stream is not None:
+                torch.cuda.current_stream().wait_stream(self._step_stream)
+                self._version_ready.clear()
             self.versions.restore_master()
         return self._batch_loss(batch)
 
@@ -107,6 +115,9 @@ class AsyncPipelineEngine(PipelineEngine):
         return loss
 
     def _exec_stashed_forward(self, buffer_id: int, micro_batch: int, version: int):
+        ready = self._version_ready.pop(version, None)
+        if ready is not None:
+            torch.cuda.current_stream().wait_event(ready)
         self.versions.activate(version)
         self._next_forward = micro_batch + 1
         super()._exec_forward_pass(buffer_id)
@@ -119,6 +130,8 @@ class AsyncPipelineEngine(PipelineEngine):
         self.versions.backward_done(version)
 
     def _exec_batch_reduce(self, batch: int):
+        if self._step_stream is not None:
+            torch.cuda.current_stream().wait_stream(self._step_stream)
         self.versions.restore_master()
         self.versions.gather_grads()
         if self.using_bf16_optimizer:
@@ -136,10 +149,22 @@ class AsyncPipelineEngine(PipelineEngine):
                     lp.grad = None
 
     def _exec_batch_step(self, batch: int):
-        self._exec_optimizer_step()
         needed = weight_version(self.schedule_name, self._next_forward, self.stage_id, self.num_stages,
                                 self.micro_batches)
-        self.versions.publish(batch + 1, needed_from=needed)
+        if self._step_stream is None:
+            self._exec_optimizer_step()
+            self.versions.publish(batch + 1, needed_from=needed)
+        else:
+            stream = self._step_stream
+            stream.wait_stream(torch.cuda.current_stream())
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.record_stream(stream)  # freed by zero_grad on the side stream, not before it ran
+            with torch.cuda.stream(stream):
+                self._exec_optimizer_step()
+                self.versions.publish(batch + 1, needed_from=needed)
+                self._version_ready[batch + 1] = torch.cuda.Event()
+                self._version_ready[batch + 1].record(stream)
         self._stepped = True
 
     _ASYNC_INSTRUCTIONS = {
