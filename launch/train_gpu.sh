@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Train on this host's GPUs: bash launch/train_gpu.sh CONFIG.json [NUM_GPUS] [train.py flags...]
+# pipeline_stages in the config must divide NUM_GPUS; the remaining factor becomes data parallelism.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+config=${1:?DeepSpeed JSON config}; shift
+ngpu=${1:-$(python3 -c "import torch; print(torch.cuda.device_count())")}; [ $# -gt 0 ] && shift
+exec deepspeed --num_gpus "$ngpu" launch/train.py --config "$config" "$@"
