@@ -5,6 +5,8 @@
 """
 import argparse
 
+import torch
+
 from ds_async.trainer import train
 
 
@@ -17,6 +19,8 @@ def main() -> None:
                         help="set by the deepspeed launcher; the rank is read from the environment")
     args = parser.parse_args()
     train(args.config, max_steps=args.max_steps, run_name=args.run_name)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
