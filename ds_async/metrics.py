@@ -5,7 +5,6 @@ Only the reporting rank (last stage, first data-parallel replica: it holds the l
 from __future__ import annotations
 
 import json
-import os
 import platform
 import subprocess
 import time
@@ -131,6 +130,3 @@ class RunLogger:
         fig.savefig(self.run_dir / "loss.png", dpi=100)
         plt.close(fig)
 
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "") not in ("", "0", "false")
