@@ -4,7 +4,8 @@
     deepspeed --num_gpus 4 launch/bench_pipeline.py --schedule 2bw  --micro-batches 4 --out bench.json
 
 Prints and appends one JSON row per run: step time, tokens/s, MFU (model FLOPs over the card's dense bf16 peak),
-peak memory per stage, and the bubble implied by the stage's busy time. Data are random tokens (speed only);
+peak memory per stage, and the measured idle fraction per stage (1 - time inside forward/backward passes, timed
+with CUDA events, over the wall time of the timed steps). Data are random tokens (speed only);
 the model is a LLaMA built exactly as in training (``ds_async.models``).
 """
 from __future__ import annotations
@@ -25,6 +26,40 @@ def model_flops_per_token(cfg, seq_len: int) -> float:
     kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * ffn
     return 6 * (L * per_layer + h * v) + 12 * L * h * seq_len
+
+
+class ComputeTimer:
+    """Busy time of this stage: CUDA events around every forward and backward instruction (no host syncs).
+
+    Benchmark-only instrumentation: it wraps the engine's instruction table entries for the passes.
+    """
+
+    def __init__(self, engine_cls):
+        from deepspeed.runtime.pipe import schedule as ds
+
+        from ds_async.pipe import schedule as fs
+
+        self.pairs, self.on = [], False
+        for table in (engine_cls._INSTRUCTION_MAP, engine_cls._ASYNC_INSTRUCTIONS):
+            for kind in (ds.ForwardPass, ds.BackwardPass, fs.ForwardPass, fs.BackwardPass):
+                if kind in table:
+                    table[kind] = self._wrap(table[kind])
+
+    def _wrap(self, fn):
+        def timed(engine, *args, **kwargs):
+            if not self.on:
+                return fn(engine, *args, **kwargs)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(engine, *args, **kwargs)
+            end.record()
+            self.pairs.append((start, end))
+            return out
+        return timed
+
+    def busy_seconds(self) -> float:
+        torch.cuda.synchronize()
+        return sum(s.elapsed_time(e) for s, e in self.pairs) / 1000
 
 
 def main() -> None:
@@ -73,6 +108,8 @@ def main() -> None:
         ds_config["bf16"] = {"enabled": True}
     else:
         ds_config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    from ds_async.pipe.engine import AsyncPipelineEngine
+    timer = ComputeTimer(AsyncPipelineEngine)
     engine = initialize(build_pipeline(cfg, hf), ds_config, schedule=a.schedule)
     dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -90,17 +127,21 @@ def main() -> None:
     torch.cuda.synchronize()
     dist.barrier()
     torch.cuda.reset_peak_memory_stats()
+    timer.on = True
     t0 = time.perf_counter()
     for _ in range(a.steps - 1):
         engine.train_batch(it)
     torch.cuda.synchronize()
     dist.barrier()
     elapsed = time.perf_counter() - t0  # steady state: the last step (with the final drain) is timed apart
+    timer.on = False
+    busy = timer.busy_seconds()
     engine.train_batch(it)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2 ** 30
     peaks = [None] * world
-    dist.all_gather_object(peaks, (engine.stage_id, engine.grid.data_parallel_id, round(peak, 2)))
+    dist.all_gather_object(peaks, (engine.stage_id, engine.grid.data_parallel_id, round(peak, 2),
+                                   round(1 - busy / elapsed, 4)))
 
     step_time = elapsed / (a.steps - 1)
     tokens = engine.train_batch_size() * a.seq_len
@@ -113,7 +154,8 @@ def main() -> None:
            "micro_batch_size": a.micro_batch_size, "seq_len": a.seq_len, "precision": a.precision,
            "step_time_s": round(step_time, 4), "tokens_per_s": round(tokens / step_time, 1),
            "mfu": None if mfu is None else round(mfu, 4), "ideal_1f1b_bubble": round((p - 1) / (m + p - 1), 4),
-           "peak_mem_GiB_by_stage": {f"s{s}": g for s, d, g in sorted(peaks) if d == 0},
+           "peak_mem_GiB_by_stage": {f"s{s}": g for s, d, g, _ in sorted(peaks) if d == 0},
+           "measured_idle_by_stage": {f"s{s}": b for s, d, _, b in sorted(peaks) if d == 0},
            "card": f"{world}x {name}", "model": model, "code": code_version()}
     n_params = torch.tensor([sum(x.numel() for x in engine.module.parameters())], device=dev)
     dist.all_reduce(n_params, group=engine.grid.get_pipe_parallel_group())
