@@ -76,6 +76,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--precision", choices=["bf16", "autocast"], default="bf16",
                     help="bf16: DeepSpeed's bf16 weights + fp32 master; autocast: fp32 weights, bf16 compute")
+    ap.add_argument("--partition", default="parameters",
+                    help="'parameters', 'uniform', or explicit stage boundaries over [embedding, layers..., head], "
+                         "e.g. 0,5,9,13,17")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default=None, help="append the result row to this JSON-lines file")
@@ -97,8 +100,10 @@ def main() -> None:
     model = {"vocab_size": a.vocab, "hidden_size": a.hidden, "intermediate_size": a.ffn,
              "num_hidden_layers": a.layers, "num_attention_heads": a.heads, "num_key_value_heads": a.heads,
              "max_position_embeddings": a.seq_len}
+    partition = ({"method": "explicit", "boundaries": [int(x) for x in a.partition.split(",")]}
+                 if "," in a.partition else {"method": a.partition})
     cfg = cfgmod.parse({"model": {"config": model}, "pipeline_stages": stages, "schedule": a.schedule,
-                        "train": {"steps": a.steps}, "partition": {"method": "parameters"}})
+                        "train": {"steps": a.steps}, "partition": partition})
     hf = LlamaConfig(**model, tie_word_embeddings=False)
     ds_config = {"train_micro_batch_size_per_gpu": a.micro_batch_size, "gradient_accumulation_steps": a.micro_batches,
                  "steps_per_print": 10 ** 9, "gradient_clipping": 1.0, "wall_clock_breakdown": False,
@@ -150,7 +155,7 @@ def main() -> None:
     flops = model_flops_per_token(hf, a.seq_len) * tokens / step_time
     mfu = flops / (world * PEAK_BF16[card]) if card else None
     p, m = stages, a.micro_batches
-    row = {"schedule": a.schedule, "stages": p, "data_parallel": world // p, "micro_batches": m,
+    row = {"schedule": a.schedule, "stages": p, "partition": a.partition, "data_parallel": world // p, "micro_batches": m,
            "micro_batch_size": a.micro_batch_size, "seq_len": a.seq_len, "precision": a.precision,
            "step_time_s": round(step_time, 4), "tokens_per_s": round(tokens / step_time, 1),
            "mfu": None if mfu is None else round(mfu, 4), "ideal_1f1b_bubble": round((p - 1) / (m + p - 1), 4),
