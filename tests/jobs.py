@@ -84,9 +84,10 @@ def job_logits(out: Path, hf_dir: str, stages: int, input_ids: list, partition: 
 
 def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: int = 32, data_seed: int = 0,
               schedule: str = "1f1b", optimizer: dict | None = None, clip: float = 1.0, export: bool = False,
-              stock: bool = False) -> None:
+              stock: bool = False, **ds_extra) -> None:
     """Train ``steps`` steps on fixed data; save per-step losses and final parameters."""
-    engine, hf_config = _engine(stages, mbs, gas, schedule=schedule, optimizer=optimizer, clip=clip, stock=stock)
+    engine, hf_config = _engine(stages, mbs, gas, schedule=schedule, optimizer=optimizer, clip=clip, stock=stock,
+                                **ds_extra)
     dp_rank, dp_world = engine.grid.data_parallel_id, engine.grid.data_parallel_size
     batches = global_micro_batches(data_seed, seq_len, mbs, steps * gas * dp_world)
     it = rank_stream(batches, steps, gas, dp_rank, dp_world)

@@ -46,3 +46,13 @@ def test_1f1b_equals_stock_deepspeed(tmp_path):
     stock = run_job(2, "train", tmp_path / "stock", stock=True, **kw)
     torch.testing.assert_close(ours["losses"], stock["losses"], rtol=0, atol=0)
     assert_params_close(stage_params(tmp_path / "ours", 2), stage_params(tmp_path / "stock", 2), rel=0)
+
+
+def test_2bw_with_zero1_equals_emulation(tmp_path):
+    """ZeRO-1 shards the optimizer state across 2 replicas of each stage; the update rule must not change."""
+    steps = 6
+    got = run_job(4, "train", tmp_path, stages=2, steps=steps, mbs=MBS, gas=2, seq_len=SEQ, schedule="2bw",
+                  optimizer=SGD_M, zero_optimization={"stage": 1}, zero_allow_untested_optimizer=True)
+    losses, want = emulate_run("2bw", 2, steps, 2, 2, SGD_M, seq_len=SEQ, mbs=MBS)
+    torch.testing.assert_close(got["losses"], losses, rtol=1e-6, atol=0)
+    assert_params_close(stage_params(tmp_path, 2), want, rel=1e-6)
