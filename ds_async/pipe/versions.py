@@ -26,7 +26,6 @@ class WeightVersions:
             [nn.Parameter(p.detach().clone()) for _, _, p in self.entries] for _ in range(num_slots)]
         self.version_of_slot: list[int | None] = [first_version] + [None] * (num_slots - 1)
         self.in_flight: Counter[int] = Counter()  # version -> micro-batches forwarded but not yet backwarded
-        self.newest = first_version
 
     def _slot(self, version: int) -> int:
         try:
@@ -79,4 +78,3 @@ class WeightVersions:
             for tensor, (_, _, master) in zip(self.slots[i], self.entries):
                 tensor.copy_(master)
         self.version_of_slot[i] = version
-        self.newest = version
