@@ -22,8 +22,9 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    family: Literal["llama"] = "llama"
-    """Model architecture. (Mixtral-style MoE is planned.)"""
+    family: Literal["llama", "mixtral"] = "llama"
+    """Model architecture: ``llama`` (dense) or ``mixtral`` (sparse MoE; the loss adds ``router_aux_loss_coef`` x
+    the router load-balancing loss)."""
     config: dict[str, Any] = field(default_factory=dict)
     """Inline Hugging Face config kwargs (e.g. ``LlamaConfig(**config)``). Exclusive with ``path``."""
     path: str | None = None

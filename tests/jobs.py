@@ -106,7 +106,38 @@ def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: i
         torch.save(result, out / "result.pt")
 
 
-JOBS = {"logits": job_logits, "train": job_train}
+def job_moe(out: Path, hf_dir: str, stages: int, input_ids: list, labels: list, partition: dict | None = None,
+            export: bool = False) -> None:
+    """A Mixtral pipeline read from a HF directory, on one micro-batch: eval (loss, logits, aux), then one training
+    step recording every parameter's gradient (``grads_stage<s>.pt``, by transformers-model name), then with
+    ``export`` the HF export and the logits after the step."""
+    ids, labels = torch.tensor(input_ids), torch.tensor(labels)
+    engine, hf_config = _engine(stages, ids.shape[0], 1, model={"family": "mixtral", "path": hf_dir},
+                                partition=partition)
+    result = {}
+    result["loss"], outputs = engine.eval_batch(iter([(ids, labels)]), return_logits=True, num_micro_batches=1,
+                                                bcast_loss=False)
+    if engine.is_last_stage():
+        result["logits"], result["aux"] = outputs  # the head's (logits, load-balancing loss)
+    grads = {}
+    for layer in engine.module.forward_funcs:
+        names = layer.hf_names()
+        for name, p in layer.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda q, hf=names[name]: grads.__setitem__(hf, q.grad.clone()))
+    result["train_loss"] = engine.train_batch(iter([(ids, labels)]))
+    if engine.grid.data_parallel_id == 0:
+        torch.save(grads, out / f"grads_stage{engine.stage_id}.pt")
+    if export:
+        export_hf(engine, str(out / "hf"), hf_config)
+        _, outputs = engine.eval_batch(iter([(ids, labels)]), return_logits=True, num_micro_batches=1,
+                                       bcast_loss=False)
+        if engine.is_last_stage():
+            result["logits_after"] = outputs[0]
+    if engine.is_reporting_rank:
+        torch.save(result, out / "result.pt")
+
+
+JOBS = {"logits": job_logits, "train": job_train, "moe": job_moe}
 
 if __name__ == "__main__":
     name, out_dir, kwargs = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])

@@ -4,7 +4,11 @@ from __future__ import annotations
 from deepspeed.pipe import PipelineModule
 
 from ..config import ConfigError, DsAsyncConfig
-from . import hf_io, llama
+from . import hf_io, llama, mixtral
+
+FAMILIES = {"llama": llama, "mixtral": mixtral}
+"""``ds_async.model.family`` -> the module that builds it: ``layer_specs(config, seed, hf_dir)`` and
+``loss_fn(config)``."""
 
 
 class StagedPipelineModule(PipelineModule):
@@ -24,12 +28,12 @@ class StagedPipelineModule(PipelineModule):
 
 def model_config(cfg: DsAsyncConfig):
     """The HF config object of the model the ``ds_async.model`` section describes."""
-    from transformers import AutoConfig, LlamaConfig
+    from transformers import AutoConfig
 
     if cfg.model.path is not None:
         hf = AutoConfig.from_pretrained(cfg.model.path)
     else:
-        hf = LlamaConfig(**{"tie_word_embeddings": False, **cfg.model.config})
+        hf = AutoConfig.for_model(cfg.model.family, **{"tie_word_embeddings": False, **cfg.model.config})
     if hf.model_type != cfg.model.family:
         raise ConfigError(f"ds_async.model.family: '{cfg.model.family}' but the config is a '{hf.model_type}'")
     return hf
@@ -41,7 +45,8 @@ def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineMod
 
     init_distributed()
     hf_dir = cfg.model.path if cfg.model.path and cfg.model.load_weights else None
-    specs = llama.layer_specs(hf_config, seed=cfg.seed, hf_dir=hf_dir)
+    family = FAMILIES[cfg.model.family]
+    specs = family.layer_specs(hf_config, seed=cfg.seed, hf_dir=hf_dir)
     boundaries = cfg.partition.boundaries
     if boundaries is not None:
         p, n = cfg.pipeline_stages, len(specs)
@@ -50,17 +55,16 @@ def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineMod
             raise ConfigError(f"ds_async.partition.boundaries: need {p + 1} strictly increasing indices from 0 to "
                               f"{n} (embedding + {n - 2} decoder layers + head), got {boundaries}")
     return StagedPipelineModule(specs, boundaries=boundaries, num_stages=cfg.pipeline_stages,
-                                loss_fn=llama.causal_lm_loss,
+                                loss_fn=family.loss_fn(hf_config),
                                 partition_method="uniform" if cfg.partition.method == "explicit"
                                 else cfg.partition.method, **kwargs)
 
 
 def hf_state_dict(module: PipelineModule) -> dict:
-    """This stage's tensors under their Hugging Face names."""
+    """This stage's tensors as a Hugging Face ``save_pretrained`` checkpoint names and lays them out."""
     out = {}
     for layer in module.forward_funcs:
-        local = layer.state_dict()
-        out.update({hf: local[name] for name, hf in layer.hf_names().items()})
+        out.update(layer.hf_state_dict())
     return out
 
 

@@ -46,13 +46,21 @@ def read_tensors(hf_dir: str | os.PathLike, names: list[str]) -> dict[str, torch
     return out
 
 
+def checkpoint_names(hf_dir: str | os.PathLike) -> set[str]:
+    """Names of all tensors in the checkpoint in ``hf_dir``."""
+    return set(_weight_map(hf_dir))
+
+
+def assign(module: torch.nn.Module, local: dict[str, torch.Tensor]) -> None:
+    """Load a complete state dict into ``module`` (possibly built on the meta device), in its own dtypes."""
+    dtypes = {k: t.dtype for k, t in module.state_dict().items()}
+    module.load_state_dict({k: t.to(dtypes[k]) for k, t in local.items()}, strict=True, assign=True)
+
+
 def load_into(module: torch.nn.Module, hf_dir: str, names: dict[str, str]) -> None:
     """Fill ``module`` (possibly built on the meta device) from ``hf_dir``; ``names`` maps local -> HF keys."""
     tensors = read_tensors(hf_dir, list(names.values()))
-    local = {k: tensors[v] for k, v in names.items()}
-    dtypes = {k: t.dtype for k, t in module.state_dict().items()}
-    local = {k: t.to(dtypes[k]) for k, t in local.items()}
-    module.load_state_dict(local, strict=True, assign=True)
+    assign(module, {k: tensors[v] for k, v in names.items()})
 
 
 def shard_name(stage: int, stages: int) -> str:

@@ -1,4 +1,5 @@
-"""A Hugging Face LLaMA as a list of DeepSpeed ``LayerSpec``s.
+"""A Hugging Face LLaMA as a list of DeepSpeed ``LayerSpec``s, and the pipeline-layer machinery other families
+(:mod:`ds_async.models.mixtral`) build on.
 
 Stage contract: the first layer takes ``input_ids`` [b, s] (int64) and every later layer takes and returns the
 hidden states [b, s, h]; the last layer returns logits [b, s, vocab]. Rotary embeddings are recomputed on each
@@ -15,23 +16,29 @@ from contextlib import nullcontext
 import torch
 from accelerate import init_empty_weights
 from torch import nn
-from transformers import LlamaConfig
+from transformers import LlamaConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from .hf_io import load_into
 
 
+def _is_norm(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("RMSNorm") or isinstance(module, nn.LayerNorm)
+
+
 def _seeded_init(module: nn.Module, std: float, seed: int) -> None:
-    """HF's LLaMA init (normal(0, std) for Linear/Embedding, ones for RMSNorm) from a private generator."""
+    """HF's init from a private generator: ones for norms, zeros for biases, normal(0, std) for every other
+    parameter (Linear and Embedding weights; an MoE layer's router and stacked expert tensors), in module order."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for sub in module.modules():
-            if isinstance(sub, (nn.Linear, nn.Embedding)):
-                sub.weight.copy_(torch.randn(sub.weight.shape, generator=gen) * std)
-                if getattr(sub, "bias", None) is not None:
-                    sub.bias.zero_()
-            elif isinstance(sub, LlamaRMSNorm):
-                sub.weight.fill_(1.0)
+            for name, p in sub.named_parameters(recurse=False):
+                if _is_norm(sub):
+                    p.fill_(1.0 if name == "weight" else 0.0)
+                elif name == "bias":
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
 class _PipeLayer(nn.Module):
@@ -42,19 +49,28 @@ class _PipeLayer(nn.Module):
         """Weights that will be read from disk are created empty (meta) and never initialised."""
         return nullcontext() if hf_dir is None else init_empty_weights()
 
-    def _finish(self, config: LlamaConfig, seed: int, index: int, hf_dir: str | None) -> None:
+    def _finish(self, config: PretrainedConfig, seed: int, index: int, hf_dir: str | None) -> None:
         if hf_dir is None:
             _seeded_init(self, config.initializer_range, seed * 100_003 + index)
         else:
-            load_into(self, hf_dir, self.hf_names())
+            self.load_hf(hf_dir)
 
     def hf_names(self) -> dict[str, str]:
-        """Map of this module's state-dict keys to the HF checkpoint's keys."""
+        """Map of this module's state-dict keys to the keys of the same tensors in the transformers model."""
         raise NotImplementedError
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """This layer's tensors as a ``save_pretrained`` checkpoint stores them (by default: renamed only)."""
+        local = self.state_dict()
+        return {hf: local[name] for name, hf in self.hf_names().items()}
+
+    def load_hf(self, hf_dir: str) -> None:
+        """Fill this layer from the checkpoint in ``hf_dir`` (by default: the tensors of ``hf_names``)."""
+        load_into(self, hf_dir, self.hf_names())
 
 
 class EmbeddingPipe(_PipeLayer):
-    def __init__(self, config: LlamaConfig, seed: int = 0, index: int = 0, hf_dir: str | None = None):
+    def __init__(self, config: PretrainedConfig, seed: int = 0, index: int = 0, hf_dir: str | None = None):
         super().__init__()
         with self._building(hf_dir):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
@@ -68,27 +84,35 @@ class EmbeddingPipe(_PipeLayer):
 
 
 class DecoderLayerPipe(_PipeLayer):
-    def __init__(self, config: LlamaConfig, layer_idx: int, seed: int = 0, hf_dir: str | None = None):
+    """One HF decoder layer (``decoder_cls``) with its own rotary embedding (``rotary_cls``)."""
+
+    decoder_cls: type[nn.Module] = LlamaDecoderLayer
+    rotary_cls: type[nn.Module] = LlamaRotaryEmbedding
+
+    def __init__(self, config: PretrainedConfig, layer_idx: int, seed: int = 0, hf_dir: str | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         with self._building(hf_dir):
-            self.layer = LlamaDecoderLayer(config, layer_idx)
-        self.rotary = LlamaRotaryEmbedding(config)
+            self.layer = self.decoder_cls(config, layer_idx)
+        self.rotary = self.rotary_cls(config)
         self._finish(config, seed, layer_idx + 1, hf_dir)
 
     def hf_names(self):
         return {f"layer.{k}": f"model.layers.{self.layer_idx}.{k}" for k in self.layer.state_dict()}
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _decode(self, hidden: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         cos_sin = self.rotary(hidden, positions)
         return self.layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._decode(hidden)
 
 
 class HeadPipe(_PipeLayer):
     """Final RMSNorm and LM head: hidden states -> logits."""
 
-    def __init__(self, config: LlamaConfig, seed: int = 0, index: int = 0, hf_dir: str | None = None):
+    def __init__(self, config: PretrainedConfig, seed: int = 0, index: int = 0, hf_dir: str | None = None):
         super().__init__()
         with self._building(hf_dir):
             self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -97,6 +121,10 @@ class HeadPipe(_PipeLayer):
 
     def hf_names(self):
         return {"norm.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
+
+    def ds_async_roles(self):
+        """The LM head is a Linear, which by type would be a hidden ``matrix`` (see ``ds_async.optim.roles``)."""
+        return {self.lm_head.weight: "head"}
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))
@@ -107,21 +135,27 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
-def check_supported(config: LlamaConfig) -> None:
+def loss_fn(config: LlamaConfig):
+    """The pipeline's ``loss_fn(outputs, labels)``."""
+    return causal_lm_loss
+
+
+def check_supported(config: PretrainedConfig) -> None:
     if config.tie_word_embeddings:
         raise ValueError(
-            "ds_async.models.llama: tie_word_embeddings=true is not supported: the tied embedding and LM head live "
-            "on different pipeline stages and a one-step-delayed update of a shared tensor is not defined. "
-            "Set \"tie_word_embeddings\": false in the model config (or untie the checkpoint).")
+            f"ds_async.models ({config.model_type}): tie_word_embeddings=true is not supported: the tied embedding "
+            "and LM head live on different pipeline stages and a one-step-delayed update of a shared tensor is not "
+            "defined. Set \"tie_word_embeddings\": false in the model config (or untie the checkpoint).")
     config._attn_implementation = "sdpa"
 
 
-def layer_specs(config: LlamaConfig, seed: int = 0, hf_dir: str | None = None) -> list:
+def layer_specs(config: PretrainedConfig, seed: int = 0, hf_dir: str | None = None, *,
+                embedding: type = EmbeddingPipe, decoder: type = DecoderLayerPipe, head: type = HeadPipe) -> list:
     """The model as ``[embedding, decoder x L, head]`` LayerSpecs (built lazily, only on the owning stage)."""
     from deepspeed.pipe import LayerSpec
 
     check_supported(config)
     n = config.num_hidden_layers
-    return ([LayerSpec(EmbeddingPipe, config, seed=seed, index=0, hf_dir=hf_dir)]
-            + [LayerSpec(DecoderLayerPipe, config, i, seed=seed, hf_dir=hf_dir) for i in range(n)]
-            + [LayerSpec(HeadPipe, config, seed=seed, index=n + 1, hf_dir=hf_dir)])
+    return ([LayerSpec(embedding, config, seed=seed, index=0, hf_dir=hf_dir)]
+            + [LayerSpec(decoder, config, i, seed=seed, hf_dir=hf_dir) for i in range(n)]
+            + [LayerSpec(head, config, seed=seed, index=n + 1, hf_dir=hf_dir)])

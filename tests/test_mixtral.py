@@ -1,0 +1,143 @@
+"""Mixtral (sparse MoE) pipeline: logits, loss with the router load-balancing term and gradients equal Hugging
+Face's for the same weights; the export loads back into ``from_pretrained``."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
+
+from distributed import run_job
+from ds_async.models import mixtral
+
+# router_aux_loss_coef far above Mixtral's 0.02 so that the aux loss's share of each router gradient is large
+TINY_MIXTRAL = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+                "rms_norm_eps": 1e-5, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "router_aux_loss_coef": 0.5, "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(**TINY_MIXTRAL, attn_implementation="sdpa")).eval()
+    path = tmp_path_factory.mktemp("hf")
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def batch():
+    ids = torch.randint(0, TINY_MIXTRAL["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
+    # ds_async's labels are already shifted (labels[t] = input_ids[t + 1]); HF shifts ``labels=input_ids`` itself
+    shifted = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
+    return ids, shifted
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_model, batch):
+    """HF's outputs and gradients: of the total loss (CE + coef * aux) and of the aux loss alone."""
+    model, _ = hf_model
+    ids, _ = batch
+    out = model(ids, labels=ids, output_router_logits=True)
+    params = dict(model.named_parameters())
+    total = torch.autograd.grad(out.loss, list(params.values()), retain_graph=True)
+    aux = torch.autograd.grad(out.aux_loss, list(params.values()), allow_unused=True)
+    return out, dict(zip(params, total)), dict(zip(params, aux))
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(hf_model, batch, tmp_path_factory):
+    """2 stages: [embedding, layers 0-1] | [layers 2-3, head], so (hidden, prob_sum, counts) crosses."""
+    _, path = hf_model
+    ids, labels = batch
+    out = tmp_path_factory.mktemp("moe")
+    result = run_job(2, "moe", out, hf_dir=str(path), stages=2, input_ids=ids.tolist(), labels=labels.tolist(),
+                     partition={"method": "uniform"}, export=True)
+    grads = {}
+    for s in range(2):
+        grads.update(torch.load(out / f"grads_stage{s}.pt", weights_only=True))
+    return result, grads, out
+
+
+def test_logits_equal_hf(pipeline_run, hf_reference):
+    result, _, _ = pipeline_run
+    want, _, _ = hf_reference
+    torch.testing.assert_close(result["logits"], want.logits.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_loss_with_router_aux_equals_hf(pipeline_run, hf_reference):
+    result, _, _ = pipeline_run
+    want, _, _ = hf_reference
+    torch.testing.assert_close(result["aux"], want.aux_loss.detach(), rtol=1e-6, atol=1e-7)
+    assert want.aux_loss.item() * TINY_MIXTRAL["router_aux_loss_coef"] > 0.1 * want.loss.item()  # not negligible
+    torch.testing.assert_close(result["loss"], want.loss.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(result["train_loss"], want.loss.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_gradients_equal_hf_routers_through_aux(pipeline_run, hf_reference):
+    _, grads, _ = pipeline_run
+    _, total, aux = hf_reference
+    assert grads.keys() == total.keys()
+    for name, want in total.items():
+        torch.testing.assert_close(grads[name], want, rtol=1e-5, atol=2e-7, msg=name)
+    # Every router's gradient has a large share from the aux loss (which the CE never sees): matching HF's total
+    # gradient on stage 0's routers means the aux gradient crossed the stage boundary back to them.
+    for layer in range(TINY_MIXTRAL["num_hidden_layers"]):
+        name = f"model.layers.{layer}.mlp.gate.weight"
+        share = TINY_MIXTRAL["router_aux_loss_coef"] * aux[name].norm() / total[name].norm()
+        assert share > 0.05, (name, share)
+        assert grads[name].norm() > 0
+
+
+def test_export_round_trip(pipeline_run, hf_model, batch):
+    """Export after a training step -> from_pretrained -> the logits the pipeline computes after that step; the
+    files hold the tensors ``save_pretrained`` writes (per-expert w1/w2/w3)."""
+    result, _, out = pipeline_run
+    _, path = hf_model
+    names = set()
+    for shard in (out / "hf").glob("*.safetensors"):
+        with safe_open(shard, framework="pt") as f:
+            names |= set(f.keys())
+    with safe_open(path / "model.safetensors", framework="pt") as f:
+        assert names == set(f.keys())
+    model = AutoModelForCausalLM.from_pretrained(out / "hf", attn_implementation="sdpa").eval()
+    assert isinstance(model, MixtralForCausalLM)
+    with torch.no_grad():
+        logits = model(batch[0]).logits
+    assert not torch.allclose(logits, result["logits"], atol=1e-4), "the step must have changed the model"
+    torch.testing.assert_close(logits, result["logits_after"], rtol=1e-5, atol=1e-5)
+
+
+def test_seeded_init_and_roles():
+    """Fresh weights: HF's init rule from (seed, layer); expert stacks and routers are matrices for Muon."""
+    config = MixtralConfig(**TINY_MIXTRAL)
+    specs = mixtral.layer_specs(config, seed=3)
+    a, b = specs[2].build(), specs[2].build()
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), name
+    other = mixtral.layer_specs(MixtralConfig(**TINY_MIXTRAL), seed=4)[2].build()
+    experts = a.layer.mlp.experts
+    assert not torch.equal(experts.gate_up_proj, other.layer.mlp.experts.gate_up_proj)
+    assert experts.gate_up_proj.shape == (4, 2 * 96, 64) and experts.down_proj.shape == (4, 64, 96)
+    assert abs(experts.gate_up_proj.std().item() - config.initializer_range) < 2e-3
+    assert torch.equal(a.layer.input_layernorm.weight, torch.ones(64))
+    roles = a.ds_async_roles()
+    assert roles[experts.gate_up_proj] == roles[experts.down_proj] == roles[a.layer.mlp.gate.weight] == "matrix"
+    head = specs[-1].build()
+    assert head.ds_async_roles() == {head.lm_head.weight: "head"}
+
+
+def test_every_parameter_has_a_role():
+    roles = pytest.importorskip("ds_async.optim.roles")
+    layers = torch.nn.ModuleList(spec.build() for spec in mixtral.layer_specs(MixtralConfig(**TINY_MIXTRAL)))
+    got = roles.param_roles(layers)
+    assert len(got) == len(list(layers.parameters()))
+    by_shape = {(tuple(p.shape), role) for p, role in got.items()}
+    assert ((4, 192, 64), "matrix") in by_shape and ((4, 64), "matrix") in by_shape
+    assert ((512, 64), "embedding") in by_shape and ((512, 64), "head") in by_shape
+
+
+def test_tied_embeddings_refused():
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        mixtral.layer_specs(MixtralConfig(**{**TINY_MIXTRAL, "tie_word_embeddings": True}))
