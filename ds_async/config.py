@@ -90,6 +90,32 @@ class LoggingConfig:
 
 
 @dataclass
+class CorrectionConfig:
+    """A delay correction applied to every optimizer update (see ``ds_async.optim.corrections``)."""
+
+    type: Literal["none", "ef", "nesterov"] = "none"
+    """``none``; ``ef``: error feedback, apply ``u(t) + lambda (u(t) - u(t-1))``; ``nesterov``: weight-space
+    look-ahead of ``delay`` steps along an EMA of the updates."""
+    lam: float | None = field(default=None, metadata={"key": "lambda"})
+    """``ef`` only (JSON key ``lambda``): weight of the update difference; default 1, the one-step delay of 2BW."""
+    momentum: float | None = None
+    """``nesterov`` only: EMA coefficient of the velocity estimate, in [0, 1); default 0.9."""
+    delay: int | None = None
+    """``nesterov`` only: how many steps ahead to look, the gradient delay; default 1 (2BW)."""
+
+    def check(self, prefix: str = "ds_async.correction") -> None:
+        """Refuse keys that belong to another correction type."""
+        owner = {"lambda": "ef", "momentum": "nesterov", "delay": "nesterov"}
+        for key, value in (("lambda", self.lam), ("momentum", self.momentum), ("delay", self.delay)):
+            if value is not None and owner[key] != self.type:
+                raise ConfigError(f"{prefix}.{key}: only for type '{owner[key]}', not '{self.type}'")
+        if self.momentum is not None and not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(f"{prefix}.momentum: must be in [0, 1), got {self.momentum}")
+        if self.delay is not None and self.delay < 0:
+            raise ConfigError(f"{prefix}.delay: must be >= 0, got {self.delay}")
+
+
+@dataclass
 class DsAsyncConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model to train."""
@@ -113,6 +139,8 @@ class DsAsyncConfig:
     """Where and how often to log."""
     seed: int = 1234
     """Seeds weight init, data order and every RNG."""
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    """Delay correction of the optimizer's updates (``{"type": "ef", "lambda": 1.0}``); none by default."""
 
 
 def _type_name(tp) -> str:
@@ -160,14 +188,15 @@ def _check(value, tp, key: str):
 
 def _from_dict(cls, raw: dict, prefix: str):
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - names)
+    # A field's JSON key is its name unless metadata says otherwise (``lambda`` is not a Python identifier).
+    fields = {f.metadata.get("key", f.name): f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
     if unknown:
         import difflib
-        hint = difflib.get_close_matches(unknown[0], names, n=1)
+        hint = difflib.get_close_matches(unknown[0], fields, n=1)
         suggestion = f" (did you mean '{prefix}.{hint[0]}'?)" if hint else ""
-        raise ConfigError(f"{prefix}.{unknown[0]}: unknown key{suggestion}; known keys: {sorted(names)}")
-    return cls(**{k: _check(v, hints[k], f"{prefix}.{k}") for k, v in raw.items()})
+        raise ConfigError(f"{prefix}.{unknown[0]}: unknown key{suggestion}; known keys: {sorted(fields)}")
+    return cls(**{fields[k]: _check(v, hints[fields[k]], f"{prefix}.{k}") for k, v in raw.items()})
 
 
 def parse(section: dict) -> DsAsyncConfig:
@@ -182,6 +211,14 @@ def parse(section: dict) -> DsAsyncConfig:
         raise ConfigError("ds_async.model: set exactly one of 'config' (inline HF config) and 'path' (a directory)")
     if (cfg.partition.method == "explicit") != (cfg.partition.boundaries is not None):
         raise ConfigError("ds_async.partition.boundaries: required with method 'explicit' and only then")
+    cfg.correction.check()
+    return cfg
+
+
+def parse_correction(raw: dict, prefix: str = "ds_async.correction") -> CorrectionConfig:
+    """Parse and validate a correction block on its own, e.g. ``{"type": "ef", "lambda": 1.0}``."""
+    cfg = _check(raw, CorrectionConfig, prefix)
+    cfg.check(prefix)
     return cfg
 
 

@@ -1,0 +1,98 @@
+"""Muon's update for hidden-layer matrices as pure functions (Jordan et al. 2024, "Muon: An optimizer for hidden
+layers in neural networks"; the lr rules of Liu et al. 2025, "Muon is Scalable for LLM Training").
+
+Momentum and orthogonalisation follow ``torch.optim.Muon`` op for op (same bf16 Newton-Schulz, same ``addmm``
+calls) so that on 2-D parameters the orthogonalised direction is bit-equal to torch's. Tensors with more than two
+dimensions are stacks of independent matrices over the leading dimensions (an MoE expert stack ``[E, rows, cols]``)
+and are orthogonalised per matrix in one batched call.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .updates import decayed
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+NS_EPS = 1e-7
+LR_RULES = ("original", "match_rms_adamw")
+
+
+def zeropower_via_newtonschulz(grad: Tensor, steps: int = NS_STEPS,
+                               coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+                               eps: float = NS_EPS) -> Tensor:
+    """Approximately orthogonalise each matrix of ``grad`` (the last two dimensions) with the quintic Newton-Schulz
+    iteration ``X <- a X + (b A + c A^2) X``, ``A = X X^T``; returns bf16 of the same shape.
+
+    Runs in bf16 because the iteration is self-correcting and only needs singular values pushed into roughly
+    [0.7, 1.2]; the coefficients maximise the slope at zero at the price of not converging to exactly 1.
+    """
+    if grad.ndim < 2:
+        raise ValueError(f"Newton-Schulz needs a matrix or a stack of matrices, got shape {tuple(grad.shape)}")
+    a, b, c = coefficients
+    x = grad.bfloat16()
+    # Iterate on the wide orientation: the Gram matrix is then the smaller of the two.
+    tall = grad.size(-2) > grad.size(-1)
+    if tall:
+        x = x.mT
+    # Frobenius norm >= spectral norm, so after this every singular value is <= 1 and the iteration converges.
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    if x.ndim == 2:
+        for _ in range(steps):
+            gram = x @ x.T
+            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.addmm(x, poly, x, beta=a)
+    else:
+        lead = x.shape[:-2]
+        x = x.reshape(-1, *x.shape[-2:])
+        for _ in range(steps):
+            gram = x @ x.mT
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.baddbmm(x, poly, x, beta=a)
+        x = x.reshape(*lead, *x.shape[-2:])
+    return x.mT if tall else x
+
+
+def adjusted_lr(lr: float, shape: torch.Size, rule: str) -> float:
+    """The learning rate for a matrix of ``shape`` (rows, cols = the last two dimensions).
+
+    ``original`` (Keller Jordan): ``lr * sqrt(max(1, rows / cols))``, so that tall matrices are not under-stepped.
+    ``match_rms_adamw`` (Moonshot): ``lr * 0.2 * sqrt(max(rows, cols))``, giving the update the RMS of a typical
+    AdamW update so that AdamW's lr and weight decay carry over.
+    """
+    rows, cols = shape[-2], shape[-1]
+    if rule == "original":
+        return lr * math.sqrt(max(1, rows / cols))
+    if rule == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"Muon lr_rule must be one of {list(LR_RULES)}, got {rule!r}")
+
+
+def muon_direction(grad: Tensor, momentum_buffer: Tensor, *, momentum: float, nesterov: bool, ns_steps: int,
+                   ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS) -> Tensor:
+    """Advance the momentum buffer (an EMA of gradients: ``B <- momentum * B + (1 - momentum) * g``) in place and
+    return the orthogonalised direction (bf16) of ``g + momentum * (B - g)`` (Nesterov) or of ``B``."""
+    momentum_buffer.lerp_(grad, 1 - momentum)
+    direction = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+    return zeropower_via_newtonschulz(direction, ns_steps, ns_coefficients, eps)
+
+
+def muon_step(param: Tensor, grad: Tensor, momentum_buffer: Tensor, *, lr: float, momentum: float, nesterov: bool,
+              ns_steps: int, weight_decay: float, lr_rule: str,
+              ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS) -> Tensor:
+    """The new value of one matrix (or stack) after a Muon step, as a new tensor:
+    ``new = x (1 - lr wd) - adjusted_lr * O`` with ``O`` from :func:`muon_direction`, in torch's op order. Weight
+    decay uses the unadjusted lr, as torch's Muon.
+    """
+    if param.ndim < 2:
+        raise ValueError(
+            f"Muon got a 'matrix' parameter of shape {tuple(param.shape)}: it orthogonalises whole matrices and "
+            "cannot update a 1-D tensor. DeepSpeed's ZeRO and bf16 optimizers hand the optimizer flat 1-D "
+            "partitions; with Muon use zero_optimization stage 0 without DeepSpeed's bf16 optimizer, and "
+            "ds_async.optim.sharded.ShardedOptimizer for tensor-granular ZeRO-1.")
+    direction = muon_direction(grad, momentum_buffer, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                               ns_coefficients=ns_coefficients, eps=eps)
+    return decayed(param, lr, weight_decay).add_(direction, alpha=-adjusted_lr(lr, param.shape, lr_rule))

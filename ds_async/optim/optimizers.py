@@ -1,0 +1,236 @@
+"""Thin ``torch.optim.Optimizer`` classes over the pure update rules: AdamW, SGD, Lion and the hybrid Muon.
+
+Every step computes, per parameter, the new value the base rule gives (torch's op order, so bit-equal to torch
+where torch has the optimizer) and applies it in one place, :meth:`UpdateOptimizer._apply`: there the full update
+``u = x_before - x_after`` (learning rate and decoupled weight decay included) is formed and a delay correction
+(:mod:`ds_async.optim.corrections`) may add to it. The classes keep torch's conventions (``param_groups`` with
+``lr`` that LR schedulers may set, lazily created per-parameter ``state``, ``state_dict``), so they can be handed
+to DeepSpeed as a client optimizer.
+
+Statistics for the last step (:meth:`UpdateOptimizer.stats`) are accumulated as device tensors during ``step``
+(no host synchronisation there) and read once when asked for.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from .corrections import Correction
+from .muon import LR_RULES, NS_COEFFICIENTS, NS_EPS, NS_STEPS, muon_step
+from .updates import adamw_step, lion_step, sgd_step
+
+
+class UpdateOptimizer(torch.optim.Optimizer):
+    """Base class: subclasses implement :meth:`_new_value` (one parameter's base step); ``step`` applies it.
+
+    Args:
+        params: parameters or param groups (a group may carry a ``name``, used in :meth:`stats`).
+        defaults: the hyper-parameters every group falls back to.
+        correction: transforms each ``u`` before it is applied; its buffers live in ``self.state``.
+    """
+
+    def __init__(self, params, defaults: dict, correction: Correction | None = None):
+        super().__init__(params, defaults)
+        self.correction = correction
+        self._sums: dict[str, Tensor] = {}
+        self.last_lrs: dict[str, float] = {}
+
+    def _new_value(self, param: Tensor, grad: Tensor, state: dict, group: dict) -> Tensor:
+        """The value of ``param`` after this step of the base rule, as a new tensor; advances ``state``."""
+        raise NotImplementedError
+
+    def _group_name(self, index: int) -> str:
+        return self.param_groups[index].get("name", f"group{index}")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sums, self.last_lrs = {}, {}
+        for index, group in enumerate(self.param_groups):
+            name = self._group_name(index)
+            self.last_lrs[name] = float(group["lr"])
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                state = self.state[param]
+                self._apply(name, param, self._new_value(param, param.grad, state, group), state)
+        return loss
+
+    def _apply(self, name: str, param: Tensor, new: Tensor, state: dict) -> None:
+        """The one place a parameter changes: with ``u = x - new``, ``x <- x - (u + correction(u))``."""
+        u = param.detach() - new
+        if self.correction is not None:
+            self._accumulate(f"base_update_sq/{name}", u)
+            extra = self.correction(u, state)
+            self._accumulate(f"{self.correction.name}_buffer_sq", self.correction.buffer(state))
+            new.sub_(extra)
+            u.add_(extra)
+        self._accumulate(f"update_sq/{name}", u)
+        self._sums[f"numel/{name}"] = self._sums.get(f"numel/{name}", 0) + u.numel()
+        param.copy_(new)
+
+    def _accumulate(self, key: str, t: Tensor) -> None:
+        sq = t.detach().float().pow(2).sum()
+        self._sums[key] = self._sums[key] + sq if key in self._sums else sq
+
+    def stat_sums(self) -> dict[str, Tensor | int]:
+        """The last step's raw sums (squares of updates and buffers, element counts), not yet synchronised, with
+        the same keys whichever parameters had gradients, so that a sharded wrapper can add them over ranks."""
+        names = [self._group_name(i) for i in range(len(self.param_groups))]
+        keys = [f"{kind}/{name}" for name in names for kind in ("update_sq", "numel")]
+        if self.correction is not None:
+            keys += [f"base_update_sq/{name}" for name in names] + [f"{self.correction.name}_buffer_sq"]
+        return {k: self._sums.get(k, 0) for k in keys}
+
+    def stats(self) -> dict[str, float]:
+        """The last step, for tensorboard: ``update_rms/<group>`` (of the applied update), ``base_update_rms/<group>``
+        (before the correction), ``<correction>_buffer_norm``, ``lr/<group>``. Synchronises with the device."""
+        sums = self.stat_sums()
+        return finish_stats(list(sums), stack_sums(sums), self.last_lrs)
+
+
+def stack_sums(sums: dict[str, Tensor | int]) -> Tensor:
+    """The values of :meth:`UpdateOptimizer.stat_sums` as one float64 tensor (for a single all-reduce)."""
+    device = next((v.device for v in sums.values() if isinstance(v, Tensor)), torch.device("cpu"))
+    return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) if not isinstance(v, Tensor)
+                        else v.to(torch.float64) for v in sums.values()])
+
+
+def finish_stats(keys: list[str], values: Tensor, lrs: dict[str, float]) -> dict[str, float]:
+    """RMS and norms from the sums of ``keys`` in ``values`` (:func:`stack_sums`); the one host sync."""
+    got = dict(zip(keys, values.tolist()))
+    out = {f"lr/{name}": lr for name, lr in lrs.items()}
+    for key, value in got.items():
+        kind, _, name = key.partition("/")
+        if kind.endswith("update_sq"):
+            out[f"{kind.removesuffix('_sq')}_rms/{name}"] = (value / max(got[f"numel/{name}"], 1)) ** 0.5
+        elif kind.endswith("_buffer_sq"):
+            out[kind.removesuffix("_sq") + "_norm"] = value ** 0.5
+    return out
+
+
+class AdamW(UpdateOptimizer):
+    """AdamW (decoupled weight decay); without a correction bit-equal to ``torch.optim.AdamW`` (single-tensor path)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, correction: Correction | None = None):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), correction)
+
+    def _new_value(self, param, grad, state, group):
+        return _adamw_step(param, grad, state, group["lr"], group["betas"], group["eps"], group["weight_decay"])
+
+
+def _adamw_step(param, grad, state, lr, betas, eps, weight_decay) -> Tensor:
+    if not state:
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    state["step"] += 1
+    return adamw_step(param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr=lr, betas=betas,
+                        eps=eps, weight_decay=weight_decay)
+
+
+class SGD(UpdateOptimizer):
+    """SGD with momentum (torch's buffer convention) and *decoupled* weight decay ``lr * weight_decay * x``."""
+
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 nesterov: bool = False, weight_decay: float = 0.0, correction: Correction | None = None):
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("SGD: Nesterov momentum requires a momentum and zero dampening")
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
+                                      weight_decay=weight_decay), correction)
+
+    def _new_value(self, param, grad, state, group):
+        new, buf = sgd_step(param, grad, state.get("momentum_buffer"), lr=group["lr"], momentum=group["momentum"],
+                            dampening=group["dampening"], nesterov=group["nesterov"],
+                            weight_decay=group["weight_decay"])
+        if buf is not None:
+            state["momentum_buffer"] = buf
+        return new
+
+
+class Lion(UpdateOptimizer):
+    """Lion (sign of interpolated momentum). Its updates are ±lr per entry, so lr is typically 3-10x below AdamW's
+    and weight decay 3-10x above."""
+
+    def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
+                 correction: Correction | None = None):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), correction)
+
+    def _new_value(self, param, grad, state, group):
+        if not state:
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return lion_step(param, grad, state["exp_avg"], lr=group["lr"], betas=group["betas"],
+                           weight_decay=group["weight_decay"])
+
+
+class Muon(UpdateOptimizer):
+    """Hybrid Muon: groups with ``use_muon=True`` (hidden matrices and expert stacks) get Muon, the others AdamW.
+
+    Build the groups with :func:`muon_param_groups` from the model (roles, not names, decide). A Muon group's
+    hyper-parameters: ``lr, momentum, nesterov, ns_steps, weight_decay, lr_rule`` (``original`` or
+    ``match_rms_adamw``); an AdamW group's: ``lr, betas, eps, weight_decay``. Muon refuses parameters that are not
+    at least 2-D (a flat ZeRO partition) with an explanation.
+    """
+
+    def __init__(self, param_groups: list[dict], lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
+                 ns_steps: int = NS_STEPS, weight_decay: float = 0.0, lr_rule: str = "original",
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, ns_eps: float = NS_EPS,
+                 correction: Correction | None = None):
+        if lr_rule not in LR_RULES:
+            raise ValueError(f"Muon: lr_rule must be one of {list(LR_RULES)}, got {lr_rule!r}")
+        param_groups = list(param_groups)
+        for group in param_groups:
+            if not isinstance(group, dict) or "use_muon" not in group:
+                raise ValueError("Muon takes param groups that each say use_muon=True/False; build them with "
+                                 "ds_async.optim.optimizers.muon_param_groups(model, ...)")
+        super().__init__(param_groups, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                                            weight_decay=weight_decay, lr_rule=lr_rule, betas=tuple(betas), eps=eps,
+                                            ns_coefficients=tuple(ns_coefficients), ns_eps=ns_eps), correction)
+        for group in self.param_groups:
+            if group["use_muon"]:
+                for p in group["params"]:
+                    _require_matrix(p)
+
+    def _new_value(self, param, grad, state, group):
+        if not group["use_muon"]:
+            return _adamw_step(param, grad, state, group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        _require_matrix(param)
+        if not state:
+            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        return muon_step(param, grad, state["momentum_buffer"], lr=group["lr"], momentum=group["momentum"],
+                           nesterov=group["nesterov"], ns_steps=group["ns_steps"],
+                           weight_decay=group["weight_decay"], lr_rule=group["lr_rule"],
+                           ns_coefficients=group["ns_coefficients"], eps=group["ns_eps"])
+
+
+def _require_matrix(p: Tensor) -> None:
+    if p.ndim < 2:
+        raise ValueError(
+            f"Muon: a parameter in a Muon ('matrix') group has shape {tuple(p.shape)}. Muon orthogonalises whole "
+            "matrices; a 1-D tensor here is usually a flat partition that DeepSpeed's ZeRO or bf16 optimizer "
+            "substituted for the model's parameters. Use zero_optimization stage 0 without DeepSpeed's bf16 "
+            "optimizer, and ds_async.optim.sharded.ShardedOptimizer for tensor-granular ZeRO-1.")
+
+
+def muon_param_groups(model: torch.nn.Module, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
+                      ns_steps: int = NS_STEPS, weight_decay: float = 0.0, lr_rule: str = "original",
+                      adam_lr: float = 3e-4, adam_betas: tuple[float, float] = (0.9, 0.95), adam_eps: float = 1e-8,
+                      adam_weight_decay: float = 0.0) -> list[dict]:
+    """Param groups for :class:`Muon`, one per role present in ``model`` (named after it): ``matrix`` with Muon's
+    hyper-parameters, ``embedding``, ``head`` and ``vector`` with AdamW's (``adam_*``)."""
+    from .roles import role_groups
+
+    muon = dict(use_muon=True, lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                weight_decay=weight_decay, lr_rule=lr_rule)
+    adam = dict(use_muon=False, lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps, weight_decay=adam_weight_decay)
+    return [dict(params=params, name=role, **(muon if role == "matrix" else adam))
+            for role, params in role_groups(model).items() if params]

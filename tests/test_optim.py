@@ -1,0 +1,325 @@
+"""ds_async's optimizers against torch's and against plain references; roles; config; stats.
+
+Equalities with torch are exact: the update functions use torch's single-tensor op order (the path torch takes
+on CPU), including Muon's bf16 Newton-Schulz, so any difference is a real deviation, not rounding.
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
+
+from ds_async.config import ConfigError
+from ds_async.optim import (SGD, AdamW, ErrorFeedback, Lion, Muon, NesterovLookahead, build_correction,
+                            build_optimizer, muon_param_groups, param_roles)
+from ds_async.optim.muon import NS_COEFFICIENTS, zeropower_via_newtonschulz
+from ds_async.optim.muon_reference import ReferenceHybridMuon
+
+SHAPES = [(32, 16), (16, 48), (24, 24)]
+
+
+def twin_params(shapes, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    base = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+    return ([p.clone().requires_grad_() for p in base], [p.clone().requires_grad_() for p in base])
+
+
+def run_twins(make_a, make_b, shapes, steps=6, seed=0):
+    """Step two optimizers over identical parameters with identical random gradients; return both parameter lists
+    after every step."""
+    a, b = twin_params(shapes, seed)
+    opt_a, opt_b = make_a(a), make_b(b)
+    gen = torch.Generator().manual_seed(seed + 1)
+    history = []
+    for _ in range(steps):
+        for pa, pb in zip(a, b):
+            g = torch.randn(pa.shape, generator=gen)
+            pa.grad, pb.grad = g.clone(), g.clone()
+        opt_a.step()
+        opt_b.step()
+        history.append(([p.detach().clone() for p in a], [p.detach().clone() for p in b]))
+    return history
+
+
+def assert_equal_history(history):
+    for step, (xs, ys) in enumerate(history):
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            assert torch.equal(x, y), f"step {step}, param {i}: max diff {(x - y).abs().max().item():.3g}"
+
+
+@pytest.mark.parametrize("lr_rule", ["original", "match_rms_adamw"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_equals_torch_muon(lr_rule, nesterov):
+    hp = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=nesterov)
+    history = run_twins(lambda ps: torch.optim.Muon(ps, adjust_lr_fn=lr_rule, **hp),
+                        lambda ps: Muon([dict(params=ps, use_muon=True)], lr_rule=lr_rule, **hp), SHAPES)
+    assert_equal_history(history)
+    assert not torch.equal(history[-1][0][0], twin_params(SHAPES)[0][0])  # it moved
+
+
+@pytest.mark.parametrize("shape", [(4, 16, 24), (3, 40, 12), (2, 3, 8, 8)])
+def test_batched_newton_schulz_equals_per_matrix(shape):
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    batched = zeropower_via_newtonschulz(g)
+    flat = g.reshape(-1, *shape[-2:])
+    ours = torch.stack([zeropower_via_newtonschulz(m) for m in flat]).reshape(shape)
+    torchs = torch.stack([torch_newton_schulz(m, NS_COEFFICIENTS, 5, 1e-7) for m in flat]).reshape(shape)
+    assert batched.dtype == torch.bfloat16
+    assert torch.equal(batched, ours) and torch.equal(batched, torchs)
+
+
+def test_muon_on_expert_stack_equals_one_muon_per_expert():
+    experts, rows, cols = 4, 24, 16
+    stack, singles = twin_params([(experts, rows, cols)])[0], None
+    singles = [stack[0][e].detach().clone().requires_grad_() for e in range(experts)]
+    opt_stack = Muon([dict(params=stack, use_muon=True)], weight_decay=0.05, lr_rule="match_rms_adamw")
+    opt_singles = Muon([dict(params=singles, use_muon=True)], weight_decay=0.05, lr_rule="match_rms_adamw")
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(4):
+        g = torch.randn(experts, rows, cols, generator=gen)
+        stack[0].grad = g.clone()
+        for e in range(experts):
+            singles[e].grad = g[e].clone()
+        opt_stack.step()
+        opt_singles.step()
+    assert torch.equal(stack[0].detach(), torch.stack([s.detach() for s in singles]))
+
+
+def test_adamw_equals_torch():
+    hp = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    shapes = SHAPES + [(40,), (7, 3, 5)]
+    assert_equal_history(run_twins(lambda ps: torch.optim.AdamW(ps, **hp), lambda ps: AdamW(ps, **hp), shapes))
+
+
+@pytest.mark.parametrize("nesterov,dampening", [(False, 0.0), (True, 0.0), (False, 0.3)])
+def test_sgd_equals_torch(nesterov, dampening):
+    hp = dict(lr=0.05, momentum=0.9, nesterov=nesterov, dampening=dampening)
+    shapes = SHAPES + [(40,)]
+    assert_equal_history(run_twins(lambda ps: torch.optim.SGD(ps, **hp), lambda ps: SGD(ps, **hp), shapes))
+
+
+def test_sgd_weight_decay_is_decoupled():
+    """torch's SGD without weight decay after ``x *= 1 - lr * wd``: the decay never enters the momentum."""
+    lr, wd = 0.05, 0.1
+
+    class DecayThenTorchSGD(torch.optim.SGD):
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.mul_(1 - lr * wd)
+            return super().step(closure)
+
+    history = run_twins(lambda ps: DecayThenTorchSGD(ps, lr=lr, momentum=0.9),
+                        lambda ps: SGD(ps, lr=lr, momentum=0.9, weight_decay=wd), SHAPES)
+    assert_equal_history(history)
+
+
+class HandLion(torch.optim.Optimizer):
+    """Lion as written in the paper's pseudo-code (Chen et al. 2023, Program 1)."""
+
+    def __init__(self, params, lr, betas, weight_decay):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            (beta1, beta2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                m = self.state[p].setdefault("m", torch.zeros_like(p))
+                update = (beta1 * m + (1 - beta1) * p.grad).sign()
+                p.mul_(1 - lr * wd)
+                p.add_(update, alpha=-lr)
+                m.mul_(beta2).add_((1 - beta2) * p.grad)
+
+
+def test_lion_equals_hand_written_lion():
+    hp = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.3)
+    history = run_twins(lambda ps: HandLion(ps, **hp), lambda ps: Lion(ps, **hp), SHAPES + [(40,)])
+    # The momentum is a convex combination written two ways (lerp vs mul/add): equal up to fp32 rounding, and
+    # the update is its sign, so the parameters agree to rounding unless a sign flips (which would be lr = 1e-3).
+    for xs, ys in history:
+        for x, y in zip(xs, ys):
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+
+
+def tiny_llama(layers: int = 2):
+    from transformers import LlamaConfig
+
+    from ds_async.models.llama import DecoderLayerPipe, EmbeddingPipe, HeadPipe, check_supported
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                         tie_word_embeddings=False)
+    check_supported(config)
+    return nn.ModuleList([EmbeddingPipe(config, seed=1)]
+                         + [DecoderLayerPipe(config, i, seed=1) for i in range(layers)]
+                         + [HeadPipe(config, seed=1, index=layers + 1)])
+
+
+def by_role(model):
+    """Roles read off the model's structure by hand (attribute paths, not names)."""
+    emb, *decoders, head = model
+    matrices, vectors = [], [head.norm.weight]
+    for d in decoders:
+        attn, mlp = d.layer.self_attn, d.layer.mlp
+        matrices += [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
+                     mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+        vectors += [d.layer.input_layernorm.weight, d.layer.post_attention_layernorm.weight]
+    return {"matrix": matrices, "embedding": [emb.embed_tokens.weight], "head": [head.lm_head.weight],
+            "vector": vectors}
+
+
+def test_roles_of_a_llama_pipeline():
+    model = tiny_llama()
+    groups = muon_param_groups(model)
+    placed = [p for g in groups for p in g["params"]]
+    assert len(placed) == len({id(p) for p in placed}) == len(list(model.parameters()))
+    want = by_role(model)
+    for g in groups:
+        assert {id(p) for p in g["params"]} == {id(p) for p in want[g["name"]]}, g["name"]
+        assert g["use_muon"] == (g["name"] == "matrix")
+    assert {g["name"] for g in groups} == set(want)
+
+
+def test_roles_from_types_and_declarations():
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(4, 8, 6))
+
+    class Router(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(4, 8))
+
+    class DeclaredRouter(Router):
+        def ds_async_roles(self):
+            return {self.weight: "vector"}
+
+    ok = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.LayerNorm(8), Experts(), DeclaredRouter())
+    roles = param_roles(ok)
+    assert [roles[p] for p in ok.parameters()] == ["embedding", "matrix", "vector", "vector", "vector", "matrix",
+                                                   "vector"]
+    with pytest.raises(ValueError, match=r"no role for Router.weight of shape \(4, 8\).*ds_async_roles"):
+        param_roles(nn.Sequential(nn.Linear(8, 8), Router()))
+    with pytest.raises(ValueError, match="no role for Conv1d.weight"):
+        param_roles(nn.Conv1d(2, 3, 4))
+
+    class Embedding(nn.Embedding):
+        def ds_async_roles(self):
+            return {self.weight: "embedding"}
+
+    class Head(nn.Linear):
+        def ds_async_roles(self):
+            return {self.weight: "head"}
+
+    tied = nn.Sequential(Embedding(10, 8), Head(8, 10, bias=False))
+    tied[1].weight = tied[0].weight
+    with pytest.raises(ValueError, match="declared both 'embedding' and 'head'"):
+        param_roles(tied)
+
+
+def test_hybrid_muon_equals_slow_reference():
+    hp = dict(lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.1, lr_rule="match_rms_adamw",
+              adam_lr=3e-3, adam_betas=(0.9, 0.95), adam_eps=1e-8, adam_weight_decay=0.05)
+    fast_model = tiny_llama()
+    ref_model = copy.deepcopy(fast_model)
+    start = [p.detach().clone() for p in fast_model.parameters()]
+    fast = build_optimizer({"type": "Muon", "params": hp}, fast_model)
+    roles = by_role(ref_model)
+    ref = ReferenceHybridMuon(roles["matrix"], roles["embedding"] + roles["head"] + roles["vector"], **hp)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        for p, q in zip(fast_model.parameters(), ref_model.parameters()):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        fast.step()
+        ref.step()
+    matrices = {id(p) for p in by_role(fast_model)["matrix"]}
+    for p, q, p0 in zip(fast_model.parameters(), ref_model.parameters(), start):
+        moved = (q - p0).norm()
+        err = ((p - q).norm() / moved).item()
+        # Relative to how far the parameter moved. AdamW parameters: fp32 storage vs float64 (norm weights sit at
+        # ~1 and move ~1e-2, so fp32's 6e-8 is ~3e-5 of the move). Muon matrices: bf16 Newton-Schulz vs float64,
+        # measured ~1e-2; a wrong lr rule, decay, momentum or routing is an O(1) error.
+        assert err < (3e-2 if id(p) in matrices else 2e-4), (tuple(p.shape), err)
+
+
+def test_muon_refuses_flat_partitions():
+    flat = torch.zeros(64, requires_grad=True)
+    with pytest.raises(ValueError, match="flat partition that DeepSpeed's ZeRO or bf16 optimizer"):
+        Muon([dict(params=[flat], use_muon=True)])
+    # DeepSpeed swaps flat partitions into the param groups after the optimizer is built: refused at step time.
+    matrix = torch.zeros(8, 8, requires_grad=True)
+    opt = Muon([dict(params=[matrix], use_muon=True)])
+    opt.param_groups[0]["params"] = [flat]
+    flat.grad = torch.ones(64)
+    with pytest.raises(ValueError, match="has shape \\(64,\\)"):
+        opt.step()
+    # The elementwise optimizers take any tensor, flat partitions included.
+    for cls in (AdamW, SGD, Lion):
+        p = torch.zeros(64, requires_grad=True)
+        p.grad = torch.ones(64)
+        cls([p], lr=0.1).step()
+        assert p.abs().sum() > 0
+
+
+def test_stats_report_the_last_step():
+    model = tiny_llama(1)
+    opt = build_optimizer({"type": "Muon", "params": {"adam_lr": 1e-3}}, model, correction={"type": "ef"})
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        before = {p: p.detach().clone() for p in model.parameters()}
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    stats = opt.stats()
+    for group in opt.param_groups:
+        u = torch.cat([(before[p] - p.detach()).flatten() for p in group["params"]])
+        assert stats[f"update_rms/{group['name']}"] == pytest.approx(u.pow(2).mean().sqrt().item(), rel=1e-5)
+        assert stats[f"lr/{group['name']}"] == group["lr"]
+        assert f"base_update_rms/{group['name']}" in stats
+    buffers = torch.cat([opt.state[p]["ef_prev_update"].flatten() for p in model.parameters()])
+    assert stats["ef_buffer_norm"] == pytest.approx(buffers.norm().item(), rel=1e-5)
+
+
+def test_correction_config_is_strict():
+    assert build_correction(None) is None and build_correction({"type": "none"}) is None
+    assert build_correction({"type": "ef", "lambda": 0.5}) == ErrorFeedback(lam=0.5)
+    assert build_correction({"type": "ef"}) == ErrorFeedback(lam=1.0)
+    assert build_correction({"type": "nesterov", "delay": 2}) == NesterovLookahead(momentum=0.9, delay=2)
+    with pytest.raises(ConfigError, match=r"ds_async.correction.lamda: unknown key \(did you mean "
+                                          r"'ds_async.correction.lambda'\?\)"):
+        build_correction({"type": "ef", "lamda": 1.0})
+    with pytest.raises(ConfigError, match="ds_async.correction.momentum: only for type 'nesterov', not 'ef'"):
+        build_correction({"type": "ef", "momentum": 0.9})
+    with pytest.raises(ConfigError, match="ds_async.correction.type: must be one of"):
+        build_correction({"type": "dana"})
+    with pytest.raises(ConfigError, match="ds_async.correction.momentum: must be in"):
+        build_correction({"type": "nesterov", "momentum": 1.0})
+
+
+def test_build_optimizer_paths():
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 10))
+    # Without a correction: exactly what DeepSpeed builds from the same block.
+    adamw = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1, "torch_adam": True}}
+    assert type(build_optimizer(adamw, model.parameters())) is torch.optim.AdamW
+    assert type(build_optimizer({"type": "SGD", "params": {"lr": 0.1}}, model.parameters())) is torch.optim.SGD
+    # With one: ds_async's hookable classes.
+    opt = build_optimizer(adamw, model, correction={"type": "ef"})
+    assert type(opt) is AdamW and opt.correction == ErrorFeedback(1.0)
+    assert type(build_optimizer({"type": "Lion", "params": {"lr": 1e-4, "betas": [0.9, 0.99]}}, model)) is Lion
+    with pytest.raises(ValueError, match="decoupled_weight_decay"):
+        build_optimizer({"type": "SGD", "params": {"lr": 0.1, "weight_decay": 0.1}}, model, {"type": "ef"})
+    sgd = build_optimizer({"type": "SGD", "params": {"lr": 0.1, "weight_decay": 0.1, "decoupled_weight_decay": True}},
+                          model, {"type": "ef"})
+    assert type(sgd) is SGD
+    with pytest.raises(ValueError, match="pass the model"):
+        build_optimizer({"type": "Muon"}, model.parameters())
+    with pytest.raises(ValueError, match=r"optimizer.params.lr_rul: unknown key for type 'Muon' \(did you mean "
+                                         r"'lr_rule'\?\)"):
+        build_optimizer({"type": "Muon", "params": {"lr_rul": "original"}}, model)
+    with pytest.raises(ValueError, match="no ds_async implementation"):
+        build_optimizer({"type": "RMSprop", "params": {"lr": 0.1}}, model, {"type": "ef"})
