@@ -183,6 +183,39 @@ def test_roles_of_a_llama_pipeline():
     assert {g["name"] for g in groups} == set(want)
 
 
+def test_mixtral_experts_and_router_train_with_muon():
+    """A real Mixtral pipeline: expert stacks [E, rows, cols] and the router are Muon matrices, and one step on a
+    real loss (through the experts' grouped matmul) moves every parameter the batch reaches."""
+    from transformers import MixtralConfig
+
+    from ds_async.models import mixtral
+
+    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                           num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    mixtral.check_supported(config)
+    model = nn.ModuleList([mixtral.EmbeddingPipe(config, seed=1)]
+                          + [mixtral.MoeDecoderLayerPipe(config, i, seed=1) for i in range(2)]
+                          + [mixtral.MoeHeadPipe(config, seed=1, index=3)])
+    groups = {g["name"]: {id(p) for p in g["params"]} for g in muon_param_groups(model)}
+    for d in model[1:3]:
+        mlp, attn = d.layer.mlp, d.layer.self_attn
+        for p in (mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.weight, attn.q_proj.weight):
+            assert id(p) in groups["matrix"]
+        assert mlp.experts.gate_up_proj.ndim == 3
+        assert id(d.layer.input_layernorm.weight) in groups["vector"]
+    assert id(model[0].embed_tokens.weight) in groups["embedding"] and id(model[3].lm_head.weight) in groups["head"]
+    opt = build_optimizer({"type": "Muon", "params": {"lr": 0.02, "adam_lr": 1e-3}}, model, correction={"type": "ef"})
+    before = [p.detach().clone() for p in model.parameters()]
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    x = ids
+    for layer in model:
+        x = layer(x)
+    mixtral.loss_fn(config)(x, ids).backward()
+    opt.step()
+    assert all(p.grad is not None and not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
 def test_roles_from_types_and_declarations():
     class Experts(nn.Module):
         def __init__(self):
