@@ -102,6 +102,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not isinstance(self.optimizer, UpdateOptimizer):
             raise TypeError(f"stats() needs a ds_async optimizer, not {type(self.optimizer).__name__}")
         sums = self.optimizer.stat_sums()
-        values = stack_sums(sums)
+        # On the parameters' device even on a rank that owns nothing (whose sums are plain zeros): NCCL needs it.
+        values = stack_sums(sums).to(self._params[0].device)
         dist.all_reduce(values, group=self.group)
         return finish_stats(list(sums), values, self.optimizer.last_lrs)
