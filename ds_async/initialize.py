@@ -18,9 +18,12 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
 
 
-def initialize(model: PipelineModule, config: dict, schedule: str = "1f1b", optimizer=None, lr_scheduler=None,
-               model_parameters=None) -> AsyncPipelineEngine:
-    """Build the engine for ``model`` from a DeepSpeed config dict (without its ``ds_async`` section)."""
+def initialize(model: PipelineModule, config: dict, schedule: str = "1f1b", p2p: str = "overlap", optimizer=None,
+               lr_scheduler=None, model_parameters=None) -> AsyncPipelineEngine:
+    """Build the engine for ``model`` from a DeepSpeed config dict (without its ``ds_async`` section).
+
+    ``schedule`` and ``p2p`` are the ``ds_async`` section's keys of the same names.
+    """
     if not isinstance(model, PipelineModule):
         raise TypeError(f"ds_async.initialize needs a deepspeed PipelineModule, got {type(model).__name__}")
     init_distributed()
@@ -29,7 +32,7 @@ def initialize(model: PipelineModule, config: dict, schedule: str = "1f1b", opti
     deepspeed.set_optimizer_flags(config_class, model)
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
-    engine = AsyncPipelineEngine(schedule=schedule, args=None, model=model, optimizer=optimizer,
+    engine = AsyncPipelineEngine(schedule=schedule, p2p=p2p, args=None, model=model, optimizer=optimizer,
                                  model_parameters=model_parameters, lr_scheduler=lr_scheduler, mpu=mpu,
                                  config=config, config_class=config_class)
     engine._configure_python_gc()

@@ -76,7 +76,7 @@ def train(config_path: str, max_steps: int | None = None, run_name: str | None =
         raise ConfigError(f"ds_async.model: vocab_size {hf_config.vocab_size} is smaller than the tokenizer's "
                           f"vocabulary ({len(tok)} tokens from {cfg.tokenizer})")
     module = build_pipeline(cfg, hf_config)
-    engine = initialize(module, ds_config, schedule=cfg.schedule)
+    engine = initialize(module, ds_config, schedule=cfg.schedule, p2p=cfg.p2p)
 
     dp_rank, dp_world = engine.grid.data_parallel_id, engine.grid.data_parallel_size
     seq_len = cfg.data.seq_len

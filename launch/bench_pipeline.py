@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=5632)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--p2p", choices=["overlap", "deepspeed"], default="overlap",
+                    help="stage-to-stage transfers: ds_async's non-blocking channels or DeepSpeed's blocking p2p")
     ap.add_argument("--precision", choices=["bf16", "autocast"], default="bf16",
                     help="bf16: DeepSpeed's bf16 weights + fp32 master; autocast: fp32 weights, bf16 compute")
     ap.add_argument("--partition", default="parameters",
@@ -103,7 +105,7 @@ def main() -> None:
     partition = ({"method": "explicit", "boundaries": [int(x) for x in a.partition.split(",")]}
                  if "," in a.partition else {"method": a.partition})
     cfg = cfgmod.parse({"model": {"config": model}, "pipeline_stages": stages, "schedule": a.schedule,
-                        "train": {"steps": a.steps}, "partition": partition})
+                        "train": {"steps": a.steps}, "partition": partition, "p2p": a.p2p})
     hf = LlamaConfig(**model, tie_word_embeddings=False)
     ds_config = {"train_micro_batch_size_per_gpu": a.micro_batch_size, "gradient_accumulation_steps": a.micro_batches,
                  "steps_per_print": 10 ** 9, "gradient_clipping": 1.0, "wall_clock_breakdown": False,
@@ -115,14 +117,18 @@ def main() -> None:
         ds_config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     from ds_async.pipe.engine import AsyncPipelineEngine
     timer = ComputeTimer(AsyncPipelineEngine)
-    engine = initialize(build_pipeline(cfg, hf), ds_config, schedule=a.schedule)
+    engine = initialize(build_pipeline(cfg, hf), ds_config, schedule=a.schedule, p2p=a.p2p)
     dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device="cpu").manual_seed(0)
 
+    # A pool of micro-batches already on the GPU: host-to-device copies are not what is measured, and a pageable
+    # copy per micro-batch would make the host wait for the GPU in either p2p mode.
+    pool = [torch.randint(0, a.vocab, (a.micro_batch_size, a.seq_len + 1), generator=gen).to(dev) for _ in range(8)]
+
     def batches():
         while True:
-            ids = torch.randint(0, a.vocab, (a.micro_batch_size, a.seq_len + 1), generator=gen)
-            yield ids[:, :-1].to(dev), ids[:, 1:].to(dev)
+            for ids in pool:
+                yield ids[:, :-1], ids[:, 1:]
 
     it = batches()
     total = a.warmup + a.steps
@@ -155,7 +161,7 @@ def main() -> None:
     flops = model_flops_per_token(hf, a.seq_len) * tokens / step_time
     mfu = flops / (world * PEAK_BF16[card]) if card else None
     p, m = stages, a.micro_batches
-    row = {"schedule": a.schedule, "stages": p, "partition": a.partition, "data_parallel": world // p, "micro_batches": m,
+    row = {"schedule": a.schedule, "p2p": a.p2p, "stages": p, "partition": a.partition, "data_parallel": world // p, "micro_batches": m,
            "micro_batch_size": a.micro_batch_size, "seq_len": a.seq_len, "precision": a.precision,
            "step_time_s": round(step_time, 4), "tokens_per_s": round(tokens / step_time, 1),
            "mfu": None if mfu is None else round(mfu, 4), "ideal_1f1b_bubble": round((p - 1) / (m + p - 1), 4),

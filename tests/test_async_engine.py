@@ -12,21 +12,22 @@ SGD_M = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
 ADAMW = {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.1, "torch_adam": True}}
 STEPS, MBS, SEQ = 10, 2, 32
 
-CASES = [  # (id, schedule, nproc, stages, micro-batches per replica, data-parallel, optimizer)
-    ("2bw-p2-sgdm", "2bw", 2, 2, 4, 1, SGD_M),
-    ("2bw-p2-adamw", "2bw", 2, 2, 4, 1, ADAMW),
-    ("2bw-p4-adamw", "2bw", 4, 4, 4, 1, ADAMW),
-    ("2bw-p2xdp2-sgdm", "2bw", 4, 2, 2, 2, SGD_M),
-    ("2bw-p3-m5-adamw", "2bw", 3, 3, 5, 1, ADAMW),
-    ("pipedream-p4-m1-sgdm", "pipedream", 4, 4, 1, 1, SGD_M),
-    ("pipedream-p3-m2-adamw", "pipedream", 3, 3, 2, 1, ADAMW),
+CASES = [  # (id, schedule, nproc, stages, micro-batches per replica, data-parallel, optimizer, p2p)
+    ("2bw-p2-sgdm", "2bw", 2, 2, 4, 1, SGD_M, "overlap"),
+    ("2bw-p2-adamw-dsp2p", "2bw", 2, 2, 4, 1, ADAMW, "deepspeed"),
+    ("2bw-p4-adamw", "2bw", 4, 4, 4, 1, ADAMW, "overlap"),
+    ("2bw-p2xdp2-sgdm", "2bw", 4, 2, 2, 2, SGD_M, "overlap"),
+    ("2bw-p3-m5-adamw", "2bw", 3, 3, 5, 1, ADAMW, "overlap"),
+    ("pipedream-p4-m1-sgdm", "pipedream", 4, 4, 1, 1, SGD_M, "overlap"),
+    ("pipedream-p3-m2-adamw", "pipedream", 3, 3, 2, 1, ADAMW, "overlap"),
 ]
 
 
-@pytest.mark.parametrize("schedule,nproc,stages,m,dp,optimizer", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_engine_equals_emulation(tmp_path, schedule, nproc, stages, m, dp, optimizer):
+@pytest.mark.parametrize("schedule,nproc,stages,m,dp,optimizer,p2p", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_engine_equals_emulation(tmp_path, schedule, nproc, stages, m, dp, optimizer, p2p):
     got = run_job(nproc, "train", tmp_path, stages=stages, steps=STEPS, mbs=MBS, gas=m, seq_len=SEQ,
-                  schedule=schedule, optimizer=optimizer)
+                  schedule=schedule, optimizer=optimizer, p2p=p2p)
     losses, want = emulate_run(schedule, stages, STEPS, m, dp, optimizer, seq_len=SEQ, mbs=MBS)
     sync_losses, sync = emulate_run("1f1b", stages, STEPS, m, dp, optimizer, seq_len=SEQ, mbs=MBS)
     have = stage_params(tmp_path, stages)
@@ -40,7 +41,8 @@ def test_engine_equals_emulation(tmp_path, schedule, nproc, stages, m, dp, optim
 
 
 def test_1f1b_equals_stock_deepspeed(tmp_path):
-    """With the synchronous schedule the engine is DeepSpeed's (clipping off: ds_async clips by the global norm)."""
+    """With the synchronous schedule the engine is DeepSpeed's (clipping off: ds_async clips by the global norm),
+    also with ds_async's non-blocking p2p in place of DeepSpeed's."""
     kw = dict(stages=2, steps=STEPS, mbs=MBS, gas=4, seq_len=SEQ, optimizer=ADAMW, clip=0.0)
     ours = run_job(2, "train", tmp_path / "ours", schedule="1f1b", **kw)
     stock = run_job(2, "train", tmp_path / "stock", stock=True, **kw)

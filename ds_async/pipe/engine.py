@@ -12,22 +12,35 @@ from types import MethodType
 
 import torch
 from deepspeed import comm as dist
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..config import SCHEDULES
 from ..optim.clip import clip_, squared_norm
 from . import schedule as fs
+from .bf16_step import PrecomputedNormBF16Optimizer
 from .delay import weight_version
+from .p2p import NeighbourLinks
 from .versions import WeightVersions
+
+P2P_MODES = ("overlap", "deepspeed")
 
 
 class AsyncPipelineEngine(PipelineEngine):
-    def __init__(self, *args, schedule: str = "1f1b", **kwargs):
+    def __init__(self, *args, schedule: str = "1f1b", p2p: str = "overlap", **kwargs):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if p2p not in P2P_MODES:
+            raise ValueError(f"p2p must be one of {P2P_MODES}, got {p2p!r}")
         self.schedule_name = schedule
         super().__init__(*args, **kwargs)
+        self.links = None
+        if p2p == "overlap":
+            if self.is_pipe_partitioned or self.is_grad_partitioned or self.has_bool_tensors:
+                raise ValueError("p2p 'overlap' does not handle DeepSpeed's partitioned or boolean pipe tensors; "
+                                 "use p2p 'deepspeed'")
+            self.links = NeighbourLinks(self.grid._topo.get_axis_comm_lists("pipe"), self.global_rank)
         self.is_async = schedule != "1f1b"
         self._segment = None  # (FlushFreeSchedule, its step iterator) while the pipeline is not drained
         self._batch_losses: dict[int, torch.Tensor] = {}
@@ -36,6 +49,7 @@ class AsyncPipelineEngine(PipelineEngine):
         self._drain_at: int | None = None  # last batch of the current segment, when known in advance
         self._version_ready: dict[int, torch.cuda.Event] = {}  # published on the side stream, not yet waited for
         self.versions = None
+        self._pending_norm = None  # (squared gradient norm, its all-reduce) between a batch's reduce and its step
         # On GPUs the optimizer step runs on a side stream: with blocking p2p, a step on the compute stream would
         # stall every neighbour, once per stage per batch. Forwards never read the master, so nothing waits for
         # the step but the next gradient hand-over and the first forward on the version it publishes.
@@ -43,6 +57,8 @@ class AsyncPipelineEngine(PipelineEngine):
         if self.is_async:
             slots = fs.FlushFreeSchedule(self.micro_batches, self.num_stages, self.stage_id, schedule).num_versions()
             self.versions = WeightVersions(self.module, slots, first_version=self.global_steps)
+            if self.using_bf16_optimizer and type(self.optimizer) is BF16_Optimizer:
+                self.optimizer.__class__ = PrecomputedNormBF16Optimizer
 
     @property
     def is_reporting_rank(self) -> bool:
@@ -98,6 +114,8 @@ class AsyncPipelineEngine(PipelineEngine):
                 break
         if flush:
             self._segment = None
+            if self.links is not None:
+                self.links.wait_sends()
             if self._step_stream is not None:
                 torch.cuda.current_stream().wait_stream(self._step_stream)
                 self._version_ready.clear()
@@ -137,6 +155,35 @@ class AsyncPipelineEngine(PipelineEngine):
         if self.using_bf16_optimizer:
             self._hand_grads_to_bf16_optimizer()
         self._exec_reduce_grads()
+        self._start_global_norm()
+
+    def _start_global_norm(self):
+        """Start summing the squared gradient norm over the pipeline, without waiting for the other stages.
+
+        Only the optimizer step waits for it (on the side stream on GPUs), and the step has a whole batch of
+        slack before the version it publishes is first needed.
+        """
+        if self.gradient_clipping() <= 0.0:
+            return
+        if self.using_bf16_optimizer:
+            if not isinstance(self.optimizer, PrecomputedNormBF16Optimizer):
+                return
+            grads = self.optimizer.get_grads_for_norm(for_clipping=True)
+        elif self.zero_optimization() or self.fp16_enabled():
+            return  # DeepSpeed's ZeRO optimizers compute their own norm at step time (a barrier, but correct)
+        else:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        sq = squared_norm(grads)
+        self._pending_norm = sq, dist.all_reduce(sq, group=self.grid.get_pipe_parallel_group(), async_op=True)
+
+    def _take_model_step(self, lr_kwargs=None):
+        if self._pending_norm is not None:
+            sq, work = self._pending_norm
+            work.wait()  # NCCL: only the current (step) stream waits
+            if isinstance(self.optimizer, PrecomputedNormBF16Optimizer):
+                self.optimizer.squared_norm = sq
+                self._pending_norm = None
+        return super()._take_model_step(lr_kwargs)
 
     def _hand_grads_to_bf16_optimizer(self):
         # DeepSpeed's BF16_Optimizer collects gradients into its fp32 buffers from hooks on the bf16 parameters;
@@ -180,6 +227,49 @@ class AsyncPipelineEngine(PipelineEngine):
             raise RuntimeError("eval_batch() needs a drained pipeline: call train_batch(..., flush=True) first")
         return super().eval_batch(data_iter, *args, **kwargs)
 
+    # ------------------------------------------------------------------------- non-blocking p2p (``overlap``)
+    def _exec_send_activations(self, buffer_id):
+        if self.links is None:
+            return super()._exec_send_activations(buffer_id)
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        if self.first_output_send:  # shapes go once, on DeepSpeed's own channel
+            self.first_output_send = False
+            self._send_tensor_meta(outputs, self.next_stage)
+        self.links.send_activations(_as_tuple(outputs))
+
+    def _exec_recv_activations(self, buffer_id):
+        if self.links is None:
+            return super()._exec_recv_activations(buffer_id)
+        if self.pipe_recv_buf is None:
+            self.pipe_recv_buf = self._recv_tensor_meta(self.prev_stage)  # used as shape templates only
+        received = self.links.recv_activations(_as_tuple(self.pipe_recv_buf))
+        for t in received:
+            t.requires_grad = t.is_floating_point()
+        self.pipe_buffers["inputs"][buffer_id] = received[0] if torch.is_tensor(self.pipe_recv_buf) \
+            else tuple(received)
+
+    def _exec_send_grads(self, buffer_id):
+        if self.links is None:
+            return super()._exec_send_grads(buffer_id)
+        inputs = _as_tuple(self.pipe_buffers["inputs"][buffer_id])
+        self.links.send_gradients([t.grad for t in inputs if t.is_floating_point()])
+        self.pipe_buffers["inputs"][buffer_id] = None
+
+    def _exec_recv_grads(self, buffer_id):
+        if self.links is None:
+            return super()._exec_recv_grads(buffer_id)
+        outputs = _as_tuple(self.pipe_buffers["outputs"][buffer_id])
+        grads = self.links.recv_gradients([t for t in outputs if t.is_floating_point()])
+        self.grad_layer = grads[0] if torch.is_tensor(self.pipe_buffers["outputs"][buffer_id]) else grads
+
+    def _next_batch(self):
+        # DeepSpeed's ``.to(device)`` from pageable memory makes the host wait for the GPU on the first and last
+        # stage every micro-batch, which would stop the host from running ahead of the data.
+        batch = super()._next_batch()
+        if self.links is None or self.device.type != "cuda" or batch is None:
+            return batch
+        return _to_device(batch, self.device)
+
     # ---------------------------------------------------------------------------------- fixes to DeepSpeed
     def _recv_tensor_meta(self, send_stage):
         # DeepSpeed carves activation receive buffers from the same cache as gradient receive buffers, so on a
@@ -193,6 +283,19 @@ class AsyncPipelineEngine(PipelineEngine):
     def clip_fp32_gradients(self):
         """Clip by the whole model's gradient norm (DeepSpeed's pipeline averages per-stage norms instead)."""
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        sq = squared_norm(grads)
-        dist.all_reduce(sq, group=self.grid.get_pipe_parallel_group())
+        if self._pending_norm is not None:
+            (sq, _), self._pending_norm = self._pending_norm, None  # reduced already, see _start_global_norm
+        else:
+            sq = squared_norm(grads)
+            dist.all_reduce(sq, group=self.grid.get_pipe_parallel_group())
         clip_(grads, sq, self.gradient_clipping())
+
+
+def _as_tuple(x) -> tuple:
+    return (x,) if torch.is_tensor(x) else tuple(x)
+
+
+def _to_device(x, device):
+    if torch.is_tensor(x):
+        return x if x.device == device else x.pin_memory().to(device, non_blocking=True)
+    return type(x)(_to_device(y, device) for y in x)
