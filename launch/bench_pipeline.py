@@ -62,6 +62,21 @@ class ComputeTimer:
         return sum(s.elapsed_time(e) for s, e in self.pairs) / 1000
 
 
+def profile_steps(engine, it, folder: str) -> None:
+    """Kernel and host-op table of two steady steps on this rank (separate from the timed steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(folder, exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            engine.train_batch(it)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
+    host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    with open(os.path.join(folder, f"profile_rank{engine.global_rank}.txt"), "w") as f:
+        f.write(table + "\n\n" + host)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--schedule", choices=["1f1b", "2bw"], required=True)
@@ -83,6 +98,8 @@ def main() -> None:
                          "e.g. 0,5,9,13,17")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--profile", default=None,
+                    help="write a torch.profiler kernel table per rank of two steady steps into this folder")
     ap.add_argument("--out", default=None, help="append the result row to this JSON-lines file")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None)
     a = ap.parse_args()
@@ -131,7 +148,7 @@ def main() -> None:
                 yield ids[:, :-1], ids[:, 1:]
 
     it = batches()
-    total = a.warmup + a.steps
+    total = a.warmup + a.steps + (2 if a.profile else 0)
     engine.drain_after(total - 1)
     for _ in range(a.warmup):
         engine.train_batch(it)
@@ -147,6 +164,8 @@ def main() -> None:
     elapsed = time.perf_counter() - t0  # steady state: the last step (with the final drain) is timed apart
     timer.on = False
     busy = timer.busy_seconds()
+    if a.profile:
+        profile_steps(engine, it, a.profile)
     engine.train_batch(it)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2 ** 30

@@ -77,8 +77,9 @@ class UpdateOptimizer(torch.optim.Optimizer):
         param.copy_(new)
 
     def _accumulate(self, key: str, t: Tensor) -> None:
-        # A norm kernel reads t once and allocates nothing parameter-sized.
-        sq = torch.linalg.vector_norm(t.detach(), dtype=torch.float32).square()
+        # A norm kernel reads t once and allocates nothing parameter-sized; at least fp32 (it refuses to narrow).
+        wide = torch.promote_types(t.dtype, torch.float32)
+        sq = torch.linalg.vector_norm(t.detach(), dtype=wide).square()
         self._sums[key] = self._sums[key] + sq if key in self._sums else sq
 
     def stat_sums(self) -> dict[str, Tensor | int]:
