@@ -15,11 +15,11 @@ delay this is ``x(t+1) = x(t) - 2 u(t) + u(t-1)``; indexing updates by the weigh
 literature. The stale gradient's update is extrapolated linearly to where the fresh one would be; for a delay
 ``tau`` use ``lambda = tau``. First step: ``u(-1) = 0``, so the first applied update is ``(1 + lambda) u(0)``.
 
-``NesterovLookahead`` (``"nesterov"``) is the weight-space look-ahead that Ajanthan et al. (ICML 2025,
-arXiv:2505.01099, "Nesterov Method for Asynchronous Pipeline Parallel Optimization") build their asynchronous
-NAG variant on, and that SpecTrain's weight prediction also uses: rather than evaluating the gradient at the
-current iterate, publish weights that are ahead of it along the direction of travel by as many steps as the
-gradient will be late, so that the late gradient is (to first order) the gradient at the iterate. Exactly:
+``NesterovLookahead`` (``"nesterov"``) is a weight-space look-ahead, the idea behind Ajanthan et al.'s NAG variant
+(ICML 2025, arXiv:2505.01099, "Nesterov Method for Asynchronous Pipeline Parallel Optimization": NAG takes the
+gradient at a point ahead of the iterate along its momentum) and behind SpecTrain's weight prediction: publish
+weights that are ahead of the iterate along its direction of travel by as many steps as the gradient will be
+late, so that the late gradient is (to first order) the gradient at the iterate. Exactly:
 
     m(t)  = mu * m(t-1) + (1 - mu) * u(t)            velocity estimate, an EMA of the base updates
     u'(t) = u(t) + tau * (m(t) - m(t-1))              applied update
@@ -36,10 +36,14 @@ Why this form rather than the paper's own: their algorithm changes the optimizer
 is NAdamW with beta1 = 0.99, whose look-ahead distance is tied to its momentum coefficient); as a transform of
 ``u`` the look-ahead must carry its own velocity estimate, and its distance is set by the delay ``tau`` instead.
 With ``mu = 0`` it is ``ErrorFeedback`` with ``lambda = tau`` (up to the first step); ``mu > 0`` averages the
-velocity over ``~1/(1-mu)`` steps, which stops the correction from amplifying gradient noise the way EF's
-difference of two single-step updates does (EF's applied update has 5x the noise variance of ``u`` at
-``lambda = 1``), at the price of following changes of direction ``~mu/(1-mu)`` steps late. First step:
-``m(-1) = u(0)`` (the buffer starts at the first update), so the first applied update is ``u(0)`` unchanged.
+velocity over ``~1/(1-mu)`` steps, which damps the noise the correction adds (EF's difference of two single-step
+updates gives the applied update 5x the noise variance of ``u`` at ``lambda = 1``), at the price of following
+changes of direction ``~mu/(1-mu)`` steps late. First step: ``m(-1) = u(0)`` (the buffer starts at the first
+update), so the first applied update is ``u(0)`` unchanged.
+
+Neither correction widens the range of stable step sizes of plain gradient descent on a quadratic with a one-step
+delay (stable for ``lr * curvature < 1``): both extrapolate, and EF at ``lambda = 1`` already diverges at 0.9.
+What they buy is a smaller bias of the update direction for step sizes well inside that range.
 """
 from __future__ import annotations
 
