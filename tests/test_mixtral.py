@@ -170,3 +170,16 @@ def test_every_parameter_has_a_role():
 def test_tied_embeddings_refused():
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         mixtral.layer_specs(MixtralConfig(**{**TINY_MIXTRAL, "tie_word_embeddings": True}))
+
+
+def test_family_selects_mixtral(hf_model):
+    from ds_async import config as cfgmod
+    from ds_async.models import FAMILIES, model_config
+
+    inline = cfgmod.parse({"model": {"family": "mixtral", "config": {"num_local_experts": 4}}, "train": {"steps": 1}})
+    config = model_config(inline)
+    assert isinstance(config, MixtralConfig) and config.num_local_experts == 4 and not config.tie_word_embeddings
+    assert FAMILIES[inline.model.family] is mixtral
+    wrong = cfgmod.parse({"model": {"family": "llama", "path": str(hf_model[1])}, "train": {"steps": 1}})
+    with pytest.raises(cfgmod.ConfigError, match="'llama' but the config is a 'mixtral'"):
+        model_config(wrong)
