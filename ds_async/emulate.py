@@ -4,6 +4,9 @@ to study optimizers under delay on one device.
 Each micro-batch runs forward and backward with every stage's layers set to the weights the schedule's version
 rule (:mod:`ds_async.pipe.delay`) assigns; gradients accumulate over the batch and the optimizer then updates the
 newest weights, exactly as the pipeline does, without any of its communication.
+
+:func:`build_layers` and :func:`uniform_stages` give the model and partition a pipeline run of the same
+``ds_async.model`` section would hold, so the emulation and the engine train the same network.
 """
 from __future__ import annotations
 
@@ -14,6 +17,34 @@ from torch import nn
 
 from .optim.clip import clip_, squared_norm
 from .pipe.delay import max_versions, weight_version
+
+
+def build_layers(model: dict, seed: int = 0):
+    """The whole model of a ``ds_async.model`` section (``{"family": ..., "config": {...}}`` or ``{"path": ...}``)
+    as the pipeline's layer list ``[embedding, decoder x L, head]``, each layer seeded as on its stage.
+
+    Returns ``(layers, loss_fn, hf_config)``: an ``nn.ModuleList``, the family's ``loss_fn(logits, labels)`` and
+    the Hugging Face config object.
+    """
+    from . import config as cfgmod
+    from .models import FAMILIES, model_config
+
+    cfg = cfgmod.parse({"model": model, "train": {"steps": 1}})
+    hf_config, family = model_config(cfg), FAMILIES[cfg.model.family]
+    hf_dir = cfg.model.path if cfg.model.path and cfg.model.load_weights else None
+    layers = nn.ModuleList(spec.build() for spec in family.layer_specs(hf_config, seed=seed, hf_dir=hf_dir))
+    return layers, family.loss_fn(hf_config), hf_config
+
+
+def uniform_stages(num_layers: int, stages: int) -> list[int]:
+    """The stage of each layer when ``num_layers`` layers are split into ``stages`` by count, as DeepSpeed's
+    ``partition_method="uniform"`` splits them."""
+    from deepspeed.runtime.utils import partition_uniform
+
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {stages} pipeline stages")
+    parts = partition_uniform(num_layers, stages)
+    return [next(s for s in range(stages) if parts[s] <= i < parts[s + 1]) for i in range(num_layers)]
 
 
 class DelayedTrainer:

@@ -47,21 +47,15 @@ def emulate_run(schedule: str, stages: int, steps: int, micro_batches: int, data
                 model: dict | None = None):
     """The single-process emulation of a ``jobs.job_train`` run: (per-step losses, final parameters by HF name).
     ``model`` is the job's ``ds_async.model`` section (default: the tiny LLaMA)."""
-    from deepspeed.runtime.utils import partition_uniform
-
-    from ds_async import config as cfgmod
-    from ds_async.emulate import DelayedTrainer
-    from ds_async.models import FAMILIES, hf_state_dict, model_config
+    from ds_async.emulate import DelayedTrainer, build_layers, uniform_stages
+    from ds_async.models import hf_state_dict
     from ds_async.optim import build_optimizer
     from jobs import TINY_LLAMA, global_micro_batches
 
     torch.set_num_threads(1)  # as the job's ranks (OMP_NUM_THREADS=1): the same kernels, the same rounding
-    cfg = cfgmod.parse({"model": model or {"config": TINY_LLAMA}, "train": {"steps": 1}})
-    config, family = model_config(cfg), FAMILIES[cfg.model.family]
-    layers = torch.nn.ModuleList(spec.build() for spec in family.layer_specs(config, seed=seed))
-    parts = partition_uniform(len(layers), stages)
-    stage_of = [next(s for s in range(stages) if parts[s] <= i < parts[s + 1]) for i in range(len(layers))]
-    trainer = DelayedTrainer(layers, stage_of, family.loss_fn(config), build_optimizer(optimizer, layers.parameters()),
+    layers, loss_fn, _ = build_layers(model or {"config": TINY_LLAMA}, seed=seed)
+    stage_of = uniform_stages(len(layers), stages)
+    trainer = DelayedTrainer(layers, stage_of, loss_fn, build_optimizer(optimizer, layers.parameters()),
                              schedule, micro_batches, stages, data_parallel=data_parallel, clip=clip)
     g = micro_batches * data_parallel
     batches = global_micro_batches(data_seed, seq_len, mbs, steps * g)
