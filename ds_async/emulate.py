@@ -96,18 +96,27 @@ class DelayedTrainer:
     def train_batch(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """One optimizer step over ``m x data_parallel`` micro-batches; returns their mean loss."""
         self._snapshot()
-        total, count = 0.0, 0
+        total, count, replicas = 0.0, 0, []
         for k, (inputs, labels) in enumerate(micro_batches):
             self._load_versions(self.step_count * self.m + k % self.m)
             x = inputs
             for layer in self.layers:
                 x = layer(x)
-            loss = self.loss_fn(x, labels) / (self.m * self.dp)
-            loss.backward()
-            total += loss.item()
+            loss = self.loss_fn(x, labels)
+            (loss / self.m).backward()
+            total += (loss / (self.m * self.dp)).item()
             count += 1
+            if self.dp > 1 and count % self.m == 0:
+                replicas.append(self._take_grads())
         if count != self.m * self.dp:
             raise ValueError(f"train_batch needs {self.m * self.dp} micro-batches, got {count}")
+        if replicas:
+            # As the engine: each replica sums its own micro-batches, then the replicas' sums are averaged.
+            for i, q in enumerate(self._params()):
+                grads = [r[i] for r in replicas if r[i] is not None]
+                if grads:
+                    q.grad = torch.stack(grads).sum(0) if len(grads) > 2 else sum(grads[1:], grads[0])
+                    q.grad.mul_(1.0 / self.dp)
         self._restore_newest()
         if self.clip:
             # Per-stage partial sums added in stage order: what the engine's all-reduce over the pipeline does.
@@ -120,6 +129,12 @@ class DelayedTrainer:
             self.after_step()
         self.step_count += 1
         return total
+
+    def _take_grads(self) -> list[torch.Tensor | None]:
+        grads = [q.grad for q in self._params()]
+        for q in self._params():
+            q.grad = None
+        return grads
 
     def _restore_newest(self) -> None:
         with torch.no_grad():

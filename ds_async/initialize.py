@@ -10,6 +10,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.config import DeepSpeedConfig
 
+from .optim.client import client_optimizer
 from .pipe.engine import AsyncPipelineEngine
 
 
@@ -18,16 +19,21 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
 
 
-def initialize(model: PipelineModule, config: dict, schedule: str = "1f1b", p2p: str = "overlap", optimizer=None,
-               lr_scheduler=None, model_parameters=None) -> AsyncPipelineEngine:
+def initialize(model: PipelineModule, config: dict, schedule: str = "1f1b", p2p: str = "overlap", correction=None,
+               optimizer=None, lr_scheduler=None, model_parameters=None) -> AsyncPipelineEngine:
     """Build the engine for ``model`` from a DeepSpeed config dict (without its ``ds_async`` section).
 
-    ``schedule`` and ``p2p`` are the ``ds_async`` section's keys of the same names.
+    ``schedule``, ``p2p`` and ``correction`` are the ``ds_async`` section's keys of the same names. ds_async's
+    optimizers (``Muon``, ``Lion``, or any type with a correction) are built here from the JSON block and handed
+    to DeepSpeed as client optimizers (:mod:`ds_async.optim.client`); combinations they cannot honour are refused.
     """
     if not isinstance(model, PipelineModule):
         raise TypeError(f"ds_async.initialize needs a deepspeed PipelineModule, got {type(model).__name__}")
     init_distributed()
     mpu = model.mpu()
+    if optimizer is None:
+        config, optimizer = client_optimizer(model, config, correction, mpu.get_data_parallel_group(),
+                                             mpu.get_data_parallel_world_size())
     config_class = DeepSpeedConfig(config, mpu)
     deepspeed.set_optimizer_flags(config_class, model)
     if model_parameters is None:

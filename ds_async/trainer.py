@@ -76,7 +76,8 @@ def train(config_path: str, max_steps: int | None = None, run_name: str | None =
         raise ConfigError(f"ds_async.model: vocab_size {hf_config.vocab_size} is smaller than the tokenizer's "
                           f"vocabulary ({len(tok)} tokens from {cfg.tokenizer})")
     module = build_pipeline(cfg, hf_config)
-    engine = initialize(module, ds_config, schedule=cfg.schedule, p2p=cfg.p2p)
+    engine = initialize(module, ds_config, schedule=cfg.schedule, p2p=cfg.p2p, correction=cfg.correction)
+    engine.stats_every = cfg.logging.every
 
     dp_rank, dp_world = engine.grid.data_parallel_id, engine.grid.data_parallel_size
     seq_len = cfg.data.seq_len
@@ -113,6 +114,8 @@ def train(config_path: str, max_steps: int | None = None, run_name: str | None =
         engine.drain_after(next_drain - 1)
         loss = engine.train_batch(train_iter)  # None off the last stage under async schedules
         log.train_step(step, float("nan") if loss is None else loss.item(), engine.get_lr()[0])
+        if step % cfg.logging.every == 0:
+            log.scalars(step, {f"optimizer/{k}": v for k, v in engine.optimizer_stats().items()})
         if evaluating and step % cfg.eval.every == 0 and step != total_steps:
             log.validation(step, validate())
     if cfg.data.validation:

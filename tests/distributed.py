@@ -44,7 +44,7 @@ def stage_params(out_dir: Path, stages: int) -> dict:
 
 def emulate_run(schedule: str, stages: int, steps: int, micro_batches: int, data_parallel: int, optimizer: dict,
                 seq_len: int, mbs: int, clip: float = 1.0, data_seed: int = 0, seed: int = 1234,
-                model: dict | None = None):
+                model: dict | None = None, correction: dict | None = None):
     """The single-process emulation of a ``jobs.job_train`` run: (per-step losses, final parameters by HF name).
     ``model`` is the job's ``ds_async.model`` section (default: the tiny LLaMA)."""
     from ds_async.emulate import DelayedTrainer, build_layers, uniform_stages
@@ -55,7 +55,7 @@ def emulate_run(schedule: str, stages: int, steps: int, micro_batches: int, data
     torch.set_num_threads(1)  # as the job's ranks (OMP_NUM_THREADS=1): the same kernels, the same rounding
     layers, loss_fn, _ = build_layers(model or {"config": TINY_LLAMA}, seed=seed)
     stage_of = uniform_stages(len(layers), stages)
-    trainer = DelayedTrainer(layers, stage_of, loss_fn, build_optimizer(optimizer, layers.parameters()),
+    trainer = DelayedTrainer(layers, stage_of, loss_fn, build_optimizer(optimizer, layers, correction),
                              schedule, micro_batches, stages, data_parallel=data_parallel, clip=clip)
     g = micro_batches * data_parallel
     batches = global_micro_batches(data_seed, seq_len, mbs, steps * g)

@@ -51,10 +51,12 @@ def rank_stream(batches: list, step_count: int, gas: int, dp_rank: int, dp_world
 
 
 def _engine(stages: int, mbs: int, gas: int, schedule: str = "1f1b", model: dict | None = None,
-            partition: dict | None = None, seed: int = 1234, stock: bool = False, p2p: str = "overlap", **ds_extra):
+            partition: dict | None = None, seed: int = 1234, stock: bool = False, p2p: str = "overlap",
+            correction: dict | None = None, **ds_extra):
     """A ds_async engine, or with ``stock=True`` DeepSpeed's own PipelineEngine via ``deepspeed.initialize``."""
     section = {"model": model or {"config": TINY_LLAMA}, "pipeline_stages": stages, "schedule": schedule,
-               "partition": partition or {"method": "uniform"}, "train": {"steps": 1}, "seed": seed, "p2p": p2p}
+               "partition": partition or {"method": "uniform"}, "train": {"steps": 1}, "seed": seed, "p2p": p2p,
+               "correction": correction or {"type": "none"}}
     cfg = cfgmod.parse(section)
     hf_config = model_config(cfg)
     module, config = build_pipeline(cfg, hf_config), ds_config(mbs, gas, **ds_extra)
@@ -64,7 +66,7 @@ def _engine(stages: int, mbs: int, gas: int, schedule: str = "1f1b", model: dict
                                       model_parameters=[p for p in module.parameters() if p.requires_grad])[0]
         engine.is_reporting_rank = engine.is_last_stage() and engine.grid.data_parallel_id == 0
         return engine, hf_config
-    return initialize(module, config, schedule=schedule, p2p=cfg.p2p), hf_config
+    return initialize(module, config, schedule=schedule, p2p=cfg.p2p, correction=cfg.correction), hf_config
 
 
 def _save_params(engine, out: Path) -> None:
@@ -84,10 +86,10 @@ def job_logits(out: Path, hf_dir: str, stages: int, input_ids: list, partition: 
 
 def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: int = 32, data_seed: int = 0,
               schedule: str = "1f1b", optimizer: dict | None = None, clip: float = 1.0, export: bool = False,
-              stock: bool = False, **ds_extra) -> None:
+              stock: bool = False, correction: dict | None = None, **ds_extra) -> None:
     """Train ``steps`` steps on fixed data; save per-step losses and final parameters."""
     engine, hf_config = _engine(stages, mbs, gas, schedule=schedule, optimizer=optimizer, clip=clip, stock=stock,
-                                **ds_extra)
+                                correction=correction, **ds_extra)
     dp_rank, dp_world = engine.grid.data_parallel_id, engine.grid.data_parallel_size
     batches = global_micro_batches(data_seed, seq_len, mbs, steps * gas * dp_world)
     it = rank_stream(batches, steps, gas, dp_rank, dp_world)

@@ -50,6 +50,8 @@ class AsyncPipelineEngine(PipelineEngine):
         self._version_ready: dict[int, torch.cuda.Event] = {}  # published on the side stream, not yet waited for
         self.versions = None
         self._pending_norm = None  # (squared gradient norm, its all-reduce) between a batch's reduce and its step
+        self.stats_every = 0  # compute the staleness of the weights at every this many steps (0: never)
+        self._staleness_sq = None
         # On GPUs the optimizer step runs on a side stream: with blocking p2p, a step on the compute stream would
         # stall every neighbour, once per stage per batch. Forwards never read the master, so nothing waits for
         # the step but the next gradient hand-over and the first forward on the version it publishes.
@@ -198,6 +200,10 @@ class AsyncPipelineEngine(PipelineEngine):
     def _exec_batch_step(self, batch: int):
         needed = weight_version(self.schedule_name, self._next_forward, self.stage_id, self.num_stages,
                                 self.micro_batches)
+        if self.stats_every and (batch + 1) % self.stats_every == 0:
+            used = weight_version(self.schedule_name, batch * self.micro_batches, self.stage_id, self.num_stages,
+                                  self.micro_batches)
+            self._staleness_sq = self.versions.distance_sq(used)
         if self._step_stream is None:
             self._exec_optimizer_step()
             self.versions.publish(batch + 1, needed_from=needed)
@@ -221,6 +227,43 @@ class AsyncPipelineEngine(PipelineEngine):
         fs.ReduceGrads: _exec_batch_reduce,
         fs.OptimizerStep: _exec_batch_step,
     }
+
+    def optimizer_stats(self) -> dict[str, float]:
+        """The last step's optimizer figures for the whole model, for tensorboard: update RMS and lr per parameter
+        group, the correction buffer's norm, and ``staleness`` = ||W_used - W_current|| (the weights the batch's
+        gradients were computed on vs the weights they update; 0 under ``1f1b``).
+
+        Collective over all ranks (one host sync and one object all-gather): call it on logging steps only.
+        """
+        from ..optim.client import base_optimizer
+        from ..optim.optimizers import finish_stats, stack_sums
+        from ..optim.sharded import ShardedOptimizer
+
+        base = base_optimizer(self.optimizer)
+        inner = base.optimizer if isinstance(base, ShardedOptimizer) else base
+        sums, lrs = {}, {}
+        counts = isinstance(base, ShardedOptimizer) or self.grid.data_parallel_id == 0  # replicas repeat it
+        if inner is not None and counts:
+            raw = inner.stat_sums()
+            sums = dict(zip(raw, stack_sums(raw).tolist()))
+            lrs = inner.last_lrs
+        if self._staleness_sq is not None and self.grid.data_parallel_id == 0:
+            sums["staleness_sq"] = self._staleness_sq.item()
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (sums, lrs))
+        total, all_lrs = {}, {}
+        for rank_sums, rank_lrs in gathered:
+            for k, v in rank_sums.items():
+                total[k] = total.get(k, 0.0) + v
+            all_lrs.update(rank_lrs)
+        staleness = total.pop("staleness_sq", None)
+        out = finish_stats(list(total), torch.tensor(list(total.values()), dtype=torch.float64), all_lrs) \
+            if total else {}
+        if staleness is not None:
+            out["staleness"] = staleness ** 0.5
+        elif self.stats_every and not self.is_async:
+            out["staleness"] = 0.0
+        return out
 
     def eval_batch(self, data_iter, *args, **kwargs):
         if self._segment is not None:

@@ -65,6 +65,12 @@ class WeightVersions:
             total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
             master.grad = total if master.grad is None else master.grad.add_(total)
 
+    def distance_sq(self, version: int) -> torch.Tensor:
+        """``||W(version) - master||^2`` over this stage: how stale the weights a gradient was computed on are."""
+        slot = self.slots[self._slot(version)]
+        diffs = [(s.detach() - master.detach()).float() for s, (_, _, master) in zip(slot, self.entries)]
+        return torch.stack([torch.linalg.vector_norm(d).square() for d in diffs]).sum()
+
     def publish(self, version: int, needed_from: int) -> None:
         """Copy the master (now ``W(version)``) into a slot that neither an in-flight micro-batch nor a future
         forward (whose versions are all ``>= needed_from``) will use."""

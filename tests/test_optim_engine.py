@@ -1,0 +1,68 @@
+"""ds_async's optimizers inside the DeepSpeed pipeline engine: selected from JSON, equal to the emulation, and
+refused where DeepSpeed would hand them something they cannot use."""
+import pytest
+import torch
+from torch import nn
+
+from distributed import assert_params_close, emulate_run, run_job, stage_params
+from ds_async.optim.client import OptimizerSetupError, client_optimizer
+
+MUON = {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01, "adam_lr": 3e-3,
+                                   "adam_weight_decay": 0.1}}
+EF = {"type": "ef", "lambda": 1.0}
+STEPS, MBS, SEQ = 10, 2, 32
+
+
+def _run_2bw(out, nproc, gas, **extra):
+    return run_job(nproc, "train", out, stages=2, steps=STEPS, mbs=MBS, gas=gas, seq_len=SEQ, schedule="2bw",
+                   optimizer=MUON, correction=EF, **extra)
+
+
+def test_2bw_muon_ef_equals_emulation(tmp_path):
+    got = _run_2bw(tmp_path, 2, 4)
+    losses, want = emulate_run("2bw", 2, STEPS, 4, 1, MUON, seq_len=SEQ, mbs=MBS, correction=EF)
+    _, plain = emulate_run("2bw", 2, STEPS, 4, 1, MUON, seq_len=SEQ, mbs=MBS)
+    assert max((plain[k] - want[k]).abs().max().item() for k in want) > 1e-3, "EF must change the run"
+    torch.testing.assert_close(got["losses"], losses, rtol=1e-6, atol=0)  # the engine averages the report differently
+    assert_params_close(stage_params(tmp_path, 2), want, rel=0)
+
+
+def test_2bw_muon_ef_zero1_data_parallel(tmp_path):
+    """ZeRO-1 with 2 replicas (ds_async's tensor-granular sharding) is bit-equal to the unsharded run and to the
+    emulation, which sums each replica's micro-batches before averaging the replicas, as the all-reduce does."""
+    sharded = _run_2bw(tmp_path / "zero1", 4, 2, zero_optimization={"stage": 1})
+    replicated = _run_2bw(tmp_path / "zero0", 4, 2)
+    torch.testing.assert_close(sharded["losses"], replicated["losses"], rtol=0, atol=0)
+    assert_params_close(stage_params(tmp_path / "zero1", 2), stage_params(tmp_path / "zero0", 2), rel=0)
+    losses, want = emulate_run("2bw", 2, STEPS, 2, 2, MUON, seq_len=SEQ, mbs=MBS, correction=EF)
+    torch.testing.assert_close(sharded["losses"], losses, rtol=1e-6, atol=0)  # loss reports average differently
+    assert_params_close(stage_params(tmp_path / "zero1", 2), want, rel=0)
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.proj = nn.Linear(8, 8)
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"bf16": {"enabled": True}}, "torch_autocast"),
+    ({"fp16": {"enabled": True}}, "fp16 is not supported"),
+    ({"zero_optimization": {"stage": 2}}, "ZeRO stage 2"),
+    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, "offload"),
+])
+def test_muon_refused_where_it_would_see_flat_partitions(extra, message):
+    with pytest.raises(OptimizerSetupError, match=message):
+        client_optimizer(_Tiny(), {"optimizer": MUON, **extra}, None, None, 1)
+
+
+def test_zero1_muon_becomes_tensor_sharding_and_elementwise_keeps_deepspeed_zero():
+    config, opt = client_optimizer(_Tiny(), {"optimizer": MUON, "zero_optimization": {"stage": 1}}, EF, None, 1)
+    assert "optimizer" not in config and config["zero_optimization"]["stage"] == 0
+    adamw = {"type": "AdamW", "params": {"lr": 1e-3}}
+    config, opt = client_optimizer(_Tiny(), {"optimizer": adamw, "zero_optimization": {"stage": 1}}, EF, None, 1)
+    assert config["zero_optimization"]["stage"] == 1 and config["zero_allow_untested_optimizer"]
+    # No ds_async type and no correction: DeepSpeed builds its own optimizer from the block.
+    config, opt = client_optimizer(_Tiny(), {"optimizer": adamw}, None, None, 1)
+    assert opt is None and config["optimizer"] == adamw
