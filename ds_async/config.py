@@ -57,6 +57,9 @@ class DataConfig:
     """Tokens per packed row."""
     shuffle_buffer: int = 1000
     """Documents in the streaming shuffle buffer (0: keep file order)."""
+    min_chars: int = 1
+    """Documents with fewer non-whitespace characters are skipped and counted (1: only empty ones). Text-file lines
+    that are not valid UTF-8 are skipped and counted too; the counts are in the run summary."""
 
 
 @dataclass
@@ -65,6 +68,26 @@ class TrainConfig:
     """Optimizer steps to run. Exactly one of ``steps`` and ``tokens`` must be set."""
     tokens: int | None = None
     """Training tokens to consume (rounded up to whole steps)."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """What a NaN or inf training loss does (see ``ds_async.nonfinite``). ``stop``: training stops at that step
+    with an error, saving nothing after it, so the newest checkpoint is the last good one (every schedule; under
+    ``2bw``/``pipedream`` ranks learn of it one step later). ``skip``: the update of any step whose gradient is
+    non-finite is dropped on all ranks and counted (needs fp32/torch_autocast weights and no DeepSpeed ZeRO or
+    bf16 optimizer wrapper; refused at start otherwise)."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None
+    """Folder that holds the checkpoint folders ``step_NNNNNNNN`` (default ``<logging.dir>/<run_name>/checkpoints``).
+    Shared by all ranks (one filesystem). ``--resume`` takes the newest complete checkpoint in it."""
+    every: int = 0
+    """Save every this many steps (0: no periodic saves). Under ``2bw``/``pipedream`` the pipeline drains before
+    each save (one warm-up per save), which leaves the math unchanged."""
+    final: bool = True
+    """Save when training ends."""
+    keep: int = 3
+    """Keep the newest this many checkpoints, deleting older ones after each save (0: keep all)."""
 
 
 @dataclass
@@ -144,6 +167,8 @@ class DsAsyncConfig:
     """Seeds weight init, data order and every RNG."""
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     """Delay correction of the optimizer's updates (``{"type": "ef", "lambda": 1.0}``); none by default."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Where and how often to save checkpoints (see ``ds_async.checkpoint``)."""
 
 
 def _type_name(tp) -> str:
@@ -207,9 +232,14 @@ def parse(section: dict) -> DsAsyncConfig:
     cfg = _from_dict(DsAsyncConfig, section, "ds_async")
     if (cfg.train.steps is None) == (cfg.train.tokens is None):
         raise ConfigError("ds_async.train: set exactly one of 'steps' and 'tokens'")
-    for key, value in (("ds_async.pipeline_stages", cfg.pipeline_stages), ("ds_async.data.seq_len", cfg.data.seq_len)):
+    for key, value in (("ds_async.pipeline_stages", cfg.pipeline_stages), ("ds_async.data.seq_len", cfg.data.seq_len),
+                       ("ds_async.data.min_chars", cfg.data.min_chars)):
         if value < 1:
             raise ConfigError(f"{key}: must be >= 1, got {value}")
+    for key, value in (("ds_async.checkpoint.every", cfg.checkpoint.every),
+                       ("ds_async.checkpoint.keep", cfg.checkpoint.keep)):
+        if value < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {value}")
     if (cfg.model.path is None) == (not cfg.model.config):
         raise ConfigError("ds_async.model: set exactly one of 'config' (inline HF config) and 'path' (a directory)")
     if (cfg.partition.method == "explicit") != (cfg.partition.boundaries is not None):
@@ -261,14 +291,22 @@ def check_batch(ds_config: dict, cfg: DsAsyncConfig, world_size: int) -> tuple[i
 
 def load(path: str) -> tuple[dict, DsAsyncConfig]:
     """Read a DeepSpeed JSON file; return (DeepSpeed's part, parsed ds_async section)."""
-    with open(path) as f:
-        try:
+    try:
+        with open(path, encoding="utf-8") as f:
             raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON: {e}") from None
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the config file ({e})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object at the top, got {type(raw).__name__}")
     section = raw.pop("ds_async", None)
     if section is None:
         raise ConfigError(f"{path}: no \"ds_async\" section")
+    if not isinstance(section, dict):
+        raise ConfigError(f"{path}: ds_async: expected an object, got {type(section).__name__} {section!r}")
     return raw, parse(section)
 
 

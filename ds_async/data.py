@@ -23,6 +23,10 @@ _LEE_ENCODING = "latin-1"
 _BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".txt": "text", ".cor": "text"}
 
 
+class DataError(ValueError):
+    """Training or validation data that cannot be read; the message names the file or source."""
+
+
 def _builder_for(path: str) -> str | None:
     return _BUILDERS.get(os.path.splitext(path)[1].lower())
 
@@ -68,13 +72,39 @@ def resolve_files(source: str | Sequence[str], split: str) -> tuple[str, str | l
     return builders.pop(), files
 
 
+def _check_readable(file: str, builder: str) -> None:
+    """Fail now, naming the file, rather than deep inside a stream: a folder, an unreadable file, or a parquet
+    file whose footer (schema) cannot be read."""
+    if os.path.isdir(file):
+        raise DataError(f"{file}: is a directory, not a data file")
+    try:
+        with open(file, "rb") as f:
+            f.read(1)
+        if builder == "parquet":
+            import pyarrow.parquet as pq
+
+            pq.read_schema(file)
+    except OSError as e:
+        raise DataError(f"{file}: cannot read data file ({e.strerror or e})") from None
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors for a corrupt file
+        raise DataError(f"{file}: not a readable {builder} file ({type(e).__name__}: {e})") from None
+
+
 def load_text_stream(source: str | Sequence[str], split: str, text_field: str = "text") -> datasets.IterableDataset:
     """Stream `split` of `source` (see `resolve_files`) as rows holding each document under `text_field`."""
     builder, files = resolve_files(source, split)
     if files is None:
         return datasets.load_dataset(builder, split=split, streaming=True)
-    encoding = {"encoding": _LEE_ENCODING} if source == EMBEDDED_CORPUS else {}
-    ds = datasets.load_dataset(builder, data_files={split: files}, split=split, streaming=True, **encoding)
+    for file in [files] if isinstance(files, str) else files:
+        _check_readable(file, builder)
+    # Bytes of a text line that are not UTF-8 become U+FFFD instead of stopping the stream; PackedBatches skips
+    # and counts such lines.
+    encoding = {"encoding": _LEE_ENCODING} if source == EMBEDDED_CORPUS else \
+        {"encoding_errors": "replace"} if builder == "text" else {}
+    try:
+        ds = datasets.load_dataset(builder, data_files={split: files}, split=split, streaming=True, **encoding)
+    except Exception as e:  # noqa: BLE001 - datasets/pyarrow errors rarely name the file
+        raise DataError(f"{source}: cannot open the data files ({type(e).__name__}: {e})") from None
     if builder == "text" and text_field != "text":
         ds = ds.rename_column("text", text_field)
     return ds
@@ -101,6 +131,30 @@ def eos_id(tokenizer) -> int:
     return tokenizer.eos_token_id
 
 
+SKIP_REASONS = ("empty", "short", "non_utf8", "not_text")
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def _usable_text(value, min_chars: int) -> tuple[str | None, str | None]:
+    """``(text, None)`` for a document to train on, else ``(None, reason)`` (one of ``SKIP_REASONS``)."""
+    if value is None:
+        return None, "empty"
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            return None, "non_utf8"
+    if not isinstance(value, str):
+        return None, "not_text"
+    if not value or value.isspace():
+        return None, "empty"
+    if not value.isascii() and REPLACEMENT_CHAR in value:
+        return None, "non_utf8"  # a text-file line whose bytes were not UTF-8 (decoded with errors="replace")
+    if min_chars > 1 and len("".join(value.split())) < min_chars:
+        return None, "short"
+    return value, None
+
+
 class PackedBatches:
     """Iterator of micro-batches (input_ids, labels), each a LongTensor [micro_batch_size, seq_len].
 
@@ -109,8 +163,12 @@ class PackedBatches:
     is an input exactly once, in order. The document order is `dataset.shuffle(seed, shuffle_buffer)` (no shuffle
     when shuffle_buffer=0), split across data-parallel ranks by `split_dataset_by_node` so ranks read disjoint
     documents. With `repeat` the stream restarts after each epoch in a new order (`set_epoch`); without it,
-    iteration stops at the end and the last partial batch is dropped. Empty or whitespace-only documents are
-    skipped and counted. `state_dict` / `load_state_dict` resume exactly where the iterator stood.
+    iteration stops at the end and the last partial batch is dropped. Documents that are empty or
+    whitespace-only, have fewer than `min_chars` non-whitespace characters, are not valid UTF-8 (text-file lines
+    decoded with U+FFFD replacements, or bytes; so a document containing U+FFFD is taken as not UTF-8) or are not
+    text at all are skipped and counted by reason (`skipped`).
+    A file that fails to read mid-stream raises DataError naming `source`. `state_dict` / `load_state_dict`
+    resume exactly where the iterator stood.
     """
 
     def __init__(
@@ -126,9 +184,11 @@ class PackedBatches:
         repeat: bool = True,
         text_field: str = "text",
         tokenize_batch: int = 64,
+        min_chars: int = 1,
+        source: str | None = None,
     ):
-        if seq_len < 1 or micro_batch_size < 1 or tokenize_batch < 1:
-            raise ValueError("seq_len, micro_batch_size and tokenize_batch must be positive")
+        if seq_len < 1 or micro_batch_size < 1 or tokenize_batch < 1 or min_chars < 1:
+            raise ValueError("seq_len, micro_batch_size, tokenize_batch and min_chars must be positive")
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(f"dp_rank {dp_rank} is outside dp_world_size {dp_world_size}")
         if shuffle_buffer > 0:
@@ -142,9 +202,11 @@ class PackedBatches:
         self._repeat = repeat
         self._text_field = text_field
         self._tokenize_batch = tokenize_batch
+        self._min_chars = min_chars
+        self._source = source or "the data stream"
 
         self._tokens = 0
-        self._skipped = 0
+        self._skipped = dict.fromkeys(SKIP_REASONS, 0)
         # Tokens not yet emitted are self._buffer[self._pos:]; consumed ones are dropped in bulk at refill time
         # so that taking a batch never shifts the whole list.
         self._buffer: list[int] = []
@@ -167,7 +229,11 @@ class PackedBatches:
         del self._buffer[: self._pos]
         self._pos = 0
         while len(self._buffer) < needed:
-            rows = list(itertools.islice(self._rows, self._tokenize_batch))
+            try:
+                rows = list(itertools.islice(self._rows, self._tokenize_batch))
+            except Exception as e:  # noqa: BLE001 - datasets/pyarrow errors mid-stream rarely name the file
+                raise DataError(f"{self._source}: reading failed after document {self._docs} of epoch "
+                                f"{self._epoch} ({type(e).__name__}: {e})") from None
             if not rows:
                 if not self._repeat:
                     return False
@@ -176,9 +242,13 @@ class PackedBatches:
                 self._open_epoch(self._epoch + 1, skip=0)
                 continue
             self._docs += len(rows)
-            texts = [row[self._text_field] for row in rows]
-            texts = [t for t in texts if t and not t.isspace()]
-            self._skipped += len(rows) - len(texts)
+            texts = []
+            for row in rows:
+                text, reason = _usable_text(row.get(self._text_field), self._min_chars)
+                if reason is None:
+                    texts.append(text)
+                else:
+                    self._skipped[reason] += 1
             if not texts:
                 continue
             self._epoch_has_text = True
@@ -211,12 +281,18 @@ class PackedBatches:
     def tokens_seen(self) -> int:
         return self._tokens
 
+    @property
+    def skipped(self) -> dict[str, int]:
+        """Documents skipped so far, by reason (``SKIP_REASONS``)."""
+        return dict(self._skipped)
+
     def state_dict(self) -> dict:
         return {
             "epoch": self._epoch,
             "docs": self._docs,
             "tokens": self._tokens,
-            "skipped_docs": self._skipped,
+            "skipped_docs": sum(self._skipped.values()),
+            "skipped": dict(self._skipped),
             "buffer": self._buffer[self._pos :],
         }
 
@@ -224,6 +300,7 @@ class PackedBatches:
         """Resume from `state_dict()` of an iterator built with the same dataset and arguments."""
         self._open_epoch(state["epoch"], skip=state["docs"])
         self._tokens = state["tokens"]
-        self._skipped = state["skipped_docs"]
+        self._skipped = dict.fromkeys(SKIP_REASONS, 0)
+        self._skipped.update(state.get("skipped", {"empty": state["skipped_docs"]}))
         self._buffer = list(state["buffer"])
         self._pos = 0
