@@ -89,6 +89,8 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=5632)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--optimizer", choices=["adamw", "muon", "muon-ef"], default="adamw",
+                    help="muon / muon-ef (ds_async's hybrid Muon, with error feedback) need --precision autocast")
     ap.add_argument("--p2p", choices=["overlap", "deepspeed"], default="overlap",
                     help="stage-to-stage transfers: ds_async's non-blocking channels or DeepSpeed's blocking p2p")
     ap.add_argument("--precision", choices=["bf16", "autocast"], default="bf16",
@@ -122,19 +124,24 @@ def main() -> None:
     partition = ({"method": "explicit", "boundaries": [int(x) for x in a.partition.split(",")]}
                  if "," in a.partition else {"method": a.partition})
     cfg = cfgmod.parse({"model": {"config": model}, "pipeline_stages": stages, "schedule": a.schedule,
-                        "train": {"steps": a.steps}, "partition": partition, "p2p": a.p2p})
+                        "train": {"steps": a.steps}, "partition": partition, "p2p": a.p2p,
+                        "correction": {"type": "ef" if a.optimizer == "muon-ef" else "none"}})
     hf = LlamaConfig(**model, tie_word_embeddings=False)
     ds_config = {"train_micro_batch_size_per_gpu": a.micro_batch_size, "gradient_accumulation_steps": a.micro_batches,
                  "steps_per_print": 10 ** 9, "gradient_clipping": 1.0, "wall_clock_breakdown": False,
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": True,
                                                            "foreach": True}}}
+    if a.optimizer != "adamw":
+        ds_config["optimizer"] = {"type": "Muon", "params": {"lr": 0.02, "weight_decay": 0.01, "adam_lr": 1e-4}}
     if a.precision == "bf16":
         ds_config["bf16"] = {"enabled": True}
     else:
         ds_config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     from ds_async.pipe.engine import AsyncPipelineEngine
     timer = ComputeTimer(AsyncPipelineEngine)
-    engine = initialize(build_pipeline(cfg, hf), ds_config, schedule=a.schedule, p2p=a.p2p)
+    engine = initialize(build_pipeline(cfg, hf), ds_config, schedule=a.schedule, p2p=a.p2p,
+                        correction=cfg.correction)
+    engine.step_events = []
     dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device="cpu").manual_seed(0)
 
@@ -164,6 +171,7 @@ def main() -> None:
     elapsed = time.perf_counter() - t0  # steady state: the last step (with the final drain) is timed apart
     timer.on = False
     busy = timer.busy_seconds()
+    step_ms = [s.elapsed_time(e) for s, e in engine.step_events[a.warmup:]]
     if a.profile:
         profile_steps(engine, it, a.profile)
     engine.train_batch(it)
@@ -171,7 +179,8 @@ def main() -> None:
     peak = torch.cuda.max_memory_allocated() / 2 ** 30
     peaks = [None] * world
     dist.all_gather_object(peaks, (engine.stage_id, engine.grid.data_parallel_id, round(peak, 2),
-                                   round(1 - busy / elapsed, 4)))
+                                   round(1 - busy / elapsed, 4),
+                                   round(sum(step_ms) / len(step_ms), 2) if step_ms else None))
 
     step_time = elapsed / (a.steps - 1)
     tokens = engine.train_batch_size() * a.seq_len
@@ -184,8 +193,10 @@ def main() -> None:
            "micro_batch_size": a.micro_batch_size, "seq_len": a.seq_len, "precision": a.precision,
            "step_time_s": round(step_time, 4), "tokens_per_s": round(tokens / step_time, 1),
            "mfu": None if mfu is None else round(mfu, 4), "ideal_1f1b_bubble": round((p - 1) / (m + p - 1), 4),
-           "peak_mem_GiB_by_stage": {f"s{s}": g for s, d, g, _ in sorted(peaks) if d == 0},
-           "measured_idle_by_stage": {f"s{s}": b for s, d, _, b in sorted(peaks) if d == 0},
+           "optimizer": a.optimizer,
+           "peak_mem_GiB_by_stage": {f"s{s}": g for s, d, g, _, _ in sorted(peaks) if d == 0},
+           "measured_idle_by_stage": {f"s{s}": b for s, d, _, b, _ in sorted(peaks) if d == 0},
+           "optimizer_step_ms_by_stage": {f"s{s}": o for s, d, _, _, o in sorted(peaks) if d == 0},
            "card": f"{world}x {name}", "model": model, "code": code_version()}
     n_params = torch.tensor([sum(x.numel() for x in engine.module.parameters())], device=dev)
     dist.all_reduce(n_params, group=engine.grid.get_pipe_parallel_group())

@@ -51,6 +51,7 @@ class AsyncPipelineEngine(PipelineEngine):
         self.versions = None
         self._pending_norm = None  # (squared gradient norm, its all-reduce) between a batch's reduce and its step
         self.stats_every = 0  # compute the staleness of the weights at every this many steps (0: never)
+        self.step_events: list | None = None  # benchmarks: (start, end) CUDA events around each optimizer step
         self._staleness_sq = None
         # On GPUs the optimizer step runs on a side stream: with blocking p2p, a step on the compute stream would
         # stall every neighbour, once per stage per batch. Forwards never read the master, so nothing waits for
@@ -205,8 +206,7 @@ class AsyncPipelineEngine(PipelineEngine):
                                   self.micro_batches)
             self._staleness_sq = self.versions.distance_sq(used)
         if self._step_stream is None:
-            self._exec_optimizer_step()
-            self.versions.publish(batch + 1, needed_from=needed)
+            self._step_and_publish(batch, needed)
         else:
             stream = self._step_stream
             stream.wait_stream(torch.cuda.current_stream())
@@ -214,11 +214,23 @@ class AsyncPipelineEngine(PipelineEngine):
                 if p.grad is not None:
                     p.grad.record_stream(stream)  # freed by zero_grad on the side stream, not before it ran
             with torch.cuda.stream(stream):
-                self._exec_optimizer_step()
-                self.versions.publish(batch + 1, needed_from=needed)
+                self._step_and_publish(batch, needed)
                 self._version_ready[batch + 1] = torch.cuda.Event()
                 self._version_ready[batch + 1].record(stream)
         self._stepped = True
+
+    def _step_and_publish(self, batch: int, needed: int) -> None:
+        timed = self.step_events is not None and self.device.type == "cuda"
+        if timed and self._pending_norm is not None:
+            self._pending_norm[1].wait()  # time the step, not the wait for the other stages' norms
+        if timed:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        self._exec_optimizer_step()
+        self.versions.publish(batch + 1, needed_from=needed)
+        if timed:
+            end.record()
+            self.step_events.append((start, end))
 
     _ASYNC_INSTRUCTIONS = {
         **PipelineEngine._INSTRUCTION_MAP,
