@@ -66,3 +66,21 @@ def test_zero1_muon_becomes_tensor_sharding_and_elementwise_keeps_deepspeed_zero
     # No ds_async type and no correction: DeepSpeed builds its own optimizer from the block.
     config, opt = client_optimizer(_Tiny(), {"optimizer": adamw}, None, None, 1)
     assert opt is None and config["optimizer"] == adamw
+
+
+def test_1f1b_muon_ef_equals_emulation(tmp_path):
+    got = run_job(2, "train", tmp_path, stages=2, steps=6, mbs=MBS, gas=2, seq_len=SEQ, schedule="1f1b",
+                  optimizer=MUON, correction=EF)
+    losses, want = emulate_run("1f1b", 2, 6, 2, 1, MUON, seq_len=SEQ, mbs=MBS, correction=EF)
+    torch.testing.assert_close(got["losses"], losses, rtol=1e-6, atol=0)
+    assert_params_close(stage_params(tmp_path, 2), want, rel=0)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_adamw_ef_trains_under_deepspeed_bf16(tmp_path, schedule):
+    """DeepSpeed's bf16 optimizer hands ds_async's AdamW flat fp32 partitions: elementwise, so EF still applies."""
+    adamw = {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}}
+    got = run_job(2, "train", tmp_path, stages=2, steps=STEPS, mbs=MBS, gas=2, seq_len=SEQ, schedule=schedule,
+                  optimizer=adamw, correction=EF, bf16={"enabled": True})
+    losses = got["losses"]
+    assert torch.isfinite(losses).all() and losses[-3:].mean() < losses[:3].mean() - 0.3, losses
