@@ -135,7 +135,7 @@ SKIP_REASONS = ("empty", "short", "non_utf8", "not_text")
 REPLACEMENT_CHAR = "\ufffd"
 
 
-def _usable_text(value, min_chars: int) -> tuple[str | None, str | None]:
+def usable_text(value, min_chars: int) -> tuple[str | None, str | None]:
     """``(text, None)`` for a document to train on, else ``(None, reason)`` (one of ``SKIP_REASONS``)."""
     if value is None:
         return None, "empty"
@@ -244,7 +244,7 @@ class PackedBatches:
             self._docs += len(rows)
             texts = []
             for row in rows:
-                text, reason = _usable_text(row.get(self._text_field), self._min_chars)
+                text, reason = usable_text(row.get(self._text_field), self._min_chars)
                 if reason is None:
                     texts.append(text)
                 else:

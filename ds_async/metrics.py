@@ -38,8 +38,9 @@ class RunLogger:
     """Scalars to tensorboard, a tqdm bar with tokens/s, a manifest, a summary line and ``loss.png``."""
 
     def __init__(self, run_dir: Path, total_steps: int, tokens_per_step: int, enabled: bool, progress: bool = True,
-                 every: int = 1):
-        self.run_dir, self.enabled, self.every = Path(run_dir), enabled, every
+                 every: int = 1, start_step: int = 0):
+        """``start_step``: steps done before this process started (a resumed run); rates count only the rest."""
+        self.run_dir, self.enabled, self.every, self.start_step = Path(run_dir), enabled, every, start_step
         self.tokens_per_step = tokens_per_step
         self.history = {"train": [], "validation": []}
         self.writer = self.bar = None
@@ -52,7 +53,7 @@ class RunLogger:
         self.writer = SummaryWriter(str(self.run_dir))
         if progress:
             from tqdm import tqdm
-            self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
     def manifest(self, **sections) -> None:
         """Write ``manifest.json`` (code version, resolved config, ...) once at start."""
@@ -91,13 +92,15 @@ class RunLogger:
             for tag, value in values.items():
                 self.writer.add_scalar(tag, value, step)
 
-    def close(self, steps: int, plot: bool = True) -> dict:
-        """Print the summary line, write ``summary.json`` and ``loss.png``; returns the summary."""
+    def close(self, steps: int, plot: bool = True, extra: dict | None = None) -> dict:
+        """Print the summary line, write ``summary.json`` and ``loss.png``; returns the summary (``extra`` added)."""
         elapsed = time.perf_counter() - self._t0
+        run = steps - self.start_step
         summary = {"steps": steps, "tokens": steps * self.tokens_per_step, "seconds": round(elapsed, 2),
-                   "tokens_per_s": round(steps * self.tokens_per_step / max(elapsed, 1e-9), 1),
+                   "tokens_per_s": round(run * self.tokens_per_step / max(elapsed, 1e-9), 1),
                    "final_train_loss": self.history["train"][-1][1] if self.history["train"] else None,
-                   "final_validation_loss": self.history["validation"][-1][1] if self.history["validation"] else None}
+                   "final_validation_loss": self.history["validation"][-1][1] if self.history["validation"] else None,
+                   **(extra or {})}
         if not self.enabled:
             return summary
         if self.bar is not None:
