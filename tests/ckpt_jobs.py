@@ -1,0 +1,75 @@
+"""Trainer runs for ``tests/test_checkpoint.py``: one torchrun job runs several ``ds_async.trainer.train`` calls in
+sequence (one process start for many runs), optionally with a poisoned or stalling loss.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/ckpt_jobs.py RUNS.json OUT_DIR
+
+``RUNS.json`` lists runs: ``{"name", "config", "resume": null | "latest" | path, "poison": {"step", "kind"} | null,
+"stall_at": step | null}``. ``poison`` makes the loss of every micro-batch of that step NaN or inf (on the last
+stage, which computes it); ``stall_at`` makes the last stage hang in that step's first loss, so that the job can
+be killed in the middle of training at a known point. Each rank writes ``OUT_DIR/<name>.rank<r>.json``:
+``{"summary": ..., "error": "ExceptionType: message" | null}``; expected errors (ds_async's) do not end the job.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ds_async import trainer
+from ds_async.checkpoint import CheckpointError
+from ds_async.config import ConfigError
+from ds_async.data import DataError
+from ds_async.models import llama, mixtral
+from ds_async.nonfinite import NonFiniteLoss
+
+EXPECTED = (ConfigError, DataError, CheckpointError, NonFiniteLoss)
+_ORIGINAL = {llama: llama.loss_fn, mixtral: mixtral.loss_fn}
+
+
+def _patch_loss(micro_batches: int, poison: dict | None, stall_at: int | None) -> None:
+    """Wrap every family's loss: count training forwards on this (last) stage; step = count // m + 1."""
+    calls = [0]
+
+    def wrap(make):
+        def loss_fn(config):
+            inner = make(config)
+
+            def loss(outputs, labels):
+                value = inner(outputs, labels)
+                step = calls[0] // micro_batches + 1
+                calls[0] += 1
+                if stall_at is not None and step == stall_at:
+                    time.sleep(3600)
+                if poison is not None and step == poison["step"]:
+                    value = value * float(poison["kind"])  # nan or inf
+                return value
+            return loss
+        return loss_fn
+
+    for module, make in _ORIGINAL.items():
+        module.loss_fn = wrap(make)
+
+
+def main(runs_file: str, out_dir: str) -> None:
+    import torch.distributed as tdist
+
+    out = Path(out_dir)
+    for run in json.loads(Path(runs_file).read_text()):
+        config = json.loads(Path(run["config"]).read_text())
+        _patch_loss(config["gradient_accumulation_steps"], run.get("poison"), run.get("stall_at"))
+        result = {"summary": None, "error": None}
+        try:
+            result["summary"] = trainer.train(run["config"], resume=run.get("resume"))
+        except EXPECTED as e:
+            result["error"] = f"{type(e).__name__}: {e}"
+        rank = tdist.get_rank() if tdist.is_initialized() else 0
+        (out / f"{run['name']}.rank{rank}.json").write_text(json.dumps(result, default=str))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

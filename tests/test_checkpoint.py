@@ -1,0 +1,487 @@
+"""Checkpoints, exact resume, export and bad input (issue 5).
+
+Real 2-stage training jobs (torchrun, gloo, the trainer of ``launch/train.py``) on the Lee corpus with a tiny
+LLaMA (attention dropout on, so the RNG state matters) and a warm-up/cosine LR schedule:
+
+- killed with SIGKILL in the middle of training (the job is made to hang inside a step, then its process group
+  is killed), resumed with ``--resume``, the final parameters, the 2BW older weight version and the optimizer
+  state are bit-equal to those of an uninterrupted run of the same length, which saved no checkpoint and so never
+  drained: 1f1b and 2bw, with AdamW and with Muon + error feedback;
+- a save interrupted part-way (a leftover ``.tmp`` folder) is passed over by ``--resume``, and a truncated
+  checkpoint is refused naming the file;
+- NaN/inf loss: ``stop`` ends the run at that step with the last good checkpoint intact, ``skip`` drops the update;
+- the export of a checkpoint loads with ``AutoModelForCausalLM.from_pretrained`` (LLaMA and Mixtral).
+
+Process starts dominate the time, so one job runs several trainer runs in sequence (``tests/ckpt_jobs.py``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ds_async import checkpoint
+from ds_async.checkpoint import CheckpointError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64, "attention_dropout": 0.1}
+TINY_MIXTRAL = {**TINY, "num_local_experts": 2, "num_experts_per_tok": 1, "sliding_window": None}
+ADAMW = {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "torch_adam": True}}
+MUON = {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01, "adam_lr": 3e-3,
+                                   "adam_weight_decay": 0.1}}
+EF = {"type": "ef", "lambda": 1.0}
+STEPS, EVERY, STALL = 10, 2, 6  # killed inside step 6: checkpoints 2 and 4 exist, step 5 is lost and redone
+CASES = {  # name: (schedule, optimizer, correction)
+    "1f1b-adamw": ("1f1b", ADAMW, None),
+    "2bw-adamw": ("2bw", ADAMW, None),
+    "1f1b-muon-ef": ("1f1b", MUON, EF),
+    "2bw-muon-ef": ("2bw", MUON, EF),
+}
+_port = [29400 + os.getpid() % 500 * 2]
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """A folder with a small BPE tokenizer trained on the Lee corpus."""
+    from ds_async.data import EMBEDDED_CORPUS, load_text_stream
+    from ds_async.tokenizer import train_bpe
+
+    path = tmp_path_factory.mktemp("ckpt")
+    texts = [row["text"] for row in load_text_stream(EMBEDDED_CORPUS, "train")]
+    train_bpe(iter(texts), TINY["vocab_size"], str(path / "tokenizer.json"))
+    return path
+
+
+def write_config(work: Path, name: str, schedule="1f1b", optimizer=ADAMW, correction=None, steps=STEPS,
+                 every=0, final=True, family="llama", data="gensim:lee", **section) -> Path:
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 9,
+          "gradient_clipping": 1.0, "optimizer": optimizer,
+          "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 12, "warmup_num_steps": 3}},
+          "ds_async": {"model": {"family": family, "config": TINY_MIXTRAL if family == "mixtral" else TINY},
+                       "tokenizer": str(work / "tokenizer.json"), "pipeline_stages": 2,
+                       "partition": {"method": "uniform"}, "schedule": schedule,
+                       "data": {"train": data, "validation": None, "seq_len": 32, "shuffle_buffer": 50},
+                       "train": {"steps": steps}, "eval": {"every": 0},
+                       "logging": {"dir": str(work / "runs"), "run_name": name, "progress": False, "plot": False},
+                       "checkpoint": {"every": every, "keep": 2, "final": final},
+                       "correction": correction or {"type": "none"}, **section}}
+    path = work / f"{name}.json"
+    path.write_text(json.dumps(ds))
+    return path
+
+
+def ckpt_root(work: Path, name: str) -> Path:
+    return work / "runs" / name / "checkpoints"
+
+
+def launch(work: Path, tag: str, runs: list[dict], wait: bool = True):
+    """Start ``tests/ckpt_jobs.py`` on 2 ranks; wait for it (returning each run's rank results) or return the
+    process (its own process group, to be killed as a whole)."""
+    (work / f"{tag}.runs.json").write_text(json.dumps(runs))
+    out = work / tag
+    out.mkdir(exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONUNBUFFERED": "1",
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                  str(Path.home() / ".cache" / "ds_async_torch_extensions"))}
+    _port[0] += 1
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(_port[0]),
+           str(ROOT / "tests" / "ckpt_jobs.py"), str(work / f"{tag}.runs.json"), str(out)]
+    log = open(work / f"{tag}.log", "w")
+    proc = subprocess.Popen(cmd, env=env, cwd=work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    if not wait:
+        return proc
+    rc = proc.wait(timeout=600)
+    text = (work / f"{tag}.log").read_text()
+    assert rc == 0, f"job {tag} failed (rc={rc}):\n{text[-6000:]}"
+    return {r["name"]: [json.loads((out / f"{r['name']}.rank{k}.json").read_text()) for k in range(2)]
+            for r in runs}
+
+
+def final_state(folder: Path) -> dict:
+    """Everything a checkpoint holds that the math depends on, as flat name -> tensor."""
+    out = {}
+    for file in sorted(folder.iterdir()):
+        if file.suffix == ".safetensors":
+            out.update({f"{file.name}:{k}": v for k, v in load_file(file).items()})
+        elif file.name.startswith(("versions-", "state-")):
+            def walk(prefix, obj):
+                if torch.is_tensor(obj):
+                    out[prefix] = obj
+                elif isinstance(obj, dict):
+                    for k, v in obj.items():
+                        if k != "extra":
+                            walk(f"{prefix}/{k}", v)
+                elif isinstance(obj, (list, tuple)):
+                    for i, v in enumerate(obj):
+                        walk(f"{prefix}/{i}", v)
+                elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+                    out[prefix] = torch.tensor(obj, dtype=torch.float64)
+            walk(file.name, checkpoint.load_file(file))
+    return out
+
+
+def assert_bit_equal(have: dict, want: dict, what: str) -> None:
+    assert have.keys() == want.keys(), f"{what}: {sorted(set(have) ^ set(want))[:5]}"
+    bad = [k for k in want if not torch.equal(have[k], want[k])]
+    assert not bad, f"{what}: {len(bad)} tensors differ, e.g. {bad[:3]}"
+
+
+# ------------------------------------------------------------------------------ SIGKILL and exact resume
+@pytest.fixture(scope="module")
+def references(work) -> dict:
+    """Uninterrupted runs of every case (no checkpoint before the final one, so 2BW never drains) and a Mixtral
+    run for the export, all in one job."""
+    runs = [{"name": f"ref-{case}", "config": str(write_config(work, f"ref-{case}", s, o, c))}
+            for case, (s, o, c) in CASES.items()]
+    runs.append({"name": "ref-mixtral", "config": str(write_config(work, "ref-mixtral", "2bw", steps=3,
+                                                                   family="mixtral"))})
+    results = launch(work, "references", runs)
+    for name, ranks in results.items():
+        assert all(r["error"] is None for r in ranks), (name, ranks)
+    return {r["name"]: checkpoint.step_dir(ckpt_root(work, r["name"]), 3 if "mixtral" in r["name"] else STEPS)
+            for r in runs}
+
+
+def test_sigkill_and_resume_equals_uninterrupted(work, references):
+    resumes = []
+    for case, (schedule, optimizer, correction) in CASES.items():
+        name = f"killed-{case}"
+        config = write_config(work, name, schedule, optimizer, correction, every=EVERY)
+        proc = launch(work, name, [{"name": name, "config": str(config), "stall_at": STALL}], wait=False)
+        try:
+            deadline = time.time() + 300
+            while not (checkpoint.step_dir(ckpt_root(work, name), 4) / checkpoint.MANIFEST).exists():
+                assert proc.poll() is None, (work / f"{name}.log").read_text()[-4000:]
+                assert time.time() < deadline, "no checkpoint appeared"
+                time.sleep(0.05)
+            time.sleep(0.5)  # into step 5 or the hang in step 6
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        assert [s for s, _ in checkpoint.complete_checkpoints(ckpt_root(work, name))] == [2, 4]
+        resumes.append({"name": name, "config": str(config), "resume": "latest"})
+
+    # A save that was interrupted part-way leaves a .tmp folder (here: a half-copied step 6); --resume passes it by.
+    partial = checkpoint.step_dir(ckpt_root(work, "killed-2bw-adamw"), 6).with_suffix(".tmp")
+    partial.mkdir()
+    (partial / "state-stage00-dp000.pt").write_bytes(b"\0" * 100)
+    # A truncated file in an otherwise complete checkpoint is refused, naming the file, on every rank.
+    corrupt = work / "corrupt"
+    import shutil
+    shutil.copytree(checkpoint.step_dir(ckpt_root(work, "killed-1f1b-adamw"), 4), corrupt / "step_00000004")
+    victim = corrupt / "step_00000004" / "state-stage01-dp000.pt"
+    victim.write_bytes(victim.read_bytes()[:-10])
+    results = launch(work, "resumes", [{"name": "corrupt", "config": resumes[0]["config"],
+                                        "resume": str(corrupt)}] + resumes)
+
+    for rank in results["corrupt"]:
+        assert rank["error"].startswith("CheckpointError") and str(victim) in rank["error"], rank
+    assert not partial.exists(), "the next save removes leftovers of interrupted saves"
+    for case in CASES:
+        name = f"killed-{case}"
+        summary = results[name][1]["summary"]  # the reporting rank (last stage)
+        assert summary["resumed_from"].endswith("step_00000004"), summary
+        got = final_state(checkpoint.step_dir(ckpt_root(work, name), STEPS))
+        want = final_state(references[f"ref-{case}"])
+        assert_bit_equal(got, want, case)
+        if case.startswith("2bw"):
+            assert any(k.startswith("versions-") for k in want), "2BW saves its older weight version"
+
+
+# -------------------------------------------------------------------------------------------------- export
+@pytest.mark.parametrize("name", ["ref-2bw-muon-ef", "ref-mixtral"])
+def test_export_loads_with_from_pretrained(work, references, name, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ds_async.export import main as export_main
+
+    export_main([str(ckpt_root(work, name)), str(tmp_path / "hf")])  # a folder of checkpoints: the newest
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(model).__name__ == ("MixtralForCausalLM" if "mixtral" in name else "LlamaForCausalLM")
+    saved = {}
+    for shard in sorted(references[name].glob("model-*.safetensors")):
+        saved.update(load_file(shard))
+    have = model.state_dict()
+    if "mixtral" in name:  # transformers fuses the saved per-expert tensors on load; compare through its saver
+        model.save_pretrained(tmp_path / "again")
+        have = {}
+        for shard in (tmp_path / "again").glob("*.safetensors"):
+            have.update(load_file(shard))
+    assert_bit_equal({k: have[k] for k in saved}, saved, name)
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "hf")) == TINY["vocab_size"]
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3, 4]])).logits).all()
+
+
+def test_export_refuses_a_corrupt_checkpoint(work, references, tmp_path):
+    from ds_async.export import export
+
+    import shutil
+    folder = tmp_path / "step_00000003"
+    shutil.copytree(references["ref-mixtral"], folder)
+    shard = folder / "model-stage02-of-02.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{shard}: contents do not match"):
+        export(folder, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------------- NaN / inf loss
+def test_nonfinite_loss_stop_and_skip(work):
+    # Training text with documents to skip: empty, too short (min_chars 3) and not UTF-8.
+    from ds_async.data import EMBEDDED_CORPUS, load_text_stream
+
+    texts = [row["text"] for row in load_text_stream(EMBEDDED_CORPUS, "train")]
+    lines = b"".join(t.encode() + b"\n" + (b"\n" if i % 10 == 0 else b"") + (b"ok\n" if i % 10 == 1 else b"")
+                     + (b"caf\xe9 au lait\n" if i % 10 == 2 else b"") for i, t in enumerate(texts))
+    (work / "mixed.txt").write_bytes(lines)
+    data = dict(data=str(work / "mixed.txt"))
+    runs = [
+        {"name": "skip-2bw", "poison": {"step": 3, "kind": "nan"},
+         "config": str(write_config(work, "skip-2bw", "2bw", steps=6, train={"steps": 6, "on_nonfinite": "skip"},
+                                    **data))},
+        {"name": "stop-1f1b", "poison": {"step": 4, "kind": "inf"},
+         "config": str(write_config(work, "stop-1f1b", "1f1b", steps=6, every=2, **data))},
+        # 2BW learns of step 3's NaN one step late, but before the save at step 4.
+        {"name": "stop-2bw", "poison": {"step": 3, "kind": "nan"},
+         "config": str(write_config(work, "stop-2bw", "2bw", steps=6, every=2, **data))},
+    ]
+    data_cfg = json.loads(Path(runs[0]["config"]).read_text())
+    data_cfg["ds_async"]["data"]["min_chars"] = 3
+    Path(runs[0]["config"]).write_text(json.dumps(data_cfg))
+    results = launch(work, "nonfinite", runs)
+
+    skip = results["skip-2bw"][1]
+    assert skip["error"] is None and skip["summary"]["skipped_steps"] == 1, skip
+    assert skip["summary"]["skipped_docs"]["empty"] > 0 and skip["summary"]["skipped_docs"]["short"] > 0
+    assert skip["summary"]["skipped_docs"]["non_utf8"] > 0, skip["summary"]
+    params = load_file(checkpoint.step_dir(ckpt_root(work, "skip-2bw"), 6) / "model-stage01-of-02.safetensors")
+    assert all(torch.isfinite(t).all() for t in params.values())
+
+    for name, step, kind in (("stop-1f1b", 4, "inf"), ("stop-2bw", 3, "NaN")):
+        root = ckpt_root(work, name)
+        for rank in results[name]:
+            assert rank["error"].startswith(f"NonFiniteLoss: step {step}: the training loss is {kind}"), rank
+            assert str(checkpoint.step_dir(root, 2)) in rank["error"]
+        assert [s for s, _ in checkpoint.complete_checkpoints(root)] == [2]
+        folder = checkpoint.step_dir(root, 2)
+        checkpoint.verify(folder, checkpoint.read_manifest(folder)["files"])  # intact
+
+
+# ------------------------------------------------------------------------- interrupted and corrupt saves
+def _write(root: Path, step: int, kill_at: str | None = None) -> None:
+    """Save a small checkpoint in a forked child that SIGKILLs itself at ``kill_at``."""
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            real_replace = os.replace
+
+            def files(tmp):
+                torch.save({"w": torch.arange(1000.0) * step}, tmp / "state.pt")
+                if kill_at == "files":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return ["state.pt"]
+
+            def replace(src, dst):
+                if kill_at == "rename" and Path(dst).name == f"step_{step:08d}":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real_replace(src, dst)
+
+            os.replace = replace
+            checkpoint.write(root, step, files, {"note": "test"}, keep=2)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) == (kill_at is not None)
+
+
+@pytest.mark.parametrize("kill_at", ["files", "rename"])
+def test_interrupted_save_leaves_previous_checkpoint_newest(tmp_path, kill_at):
+    _write(tmp_path, 1)
+    _write(tmp_path, 2, kill_at=kill_at)
+    assert checkpoint.resolve(tmp_path) == checkpoint.step_dir(tmp_path, 1)
+    assert (tmp_path / "step_00000002.tmp").exists()
+    _write(tmp_path, 3)
+    _write(tmp_path, 4)
+    assert [s for s, _ in checkpoint.complete_checkpoints(tmp_path)] == [3, 4]  # keep=2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003", "step_00000004"]
+    with pytest.raises(CheckpointError, match="incomplete checkpoint"):
+        checkpoint.resolve(tmp_path / "step_00000002.tmp")
+
+
+def test_corrupt_or_truncated_checkpoint_is_refused_with_its_path(tmp_path):
+    _write(tmp_path, 1)
+    folder = checkpoint.step_dir(tmp_path, 1)
+    file = folder / "state.pt"
+    good = file.read_bytes()
+    checkpoint.verify(folder, ["state.pt"])
+    file.write_bytes(good[:-7])
+    with pytest.raises(CheckpointError, match=f"{file}: .* bytes, the manifest says"):
+        checkpoint.verify(folder, ["state.pt"])
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 1
+    file.write_bytes(bytes(flipped))
+    with pytest.raises(CheckpointError, match=f"{file}: contents do not match"):
+        checkpoint.verify(folder, ["state.pt"])
+    file.write_bytes(b"not a torch file at all")
+    with pytest.raises(CheckpointError, match=f"{file}: cannot be loaded"):
+        checkpoint.load_file(file)
+    file.unlink()
+    with pytest.raises(CheckpointError, match=f"{file}: missing"):
+        checkpoint.verify(folder, ["state.pt"])
+    (folder / checkpoint.MANIFEST).write_text("{ truncated")
+    with pytest.raises(CheckpointError, match=f"{folder / checkpoint.MANIFEST}: unreadable"):
+        checkpoint.read_manifest(folder)
+
+
+def test_weights_only_refuses_pickled_code(tmp_path):
+    file = tmp_path / "evil.pt"
+    torch.save({"x": SimpleNamespace(a=1)}, file)  # an arbitrary object: weights_only=True will not unpickle it
+    with pytest.raises(CheckpointError, match=f"{file}: cannot be loaded"):
+        checkpoint.load_file(file)
+
+
+def test_resume_needs_the_same_layout_and_tokenizer(tmp_path):
+    """The manifest check of ``checkpoint.load`` (before any file is read), on a stand-in engine."""
+    engine = SimpleNamespace(schedule_name="2bw", num_stages=2, micro_batches=4, stage_id=0,
+                             grid=SimpleNamespace(data_parallel_size=1, data_parallel_id=0),
+                             train_micro_batch_size_per_gpu=lambda: 2, module=SimpleNamespace(parts=[0, 2, 4]))
+    manifest = {**checkpoint.layout(engine), "tokenizer": {"size": 512, "sha256": "a"}}
+    checkpoint.write(tmp_path, 5, lambda tmp: [], manifest)
+    folder = checkpoint.step_dir(tmp_path, 5)
+    with pytest.raises(CheckpointError, match="saved with tokenizer = .*this run has"):
+        checkpoint.load(engine, folder, check={"tokenizer": {"size": 600, "sha256": "b"}})
+    engine.schedule_name = "1f1b"
+    with pytest.raises(CheckpointError, match=f"{folder}: saved with schedule = '2bw', this run has '1f1b'"):
+        checkpoint.load(engine, folder)
+
+
+# ------------------------------------------------------------------------------------------- bad input
+def _train_cli(config: Path, capsys) -> str:
+    """``launch/train.py --config CONFIG`` in this process: must exit 1 with one error line."""
+    import runpy
+
+    argv = sys.argv
+    sys.argv = ["train.py", "--config", str(config)]
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_path(str(ROOT / "launch" / "train.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("ds_async: error: "), err
+    return err[-1]
+
+
+def test_malformed_or_missing_config_keys_fail_clearly(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_micro_batch_size_per_gpu": 2,, }')
+    assert f"{bad}: not valid JSON" in _train_cli(bad, capsys)
+    assert f"{tmp_path / 'absent.json'}: config file not found" in _train_cli(tmp_path / "absent.json", capsys)
+    bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2}))
+    assert 'no "ds_async" section' in _train_cli(bad, capsys)
+    bad.write_text(json.dumps({"ds_async": {"train": {"steps": 3}}}))
+    assert "ds_async.model: set exactly one of 'config'" in _train_cli(bad, capsys)
+    bad.write_text(json.dumps({"ds_async": {"model": {"config": TINY}, "train": {"steps": 3},
+                                            "checkpoint": {"evry": 2}}}))
+    assert "ds_async.checkpoint.evry: unknown key (did you mean 'ds_async.checkpoint.every'?)" in \
+        _train_cli(bad, capsys)
+    bad.write_text(json.dumps({"ds_async": {"model": {"config": TINY}, "train": {"steps": 3,
+                                                                                 "on_nonfinite": "ignore"}}}))
+    assert "ds_async.train.on_nonfinite: must be one of ['stop', 'skip']" in _train_cli(bad, capsys)
+    bad.write_text(json.dumps({"ds_async": {"model": {"config": TINY}, "train": {}}}))
+    assert "ds_async.train: set exactly one of 'steps' and 'tokens'" in _train_cli(bad, capsys)
+
+
+def test_missing_batch_size_is_named():
+    from ds_async.config import ConfigError, check_batch, parse
+
+    cfg = parse({"model": {"config": TINY}, "train": {"steps": 3}})
+    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu: required"):
+        check_batch({"gradient_accumulation_steps": 2}, cfg, 2)
+
+
+def test_missing_or_unreadable_data_files_name_the_path(tmp_path):
+    from ds_async.data import DataError, load_text_stream
+
+    with pytest.raises(FileNotFoundError, match="no data files match .*absent-"):
+        load_text_stream(str(tmp_path / "absent-*.parquet"), "train")
+    corrupt = tmp_path / "corrupt.parquet"
+    corrupt.write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(DataError, match=f"{corrupt}: not a readable parquet file"):
+        load_text_stream(str(corrupt), "train")
+    folder = tmp_path / "folder.jsonl"
+    folder.mkdir()
+    with pytest.raises(DataError, match=f"{folder}: is a directory"):
+        load_text_stream(str(folder), "train")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "fine"}\n{"text": "cut off\n')
+    from ds_async.data import PackedBatches, load_tokenizer
+    batches = PackedBatches(load_text_stream(str(broken), "train"), _tokenizer(tmp_path), 4, 1,
+                            shuffle_buffer=0, repeat=False, source=str(broken))
+    with pytest.raises(DataError, match=f"{broken}: reading failed"):
+        list(batches)
+    del load_tokenizer
+
+
+def _tokenizer(tmp_path):
+    from ds_async.data import load_tokenizer
+    from ds_async.tokenizer import train_bpe
+
+    path = tmp_path / "tok" / "tokenizer.json"
+    if not path.exists():
+        train_bpe(iter(["some text to learn a few merges from", "and some more text"] * 20), 300, str(path))
+    return load_tokenizer(str(path))
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_empty_short_and_non_utf8_documents_are_skipped_and_counted(tmp_path, suffix):
+    from ds_async.data import PackedBatches, load_text_stream
+
+    docs = ["a first real document", "", "   ", "x", "ok", "a second real document", "third document here"]
+    path = tmp_path / f"docs{suffix}"
+    if suffix == ".txt":
+        path.write_bytes(b"\n".join(d.encode() for d in docs) + b"\nnot utf-8: caf\xe9\n\xff\xfe\n")
+    else:
+        path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs)
+                        + json.dumps({"text": None}) + "\n")
+    tok = _tokenizer(tmp_path)
+    batches = PackedBatches(load_text_stream(str(path), "train"), tok, 4, 1, shuffle_buffer=0, repeat=False,
+                            min_chars=3)
+    got = torch.cat([x.flatten() for x, _ in batches]).tolist()
+    want = []
+    for d in ("a first real document", "a second real document", "third document here"):
+        want += tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert got == want[:len(got)] and len(got) >= len(want) - 5
+    expected = {"empty": 2, "short": 2, "non_utf8": 2, "not_text": 0} if suffix == ".txt" else \
+        {"empty": 3, "short": 2, "non_utf8": 0, "not_text": 0}
+    assert batches.skipped == expected
+    state = batches.state_dict()
+    assert state["skipped"] == expected and state["skipped_docs"] == sum(expected.values())
+
+
+def test_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
+    from transformers import LlamaConfig
+
+    from ds_async.config import ConfigError
+    from ds_async.trainer import check_vocab
+
+    tok = _tokenizer(tmp_path)
+    check_vocab(tok, LlamaConfig(vocab_size=len(tok)), "tok.json")
+    with pytest.raises(ConfigError, match=rf"vocab_size 100 is smaller than the tokenizer's vocabulary \({len(tok)} "
+                                          r"tokens from tok.json\); the tokenizer does not match the model"):
+        check_vocab(tok, LlamaConfig(vocab_size=100), "tok.json")
