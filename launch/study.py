@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a checkout where ds_async is not installed (a copied tree)
+    sys.path.insert(1, str(ROOT))
 DEFAULT_CORPUS = ROOT.parent / "shared" / "corpus"
 DEFAULT_CACHE = ROOT / ".data" / "study_tokens"
 
