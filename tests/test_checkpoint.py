@@ -485,3 +485,40 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=rf"vocab_size 100 is smaller than the tokenizer's vocabulary \({len(tok)} "
                                           r"tokens from tok.json\); the tokenizer does not match the model"):
         check_vocab(tok, LlamaConfig(vocab_size=100), "tok.json")
+
+
+def _sharded_reload_worker(rank, port, out):
+    import torch.distributed as dist
+
+    from ds_async.optim import build_optimizer
+    from ds_async.optim.sharded import ShardedOptimizer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        opt = ShardedOptimizer(build_optimizer(MUON, model, correction=EF))
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        again = ShardedOptimizer(build_optimizer(MUON, model, correction=EF))
+        again.load_state_dict(opt.state_dict())
+        again.param_groups[0]["lr"] = 0.125  # what an LR scheduler does, on the wrapper
+        torch.save({"lr": again.optimizer.param_groups[0]["lr"], "shared": again.state is again.optimizer.state},
+                   out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_optimizer_reload_keeps_the_lr_schedule_attached(tmp_path):
+    """After ``load_state_dict`` the wrapper must still share the wrapped optimizer's groups, or an LR scheduler
+    stepping the wrapper would no longer reach the optimizer (a resumed run would drift)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_sharded_reload_worker, args=(port, str(tmp_path / "r.pt")), nprocs=1, start_method="fork")
+    got = torch.load(tmp_path / "r.pt", weights_only=True)
+    assert got == {"lr": 0.125, "shared": True}

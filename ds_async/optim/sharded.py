@@ -96,6 +96,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.optimizer.load_state_dict(state_dict)
+        # torch's load_state_dict builds new group dicts and a new state: share them again, or LR schedulers (which
+        # set lr on this object's groups) would no longer reach the optimizer.
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
 
     def stats(self) -> dict[str, float]:
         """The wrapped :class:`UpdateOptimizer`'s stats over all ranks' shards (a collective: call on every rank)."""
