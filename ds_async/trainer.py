@@ -172,6 +172,15 @@ def train(config_path: str, max_steps: int | None = None, run_name: str | None =
         start = engine.global_steps
         if dist.get_rank() == 0:
             print(f"ds_async: resumed from {resume_from} (step {start})", flush=True)
+            saved = restored["manifest"].get("ds_async", {})
+            now = cfgmod.resolved(cfg)
+            changed = [f"data.{k}" for k in ("train", "text_field", "seq_len", "shuffle_buffer", "min_chars")
+                       if saved.get("data", {}).get(k) != now["data"][k]] + \
+                      (["seed"] if saved.get("seed") != now["seed"] else [])
+            if changed:
+                print(f"ds_async: warning: changed since the checkpoint: {', '.join(changed)}; the saved position "
+                      "in the training stream refers to the old data, so the run does not continue as it would have",
+                      flush=True)
     last_saved = start if resume_from is not None else None
 
     def save(step: int) -> None:
