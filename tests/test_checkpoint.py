@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -178,7 +179,6 @@ def test_sigkill_and_resume_equals_uninterrupted(work, references):
     (partial / "state-stage00-dp000.pt").write_bytes(b"\0" * 100)
     # A truncated file in an otherwise complete checkpoint is refused, naming the file, on every rank.
     corrupt = work / "corrupt"
-    import shutil
     shutil.copytree(checkpoint.step_dir(ckpt_root(work, "killed-1f1b-adamw"), 4), corrupt / "step_00000004")
     victim = corrupt / "step_00000004" / "state-stage01-dp000.pt"
     victim.write_bytes(victim.read_bytes()[:-10])
@@ -227,7 +227,6 @@ def test_export_loads_with_from_pretrained(work, references, name, tmp_path):
 def test_export_refuses_a_corrupt_checkpoint(work, references, tmp_path):
     from ds_async.export import export
 
-    import shutil
     folder = tmp_path / "step_00000003"
     shutil.copytree(references["ref-mixtral"], folder)
     shard = folder / "model-stage02-of-02.safetensors"
@@ -430,12 +429,11 @@ def test_missing_or_unreadable_data_files_name_the_path(tmp_path):
         load_text_stream(str(folder), "train")
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "fine"}\n{"text": "cut off\n')
-    from ds_async.data import PackedBatches, load_tokenizer
+    from ds_async.data import PackedBatches
     batches = PackedBatches(load_text_stream(str(broken), "train"), _tokenizer(tmp_path), 4, 1,
                             shuffle_buffer=0, repeat=False, source=str(broken))
     with pytest.raises(DataError, match=f"{broken}: reading failed"):
         list(batches)
-    del load_tokenizer
 
 
 def _tokenizer(tmp_path):
