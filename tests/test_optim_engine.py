@@ -28,15 +28,13 @@ def test_2bw_muon_ef_equals_emulation(tmp_path):
 
 
 def test_2bw_muon_ef_zero1_data_parallel(tmp_path):
-    """ZeRO-1 with 2 replicas (ds_async's tensor-granular sharding) is bit-equal to the unsharded run and to the
-    emulation, which sums each replica's micro-batches before averaging the replicas, as the all-reduce does."""
-    sharded = _run_2bw(tmp_path / "zero1", 4, 2, zero_optimization={"stage": 1})
-    replicated = _run_2bw(tmp_path / "zero0", 4, 2)
-    torch.testing.assert_close(sharded["losses"], replicated["losses"], rtol=0, atol=0)
-    assert_params_close(stage_params(tmp_path / "zero1", 2), stage_params(tmp_path / "zero0", 2), rel=0)
+    """ZeRO-1 with 2 replicas (ds_async's tensor-granular sharding: each replica steps half the matrices) is
+    bit-equal to the emulation, which sums each replica's micro-batches before averaging the replicas, as the
+    all-reduce does."""
+    sharded = _run_2bw(tmp_path, 4, 2, zero_optimization={"stage": 1})
     losses, want = emulate_run("2bw", 2, STEPS, 2, 2, MUON, seq_len=SEQ, mbs=MBS, correction=EF)
     torch.testing.assert_close(sharded["losses"], losses, rtol=1e-6, atol=0)  # loss reports average differently
-    assert_params_close(stage_params(tmp_path / "zero1", 2), want, rel=0)
+    assert_params_close(stage_params(tmp_path, 2), want, rel=0)
 
 
 class _Tiny(nn.Module):
@@ -76,11 +74,10 @@ def test_1f1b_muon_ef_equals_emulation(tmp_path):
     assert_params_close(stage_params(tmp_path, 2), want, rel=0)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
-def test_adamw_ef_trains_under_deepspeed_bf16(tmp_path, schedule):
+def test_adamw_ef_trains_under_deepspeed_bf16(tmp_path):
     """DeepSpeed's bf16 optimizer hands ds_async's AdamW flat fp32 partitions: elementwise, so EF still applies."""
     adamw = {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}}
-    got = run_job(2, "train", tmp_path, stages=2, steps=STEPS, mbs=MBS, gas=2, seq_len=SEQ, schedule=schedule,
+    got = run_job(2, "train", tmp_path, stages=2, steps=STEPS, mbs=MBS, gas=2, seq_len=SEQ, schedule="2bw",
                   optimizer=adamw, correction=EF, bf16={"enabled": True})
     losses = got["losses"]
     assert torch.isfinite(losses).all() and losses[-3:].mean() < losses[:3].mean() - 0.3, losses
