@@ -13,10 +13,10 @@ from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
 from ds_async.config import ConfigError
 from ds_async.optim import (SGD, AdamW, ErrorFeedback, Lion, Muon, NesterovLookahead, build_correction,
                             build_optimizer, muon_param_groups, param_roles)
-from ds_async.optim.muon import NS_COEFFICIENTS, zeropower_via_newtonschulz
+from ds_async.optim.muon import NS_COEFFICIENTS, orthogonalise_batched, zeropower_via_newtonschulz
 from ds_async.optim.muon_reference import ReferenceHybridMuon
 
-SHAPES = [(32, 16), (16, 48), (24, 24)]
+SHAPES = [(32, 16), (16, 48), (24, 24), (32, 16)]  # a repeated shape: Muon batches it
 
 
 def twin_params(shapes, seed=0, dtype=torch.float32):
@@ -67,6 +67,14 @@ def test_batched_newton_schulz_equals_per_matrix(shape):
     torchs = torch.stack([torch_newton_schulz(m, NS_COEFFICIENTS, 5, 1e-7) for m in flat]).reshape(shape)
     assert batched.dtype == torch.bfloat16
     assert torch.equal(batched, ours) and torch.equal(batched, torchs)
+
+
+def test_same_shape_matrices_orthogonalised_together_equal_one_by_one():
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(16, 24), (24, 16), (16, 24), (3, 8, 8), (16, 24), (3, 8, 8), (5, 7)]
+    ds = [torch.randn(s, generator=gen) for s in shapes]
+    for got, d in zip(orthogonalise_batched(ds), ds):
+        assert torch.equal(got, zeropower_via_newtonschulz(d))
 
 
 def test_muon_on_expert_stack_equals_one_muon_per_expert():

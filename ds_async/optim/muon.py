@@ -75,24 +75,41 @@ def muon_direction(grad: Tensor, momentum_buffer: Tensor, *, momentum: float, ne
                    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS) -> Tensor:
     """Advance the momentum buffer (an EMA of gradients: ``B <- momentum * B + (1 - momentum) * g``) in place and
     return the orthogonalised direction (bf16) of ``g + momentum * (B - g)`` (Nesterov) or of ``B``."""
-    momentum_buffer.lerp_(grad, 1 - momentum)
-    direction = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+    direction = momentum_direction(grad, momentum_buffer, momentum=momentum, nesterov=nesterov)
     return zeropower_via_newtonschulz(direction, ns_steps, ns_coefficients, eps)
 
 
-def muon_step(param: Tensor, grad: Tensor, momentum_buffer: Tensor, *, lr: float, momentum: float, nesterov: bool,
-              ns_steps: int, weight_decay: float, lr_rule: str,
-              ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS) -> Tensor:
-    """The new value of one matrix (or stack) after a Muon step, as a new tensor:
-    ``new = x (1 - lr wd) - adjusted_lr * O`` with ``O`` from :func:`muon_direction`, in torch's op order. Weight
-    decay uses the unadjusted lr, as torch's Muon.
+def momentum_direction(grad: Tensor, momentum_buffer: Tensor, *, momentum: float, nesterov: bool) -> Tensor:
+    """Advance the momentum buffer in place; return what Newton-Schulz orthogonalises (before orthogonalising)."""
+    momentum_buffer.lerp_(grad, 1 - momentum)
+    return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+
+
+def orthogonalise_batched(directions: list[Tensor], steps: int = NS_STEPS,
+                          coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS
+                          ) -> list[Tensor]:
+    """:func:`zeropower_via_newtonschulz` of each tensor, with same-shaped ones stacked into one batched call.
+
+    A stage's hidden matrices come in a few shapes (q/k/v/o, gate/up, down): one call per shape instead of one
+    per matrix. The result of each is bit-equal to orthogonalising it alone (tested), since the batched kernels
+    run the same per-matrix products; the stack is made in bf16, the precision the iteration starts from.
     """
-    if param.ndim < 2:
-        raise ValueError(
-            f"Muon got a 'matrix' parameter of shape {tuple(param.shape)}: it orthogonalises whole matrices and "
-            "cannot update a 1-D tensor. DeepSpeed's ZeRO and bf16 optimizers hand the optimizer flat 1-D "
-            "partitions; with Muon use zero_optimization stage 0 without DeepSpeed's bf16 optimizer, and "
-            "ds_async.optim.sharded.ShardedOptimizer for tensor-granular ZeRO-1.")
-    direction = muon_direction(grad, momentum_buffer, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                               ns_coefficients=ns_coefficients, eps=eps)
-    return decayed(param, lr, weight_decay).add_(direction, alpha=-adjusted_lr(lr, param.shape, lr_rule))
+    out: list[Tensor | None] = [None] * len(directions)
+    by_shape: dict[tuple, list[int]] = {}
+    for i, d in enumerate(directions):
+        by_shape.setdefault((tuple(d.shape), d.device), []).append(i)
+    for idx in by_shape.values():
+        if len(idx) == 1:
+            out[idx[0]] = zeropower_via_newtonschulz(directions[idx[0]], steps, coefficients, eps)
+            continue
+        stacked = torch.stack([directions[i].bfloat16() for i in idx])
+        for i, o in zip(idx, zeropower_via_newtonschulz(stacked, steps, coefficients, eps).unbind(0)):
+            out[i] = o
+    return out
+
+
+def muon_apply(param: Tensor, orthogonalised: Tensor, *, lr: float, weight_decay: float, lr_rule: str) -> Tensor:
+    """The new value ``x (1 - lr wd) - adjusted_lr * O`` as a new tensor (torch's op order; the decay uses the
+    unadjusted lr, as torch's Muon)."""
+    return decayed(param, lr, weight_decay).add_(orthogonalised, alpha=-adjusted_lr(lr, param.shape, lr_rule))
+

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .corrections import Correction
-from .muon import LR_RULES, NS_COEFFICIENTS, NS_EPS, NS_STEPS, muon_step
+from .muon import LR_RULES, NS_COEFFICIENTS, NS_EPS, NS_STEPS, momentum_direction, muon_apply, orthogonalise_batched
 from .updates import adamw_step, lion_step, sgd_step
 
 
@@ -202,16 +202,40 @@ class Muon(UpdateOptimizer):
                 for p in group["params"]:
                     _require_matrix(p)
 
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # Orthogonalise every matrix first, same shapes batched (one Newton-Schulz per shape, not per matrix);
+        # the per-parameter pass below then applies them through the update hook.
+        self._orthogonalised = {}
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                continue
+            params = [p for p in group["params"] if p.grad is not None]
+            directions = []
+            for p in params:
+                _require_matrix(p)
+                state = self.state[p]
+                if not state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                directions.append(momentum_direction(p.grad, state["momentum_buffer"], momentum=group["momentum"],
+                                                     nesterov=group["nesterov"]))
+            ortho = orthogonalise_batched(directions, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
+            self._orthogonalised.update(zip(params, ortho))
+        try:
+            super().step()
+        finally:
+            self._orthogonalised = {}
+        return loss
+
     def _new_value(self, param, grad, state, group):
         if not group["use_muon"]:
             return _adamw_step(param, grad, state, group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        _require_matrix(param)
-        if not state:
-            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-        return muon_step(param, grad, state["momentum_buffer"], lr=group["lr"], momentum=group["momentum"],
-                           nesterov=group["nesterov"], ns_steps=group["ns_steps"],
-                           weight_decay=group["weight_decay"], lr_rule=group["lr_rule"],
-                           ns_coefficients=group["ns_coefficients"], eps=group["ns_eps"])
+        return muon_apply(param, self._orthogonalised.pop(param), lr=group["lr"],
+                          weight_decay=group["weight_decay"], lr_rule=group["lr_rule"])
 
 
 def _require_matrix(p: Tensor) -> None:
