@@ -41,6 +41,9 @@ class UpdateOptimizer(torch.optim.Optimizer):
         """The value of ``param`` after this step of the base rule, as a new tensor; advances ``state``."""
         raise NotImplementedError
 
+    def _prepare_step(self) -> None:
+        """Work done for all parameters at once before the per-parameter pass (nothing by default)."""
+
     def _group_name(self, index: int) -> str:
         return self.param_groups[index].get("name", f"group{index}")
 
@@ -51,6 +54,7 @@ class UpdateOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._sums, self.last_lrs = {}, {}
+        self._prepare_step()
         for index, group in enumerate(self.param_groups):
             name = self._group_name(index)
             self.last_lrs[name] = float(group["lr"])
@@ -202,14 +206,9 @@ class Muon(UpdateOptimizer):
                 for p in group["params"]:
                     _require_matrix(p)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _prepare_step(self) -> None:
         # Orthogonalise every matrix first, same shapes batched (one Newton-Schulz per shape, not per matrix);
-        # the per-parameter pass below then applies them through the update hook.
+        # the per-parameter pass then applies them through the update hook.
         self._orthogonalised = {}
         for group in self.param_groups:
             if not group["use_muon"]:
@@ -225,11 +224,6 @@ class Muon(UpdateOptimizer):
                                                      nesterov=group["nesterov"]))
             ortho = orthogonalise_batched(directions, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
             self._orthogonalised.update(zip(params, ortho))
-        try:
-            super().step()
-        finally:
-            self._orthogonalised = {}
-        return loss
 
     def _new_value(self, param, grad, state, group):
         if not group["use_muon"]:
