@@ -58,3 +58,16 @@ def test_2bw_with_zero1_equals_emulation(tmp_path):
     losses, want = emulate_run("2bw", 2, steps, 2, 2, SGD_M, seq_len=SEQ, mbs=MBS)
     torch.testing.assert_close(got["losses"], losses, rtol=1e-6, atol=0)
     assert_params_close(stage_params(tmp_path, 2), want, rel=1e-6)
+
+
+def test_engine_dispatches_its_own_instructions():
+    """DeepSpeed's instruction table holds PipelineEngine's functions; ours must dispatch to the overrides, or
+    ``p2p: overlap`` would silently run DeepSpeed's blocking p2p."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    from ds_async.pipe.engine import AsyncPipelineEngine
+    from ds_async.pipe.p2p import NonBlockingP2P
+
+    for table in (AsyncPipelineEngine._INSTRUCTION_MAP, AsyncPipelineEngine._ASYNC_INSTRUCTIONS):
+        assert table[ds.SendActivation] is NonBlockingP2P._exec_send_activations
+        assert table[ds.RecvGrad] is NonBlockingP2P._exec_recv_grads

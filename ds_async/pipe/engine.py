@@ -13,7 +13,6 @@ from types import MethodType
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..config import SCHEDULES
@@ -21,13 +20,13 @@ from ..optim.clip import clip_, squared_norm
 from . import schedule as fs
 from .bf16_step import PrecomputedNormBF16Optimizer
 from .delay import weight_version
-from .p2p import NeighbourLinks
+from .p2p import NeighbourLinks, NonBlockingP2P
 from .versions import WeightVersions
 
 P2P_MODES = ("overlap", "deepspeed")
 
 
-class AsyncPipelineEngine(PipelineEngine):
+class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
     def __init__(self, *args, schedule: str = "1f1b", p2p: str = "overlap", **kwargs):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -233,7 +232,6 @@ class AsyncPipelineEngine(PipelineEngine):
             self.step_events.append((start, end))
 
     _ASYNC_INSTRUCTIONS = {
-        **PipelineEngine._INSTRUCTION_MAP,
         fs.ForwardPass: _exec_stashed_forward,
         fs.BackwardPass: _exec_stashed_backward,
         fs.ReduceGrads: _exec_batch_reduce,
@@ -282,49 +280,6 @@ class AsyncPipelineEngine(PipelineEngine):
             raise RuntimeError("eval_batch() needs a drained pipeline: call train_batch(..., flush=True) first")
         return super().eval_batch(data_iter, *args, **kwargs)
 
-    # ------------------------------------------------------------------------- non-blocking p2p (``overlap``)
-    def _exec_send_activations(self, buffer_id):
-        if self.links is None:
-            return super()._exec_send_activations(buffer_id)
-        outputs = self.pipe_buffers["outputs"][buffer_id]
-        if self.first_output_send:  # shapes go once, on DeepSpeed's own channel
-            self.first_output_send = False
-            self._send_tensor_meta(outputs, self.next_stage)
-        self.links.send_activations(_as_tuple(outputs))
-
-    def _exec_recv_activations(self, buffer_id):
-        if self.links is None:
-            return super()._exec_recv_activations(buffer_id)
-        if self.pipe_recv_buf is None:
-            self.pipe_recv_buf = self._recv_tensor_meta(self.prev_stage)  # used as shape templates only
-        received = self.links.recv_activations(_as_tuple(self.pipe_recv_buf))
-        for t in received:
-            t.requires_grad = t.is_floating_point()
-        self.pipe_buffers["inputs"][buffer_id] = received[0] if torch.is_tensor(self.pipe_recv_buf) \
-            else tuple(received)
-
-    def _exec_send_grads(self, buffer_id):
-        if self.links is None:
-            return super()._exec_send_grads(buffer_id)
-        inputs = _as_tuple(self.pipe_buffers["inputs"][buffer_id])
-        self.links.send_gradients([t.grad for t in inputs if t.is_floating_point()])
-        self.pipe_buffers["inputs"][buffer_id] = None
-
-    def _exec_recv_grads(self, buffer_id):
-        if self.links is None:
-            return super()._exec_recv_grads(buffer_id)
-        outputs = _as_tuple(self.pipe_buffers["outputs"][buffer_id])
-        grads = self.links.recv_gradients([t for t in outputs if t.is_floating_point()])
-        self.grad_layer = grads[0] if torch.is_tensor(self.pipe_buffers["outputs"][buffer_id]) else grads
-
-    def _next_batch(self):
-        # DeepSpeed's ``.to(device)`` from pageable memory makes the host wait for the GPU on the first and last
-        # stage every micro-batch, which would stop the host from running ahead of the data.
-        batch = super()._next_batch()
-        if self.links is None or self.device.type != "cuda" or batch is None:
-            return batch
-        return _to_device(batch, self.device)
-
     # ---------------------------------------------------------------------------------- fixes to DeepSpeed
     def _recv_tensor_meta(self, send_stage):
         # DeepSpeed carves activation receive buffers from the same cache as gradient receive buffers, so on a
@@ -346,11 +301,9 @@ class AsyncPipelineEngine(PipelineEngine):
         clip_(grads, sq, self.gradient_clipping())
 
 
-def _as_tuple(x) -> tuple:
-    return (x,) if torch.is_tensor(x) else tuple(x)
-
-
-def _to_device(x, device):
-    if torch.is_tensor(x):
-        return x if x.device == device else x.pin_memory().to(device, non_blocking=True)
-    return type(x)(_to_device(y, device) for y in x)
+# DeepSpeed's instruction table holds PipelineEngine's own functions, so overriding a method (the p2p ones in
+# NonBlockingP2P) would not change what its schedule executes; rebuild both tables by name on this class.
+AsyncPipelineEngine._INSTRUCTION_MAP = {kind: getattr(AsyncPipelineEngine, fn.__name__)
+                                        for kind, fn in PipelineEngine._INSTRUCTION_MAP.items()}
+AsyncPipelineEngine._ASYNC_INSTRUCTIONS = {**AsyncPipelineEngine._INSTRUCTION_MAP,
+                                           **AsyncPipelineEngine._ASYNC_INSTRUCTIONS}

@@ -75,3 +75,62 @@ class NeighbourLinks:
         """Complete every posted send (before the pipeline is declared drained)."""
         while self._sends:
             self._sends.popleft()[0].wait()
+
+
+class NonBlockingP2P:
+    """PipelineEngine mixin: DeepSpeed's four p2p instructions (and its micro-batch loading) over
+    :class:`NeighbourLinks` when the engine has ``self.links``; DeepSpeed's own when ``links`` is None."""
+
+    links: NeighbourLinks | None = None
+
+    def _exec_send_activations(self, buffer_id):
+        if self.links is None:
+            return super()._exec_send_activations(buffer_id)
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        if self.first_output_send:  # shapes go once, on DeepSpeed's own channel
+            self.first_output_send = False
+            self._send_tensor_meta(outputs, self.next_stage)
+        self.links.send_activations(_as_tuple(outputs))
+
+    def _exec_recv_activations(self, buffer_id):
+        if self.links is None:
+            return super()._exec_recv_activations(buffer_id)
+        if self.pipe_recv_buf is None:
+            self.pipe_recv_buf = self._recv_tensor_meta(self.prev_stage)  # used as shape templates only
+        received = self.links.recv_activations(_as_tuple(self.pipe_recv_buf))
+        for t in received:
+            t.requires_grad = t.is_floating_point()
+        self.pipe_buffers["inputs"][buffer_id] = received[0] if torch.is_tensor(self.pipe_recv_buf) \
+            else tuple(received)
+
+    def _exec_send_grads(self, buffer_id):
+        if self.links is None:
+            return super()._exec_send_grads(buffer_id)
+        inputs = _as_tuple(self.pipe_buffers["inputs"][buffer_id])
+        self.links.send_gradients([t.grad for t in inputs if t.is_floating_point()])
+        self.pipe_buffers["inputs"][buffer_id] = None
+
+    def _exec_recv_grads(self, buffer_id):
+        if self.links is None:
+            return super()._exec_recv_grads(buffer_id)
+        outputs = _as_tuple(self.pipe_buffers["outputs"][buffer_id])
+        grads = self.links.recv_gradients([t for t in outputs if t.is_floating_point()])
+        self.grad_layer = grads[0] if torch.is_tensor(self.pipe_buffers["outputs"][buffer_id]) else grads
+
+    def _next_batch(self):
+        # DeepSpeed's ``.to(device)`` from pageable memory makes the host wait for the GPU on the first and last
+        # stage every micro-batch, which would stop the host from running ahead of the data.
+        batch = super()._next_batch()
+        if self.links is None or self.device.type != "cuda" or batch is None:
+            return batch
+        return _to_device(batch, self.device)
+
+
+def _as_tuple(x) -> tuple:
+    return (x,) if torch.is_tensor(x) else tuple(x)
+
+
+def _to_device(x, device):
+    if torch.is_tensor(x):
+        return x if x.device == device else x.pin_memory().to(device, non_blocking=True)
+    return type(x)(_to_device(y, device) for y in x)
