@@ -152,9 +152,10 @@ class DsAsyncConfig:
     schedule: Literal["1f1b", "2bw", "pipedream"] = "1f1b"
     """``1f1b``: DeepSpeed's synchronous TrainSchedule (flush every step). ``2bw``: PipeDream-2BW, flush-free with
     a constant one-step weight delay. ``pipedream``: per-stage variable delay (original PipeDream)."""
-    p2p: Literal["overlap", "deepspeed"] = "overlap"
-    """Stage-to-stage transfers. ``overlap``: non-blocking, one channel per direction, the host runs ahead
-    (:mod:`ds_async.pipe.p2p`). ``deepspeed``: DeepSpeed's blocking send/recv, exactly the stock engine."""
+    p2p: Literal["overlap", "deepspeed"] = "deepspeed"
+    """Stage-to-stage transfers. ``deepspeed``: DeepSpeed's blocking send/recv, exactly the stock engine (every
+    GPU measurement so far). ``overlap``: non-blocking, one channel per direction, the host runs ahead
+    (:mod:`ds_async.pipe.p2p`); tested on CPU, not yet measured on GPUs."""
     data: DataConfig = field(default_factory=DataConfig)
     """Training and validation text streams."""
     train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=100))

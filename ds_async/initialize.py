@@ -19,7 +19,7 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
 
 
-def initialize(model: PipelineModule, config: dict, schedule: str = "1f1b", p2p: str = "overlap", correction=None,
+def initialize(model: PipelineModule, config: dict, schedule: str = "1f1b", p2p: str = "deepspeed", correction=None,
                optimizer=None, lr_scheduler=None, model_parameters=None) -> AsyncPipelineEngine:
     """Build the engine for ``model`` from a DeepSpeed config dict (without its ``ds_async`` section).
 

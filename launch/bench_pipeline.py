@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--optimizer", choices=["adamw", "muon", "muon-ef"], default="adamw",
                     help="muon / muon-ef (ds_async's hybrid Muon, with error feedback) need --precision autocast")
-    ap.add_argument("--p2p", choices=["overlap", "deepspeed"], default="overlap",
+    ap.add_argument("--p2p", choices=["overlap", "deepspeed"], default="deepspeed",
                     help="stage-to-stage transfers: ds_async's non-blocking channels or DeepSpeed's blocking p2p")
     ap.add_argument("--precision", choices=["bf16", "autocast"], default="bf16",
                     help="bf16: DeepSpeed's bf16 weights + fp32 master; autocast: fp32 weights, bf16 compute")

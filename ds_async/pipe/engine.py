@@ -27,7 +27,7 @@ P2P_MODES = ("overlap", "deepspeed")
 
 
 class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
-    def __init__(self, *args, schedule: str = "1f1b", p2p: str = "overlap", **kwargs):
+    def __init__(self, *args, schedule: str = "1f1b", p2p: str = "deepspeed", **kwargs):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if p2p not in P2P_MODES:
