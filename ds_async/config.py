@@ -106,6 +106,10 @@ class LoggingConfig:
     """Run folder name (default: schedule-optimizer-timestamp)."""
     every: int = 1
     """Write train scalars every this many steps."""
+    optimizer_every: int = 50
+    """Write the optimizer figures (``optimizer/...``: update RMS, correction buffer norm, staleness) every this
+    many steps, 0 for never. Gathering them involves every rank, a barrier across the stages of a flush-free
+    pipeline, so keep it sparse."""
     progress: bool = True
     """Show a tqdm progress bar on the reporting rank."""
     plot: bool = True

@@ -115,7 +115,7 @@ class DelayedTrainer:
             for i, q in enumerate(self._params()):
                 grads = [r[i] for r in replicas if r[i] is not None]
                 if grads:
-                    q.grad = torch.stack(grads).sum(0) if len(grads) > 2 else sum(grads[1:], grads[0])
+                    q.grad = sum(grads[1:], grads[0])
                     q.grad.mul_(1.0 / self.dp)
         self._restore_newest()
         if self.clip:

@@ -140,7 +140,7 @@ def train(config_path: str, max_steps: int | None = None, run_name: str | None =
     check_vocab(tok, hf_config, cfg.tokenizer)
     module = build_pipeline(cfg, hf_config)
     engine = initialize(module, ds_config, schedule=cfg.schedule, p2p=cfg.p2p, correction=cfg.correction)
-    engine.stats_every = cfg.logging.every
+    engine.stats_every = cfg.logging.optimizer_every
     monitor = None
     if cfg.train.on_nonfinite == "skip":
         check_skip_supported(engine.optimizer)
@@ -225,7 +225,7 @@ def train(config_path: str, max_steps: int | None = None, run_name: str | None =
             monitor.submit(step, loss)
             stop_if_nonfinite(upto=step if next_drain == step else None)
         log.train_step(step, float("nan") if loss is None else loss.item(), engine.get_lr()[0])
-        if step % cfg.logging.every == 0:
+        if cfg.logging.optimizer_every and step % cfg.logging.optimizer_every == 0:
             log.scalars(step, {f"optimizer/{k}": v for k, v in engine.optimizer_stats().items()})
         if evaluating and step % cfg.eval.every == 0 and step != total_steps:
             log.validation(step, validate())

@@ -56,8 +56,7 @@ def client_optimizer(module: nn.Module, ds_config: dict, correction, dp_group, d
     config = {k: v for k, v in ds_config.items() if k != "optimizer"}
     zero = _zero(ds_config)
     stage = int(zero.get("stage", 0))
-    what = f"optimizer type {block['type']!r}" + ("" if kind in MATRIX_TYPES or not correction
-                                                   else " with a delay correction")
+    what = f"optimizer type {block['type']!r}"
     if (ds_config.get("fp16") or {}).get("enabled"):
         raise OptimizerSetupError(f"{what}: fp16 is not supported by ds_async's optimizers; use bf16 or "
                                   "torch_autocast")
