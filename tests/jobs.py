@@ -86,7 +86,7 @@ def job_logits(out: Path, hf_dir: str, stages: int, input_ids: list, partition: 
 
 def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: int = 32, data_seed: int = 0,
               schedule: str = "1f1b", optimizer: dict | None = None, clip: float = 1.0, export: bool = False,
-              stock: bool = False, correction: dict | None = None, **ds_extra) -> None:
+              stock: bool = False, correction: dict | None = None, stats: bool = False, **ds_extra) -> None:
     """Train ``steps`` steps on fixed data; save per-step losses and final parameters."""
     engine, hf_config = _engine(stages, mbs, gas, schedule=schedule, optimizer=optimizer, clip=clip, stock=stock,
                                 correction=correction, **ds_extra)
@@ -95,9 +95,14 @@ def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: i
     it = rank_stream(batches, steps, gas, dp_rank, dp_world)
     if not stock:
         engine.drain_after(steps - 1)
+    if stats:
+        engine.stats_every = steps  # the figures of the last step
     losses = [engine.train_batch(it) for _ in range(steps)]
+    optimizer_stats = engine.optimizer_stats() if stats else None  # collective: every rank
     _save_params(engine, out)
     result = {"losses": torch.tensor([0.0 if x is None else x.item() for x in losses], dtype=torch.float64)}
+    if stats:
+        result["optimizer_stats"] = optimizer_stats
     if export:
         export_hf(engine, str(out / "hf"), hf_config)
         ids = batches[0][0]

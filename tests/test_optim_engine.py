@@ -19,12 +19,17 @@ def _run_2bw(out, nproc, gas, **extra):
 
 
 def test_2bw_muon_ef_equals_emulation(tmp_path):
-    got = _run_2bw(tmp_path, 2, 4)
+    got = _run_2bw(tmp_path, 2, 4, stats=True)
     losses, want = emulate_run("2bw", 2, STEPS, 4, 1, MUON, seq_len=SEQ, mbs=MBS, correction=EF)
     _, plain = emulate_run("2bw", 2, STEPS, 4, 1, MUON, seq_len=SEQ, mbs=MBS)
     assert max((plain[k] - want[k]).abs().max().item() for k in want) > 1e-3, "EF must change the run"
     torch.testing.assert_close(got["losses"], losses, rtol=1e-6, atol=0)  # the engine averages the report differently
     assert_params_close(stage_params(tmp_path, 2), want, rel=0)
+    # The tensorboard figures of the last step, gathered over both stages.
+    stats = got["optimizer_stats"]
+    assert {"update_rms/matrix", "update_rms/embedding", "update_rms/head", "base_update_rms/matrix",
+            "ef_buffer_norm", "lr/matrix", "staleness"} <= stats.keys(), sorted(stats)
+    assert stats["staleness"] > 0 and stats["ef_buffer_norm"] > 0 and stats["lr/matrix"] == MUON["params"]["lr"]
 
 
 def test_2bw_muon_ef_zero1_data_parallel(tmp_path):
