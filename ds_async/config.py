@@ -143,6 +143,22 @@ class CorrectionConfig:
 
 
 @dataclass
+class PerformanceConfig:
+    """Speed levers; each is off by default and changes no result beyond floating-point rounding."""
+
+    compile: bool = False
+    """``torch.compile`` each decoder layer (not the whole pipeline module, whose forward DeepSpeed drives layer by
+    layer). The first steps pay the compilation."""
+    loss_chunk: int = 0
+    """Rows (tokens) per chunk of the cross-entropy (``ds_async.models.loss``): the vocabulary logits are never
+    held in fp32 whole. 0: ``F.cross_entropy`` on fp32 logits."""
+    activation_checkpoint_interval: int = 0
+    """Recompute the activations of every this many layers in backward instead of storing them (DeepSpeed's
+    ``PipelineModule`` checkpointing; under flush-free schedules the recompute runs on the micro-batch's own
+    weight version). 0: store all activations."""
+
+
+@dataclass
 class DsAsyncConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model to train."""
@@ -157,9 +173,9 @@ class DsAsyncConfig:
     """``1f1b``: DeepSpeed's synchronous TrainSchedule (flush every step). ``2bw``: PipeDream-2BW, flush-free with
     a constant one-step weight delay. ``pipedream``: per-stage variable delay (original PipeDream)."""
     p2p: Literal["overlap", "deepspeed"] = "deepspeed"
-    """Stage-to-stage transfers. ``deepspeed``: DeepSpeed's blocking send/recv, exactly the stock engine (every
-    GPU measurement so far). ``overlap``: non-blocking, one channel per direction, the host runs ahead
-    (:mod:`ds_async.pipe.p2p`); tested on CPU, not yet measured on GPUs."""
+    """Stage-to-stage transfers. ``deepspeed``: DeepSpeed's blocking send/recv, exactly the stock engine.
+    ``overlap``: non-blocking, one channel per direction, the host runs ahead (:mod:`ds_async.pipe.p2p`); on
+    4x H200 it measured no faster than ``deepspeed`` (1-3% slower, ``launch/results``), hence not the default."""
     data: DataConfig = field(default_factory=DataConfig)
     """Training and validation text streams."""
     train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=100))
@@ -174,6 +190,8 @@ class DsAsyncConfig:
     """Delay correction of the optimizer's updates (``{"type": "ef", "lambda": 1.0}``); none by default."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Where and how often to save checkpoints (see ``ds_async.checkpoint``)."""
+    performance: PerformanceConfig = field(default_factory=PerformanceConfig)
+    """Speed levers: compiled decoder layers, chunked cross-entropy, activation checkpointing."""
 
 
 def _type_name(tp) -> str:
@@ -242,7 +260,10 @@ def parse(section: dict) -> DsAsyncConfig:
         if value < 1:
             raise ConfigError(f"{key}: must be >= 1, got {value}")
     for key, value in (("ds_async.checkpoint.every", cfg.checkpoint.every),
-                       ("ds_async.checkpoint.keep", cfg.checkpoint.keep)):
+                       ("ds_async.checkpoint.keep", cfg.checkpoint.keep),
+                       ("ds_async.performance.loss_chunk", cfg.performance.loss_chunk),
+                       ("ds_async.performance.activation_checkpoint_interval",
+                        cfg.performance.activation_checkpoint_interval)):
         if value < 0:
             raise ConfigError(f"{key}: must be >= 0, got {value}")
     if (cfg.model.path is None) == (not cfg.model.config):

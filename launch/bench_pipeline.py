@@ -11,6 +11,7 @@ the model is a LLaMA built exactly as in training (``ds_async.models``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -98,6 +99,11 @@ def main() -> None:
     ap.add_argument("--partition", default="parameters",
                     help="'parameters', 'uniform', or explicit stage boundaries over [embedding, layers..., head], "
                          "e.g. 0,5,9,13,17")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (performance.compile)")
+    ap.add_argument("--loss-chunk", type=int, default=0,
+                    help="chunked cross-entropy with this many tokens per chunk (performance.loss_chunk; 0: off)")
+    ap.add_argument("--activation-checkpoint-interval", type=int, default=0,
+                    help="recompute every this many decoder layers in backward (0: off)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--profile", default=None,
@@ -125,7 +131,9 @@ def main() -> None:
                  if "," in a.partition else {"method": a.partition})
     cfg = cfgmod.parse({"model": {"config": model}, "pipeline_stages": stages, "schedule": a.schedule,
                         "train": {"steps": a.steps}, "partition": partition, "p2p": a.p2p,
-                        "correction": {"type": "ef" if a.optimizer == "muon-ef" else "none"}})
+                        "correction": {"type": "ef" if a.optimizer == "muon-ef" else "none"},
+                        "performance": {"compile": a.compile, "loss_chunk": a.loss_chunk,
+                                        "activation_checkpoint_interval": a.activation_checkpoint_interval}})
     hf = LlamaConfig(**model, tie_word_embeddings=False)
     ds_config = {"train_micro_batch_size_per_gpu": a.micro_batch_size, "gradient_accumulation_steps": a.micro_batches,
                  "steps_per_print": 10 ** 9, "gradient_clipping": 1.0, "wall_clock_breakdown": False,
@@ -193,7 +201,7 @@ def main() -> None:
            "micro_batch_size": a.micro_batch_size, "seq_len": a.seq_len, "precision": a.precision,
            "step_time_s": round(step_time, 4), "tokens_per_s": round(tokens / step_time, 1),
            "mfu": None if mfu is None else round(mfu, 4), "ideal_1f1b_bubble": round((p - 1) / (m + p - 1), 4),
-           "optimizer": a.optimizer,
+           "optimizer": a.optimizer, "performance": dataclasses.asdict(cfg.performance),
            "peak_mem_GiB_by_stage": {f"s{s}": g for s, d, g, _, _ in sorted(peaks) if d == 0},
            "measured_idle_by_stage": {f"s{s}": b for s, d, _, b, _ in sorted(peaks) if d == 0},
            "optimizer_step_ms_by_stage": {f"s{s}": o for s, d, _, _, o in sorted(peaks) if d == 0},

@@ -52,11 +52,11 @@ def rank_stream(batches: list, step_count: int, gas: int, dp_rank: int, dp_world
 
 def _engine(stages: int, mbs: int, gas: int, schedule: str = "1f1b", model: dict | None = None,
             partition: dict | None = None, seed: int = 1234, stock: bool = False, p2p: str = "overlap",
-            correction: dict | None = None, **ds_extra):
+            correction: dict | None = None, performance: dict | None = None, **ds_extra):
     """A ds_async engine, or with ``stock=True`` DeepSpeed's own PipelineEngine via ``deepspeed.initialize``."""
     section = {"model": model or {"config": TINY_LLAMA}, "pipeline_stages": stages, "schedule": schedule,
                "partition": partition or {"method": "uniform"}, "train": {"steps": 1}, "seed": seed, "p2p": p2p,
-               "correction": correction or {"type": "none"}}
+               "correction": correction or {"type": "none"}, "performance": performance or {}}
     cfg = cfgmod.parse(section)
     hf_config = model_config(cfg)
     module, config = build_pipeline(cfg, hf_config), ds_config(mbs, gas, **ds_extra)

@@ -71,3 +71,15 @@ def test_engine_dispatches_its_own_instructions():
     for table in (AsyncPipelineEngine._INSTRUCTION_MAP, AsyncPipelineEngine._ASYNC_INSTRUCTIONS):
         assert table[ds.SendActivation] is NonBlockingP2P._exec_send_activations
         assert table[ds.RecvGrad] is NonBlockingP2P._exec_recv_grads
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b"])
+def test_speed_levers_keep_the_update_rule(tmp_path, schedule):
+    """Activation checkpointing (recompute in backward, on the micro-batch's own weight version under 2BW) and the
+    chunked cross-entropy change no result beyond rounding."""
+    perf = {"activation_checkpoint_interval": 1, "loss_chunk": 7}
+    got = run_job(2, "train", tmp_path, stages=2, steps=STEPS, mbs=MBS, gas=4, seq_len=SEQ, schedule=schedule,
+                  optimizer=SGD_M, performance=perf)
+    losses, want = emulate_run(schedule, 2, STEPS, 4, 1, SGD_M, seq_len=SEQ, mbs=MBS)
+    torch.testing.assert_close(got["losses"], losses, rtol=1e-6, atol=0)
+    assert_params_close(stage_params(tmp_path, 2), want, rel=1e-6)

@@ -54,10 +54,21 @@ def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineMod
                 or any(a >= b for a, b in zip(boundaries, boundaries[1:]))):
             raise ConfigError(f"ds_async.partition.boundaries: need {p + 1} strictly increasing indices from 0 to "
                               f"{n} (embedding + {n - 2} decoder layers + head), got {boundaries}")
-    return StagedPipelineModule(specs, boundaries=boundaries, num_stages=cfg.pipeline_stages,
-                                loss_fn=family.loss_fn(hf_config),
-                                partition_method="uniform" if cfg.partition.method == "explicit"
-                                else cfg.partition.method, **kwargs)
+    perf = cfg.performance
+    module = StagedPipelineModule(specs, boundaries=boundaries, num_stages=cfg.pipeline_stages,
+                                  loss_fn=family.loss_fn(hf_config, perf.loss_chunk),
+                                  partition_method="uniform" if cfg.partition.method == "explicit"
+                                  else cfg.partition.method,
+                                  activation_checkpoint_interval=perf.activation_checkpoint_interval,
+                                  # DeepSpeed's (reentrant) checkpoint cannot start at the embedding, whose input
+                                  # needs no gradient: recompute decoder layers only (DeepSpeed matches by name).
+                                  checkpointable_layers=[llama.DecoderLayerPipe.__name__,
+                                                         mixtral.MoeDecoderLayerPipe.__name__], **kwargs)
+    if perf.compile:
+        for layer in module.forward_funcs:
+            if isinstance(layer, llama.DecoderLayerPipe):
+                layer.compile()
+    return module
 
 
 def hf_state_dict(module: PipelineModule) -> dict:

@@ -11,6 +11,7 @@ the model is the same whatever the partition and no rank ever materialises anoth
 """
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 
 import torch
@@ -20,6 +21,7 @@ from transformers import LlamaConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from .hf_io import load_into
+from .loss import causal_lm_loss
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -130,14 +132,9 @@ class HeadPipe(_PipeLayer):
         return self.lm_head(self.norm(hidden))
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; ``labels`` are already shifted (see ``ds_async.data``)."""
-    return nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
-
-
-def loss_fn(config: LlamaConfig):
-    """The pipeline's ``loss_fn(outputs, labels)``."""
-    return causal_lm_loss
+def loss_fn(config: LlamaConfig, chunk: int = 0):
+    """The pipeline's ``loss_fn(outputs, labels)``; ``chunk`` > 0: chunked cross-entropy (see ``.loss``)."""
+    return functools.partial(causal_lm_loss, chunk=chunk) if chunk else causal_lm_loss
 
 
 def check_supported(config: PretrainedConfig) -> None:

@@ -137,15 +137,15 @@ class MoeHeadPipe(HeadPipe):
         return super().forward(hidden), load_balancing_loss(prob_sum, counts, rows, self.num_experts)
 
 
-def moe_causal_lm_loss(outputs, labels: torch.Tensor, coef: float) -> torch.Tensor:
+def moe_causal_lm_loss(outputs, labels: torch.Tensor, coef: float, chunk: int = 0) -> torch.Tensor:
     """``CE + coef * aux`` as ``MixtralForCausalLM`` with ``output_router_logits=True``; labels already shifted."""
     logits, aux = outputs
-    return causal_lm_loss(logits, labels) + coef * aux
+    return causal_lm_loss(logits, labels, chunk) + coef * aux
 
 
-def loss_fn(config: MixtralConfig):
-    """The pipeline's ``loss_fn(outputs, labels)``."""
-    return functools.partial(moe_causal_lm_loss, coef=config.router_aux_loss_coef)
+def loss_fn(config: MixtralConfig, chunk: int = 0):
+    """The pipeline's ``loss_fn(outputs, labels)``; ``chunk`` > 0: chunked cross-entropy (see ``.loss``)."""
+    return functools.partial(moe_causal_lm_loss, coef=config.router_aux_loss_coef, chunk=chunk)
 
 
 def check_supported(config: MixtralConfig) -> None:

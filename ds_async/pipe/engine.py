@@ -146,6 +146,8 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
             self._batch_losses[batch] = self._batch_losses.get(batch, 0.0) + self.loss.detach().float()
 
     def _exec_stashed_backward(self, buffer_id: int, micro_batch: int, version: int):
+        if self.module.activation_checkpoint_interval:
+            self.versions.point_at(version)
         super()._exec_backward_pass(buffer_id)
         self.versions.backward_done(version)
 

@@ -35,10 +35,15 @@ class WeightVersions:
 
     def activate(self, version: int) -> None:
         """Point the module's parameters at ``version``'s slot for the next forward."""
+        self.point_at(version)
+        self.in_flight[version] += 1
+
+    def point_at(self, version: int) -> None:
+        """Point the module's parameters at ``version``'s slot, e.g. for a backward that recomputes its forward
+        (activation checkpointing), which must run on the weights of the original forward."""
         slot = self.slots[self._slot(version)]
         for (owner, name, _), tensor in zip(self.entries, slot):
             owner._parameters[name] = tensor
-        self.in_flight[version] += 1
 
     def backward_done(self, version: int) -> None:
         self.in_flight[version] -= 1
