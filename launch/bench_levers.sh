@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 7's levers, one at a time, on one GPU host: each line of the matrix is one bench_pipeline.py run.
+# Usage: bash launch/bench_levers.sh OUT.jsonl [MATRIX]     (MATRIX: levers | scaling | optimizer; default levers)
+# Every row records its flags ("performance", "p2p", ...) and the card; compare rows of one call only.
+set -uo pipefail
+out=${1:?output JSON-lines file}
+matrix=${2:-levers}
+ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+export OMP_NUM_THREADS=4
+part=${PARTITION:-0,5,9,13,17}  # compute-balanced 4 stages of the 15-layer 0.9B LLaMA
+case $matrix in
+  levers) runs=(
+    "--schedule 1f1b --micro-batches 4"
+    "--schedule 2bw --micro-batches 4"
+    "--schedule 2bw --micro-batches 4 --loss-chunk 4096"
+    "--schedule 2bw --micro-batches 4 --compile"
+    "--schedule 2bw --micro-batches 4 --activation-checkpoint-interval 1"
+    "--schedule 2bw --micro-batches 4 --compile --loss-chunk 4096"
+    "--schedule 1f1b --micro-batches 4 --compile --loss-chunk 4096"
+    "--schedule 2bw --micro-batches 8 --compile --loss-chunk 4096"
+    "--schedule 1f1b --micro-batches 8 --compile --loss-chunk 4096") ;;
+  scaling) runs=(  # 2 stages x 1 replica on GPUs 0-1, then 2 stages x 2 replicas on 4 GPUs
+    "NPROC=2 --schedule 2bw --micro-batches 8 --stages 2"
+    "NPROC=4 --schedule 2bw --micro-batches 8 --stages 2") ;;
+  optimizer) runs=(
+    "--schedule 2bw --micro-batches 8 --precision autocast --optimizer adamw"
+    "--schedule 2bw --micro-batches 8 --precision autocast --optimizer muon-ef") ;;
+  *) echo "unknown matrix $matrix" >&2; exit 2 ;;
+esac
+for r in "${runs[@]}"; do
+  n=$ngpu; [[ $r == NPROC=* ]] && { n=${r%% *}; n=${n#NPROC=}; r=${r#* }; }
+  flags=$r; [[ $r == *--stages* ]] || flags="$r --partition $part"
+  t0=$(date +%s)
+  timeout ${RUN_TIMEOUT:-170} torchrun --nproc_per_node "$n" launch/bench_pipeline.py $flags --out "$out" \
+    --warmup ${WARMUP:-3} --steps ${STEPS:-8} > /tmp/bench_run.log 2>&1
+  rc=$?
+  echo "[$(( $(date +%s) - t0 ))s rc=$rc] n=$n $flags"
+  grep -h "^BENCH" /tmp/bench_run.log | python3 -c "
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line[6:])
+    print('   step', r['step_time_s'], 'mfu', r['mfu'], 'idle', list(r['measured_idle_by_stage'].values()),
+          'mem', list(r['peak_mem_GiB_by_stage'].values()), 'opt_ms', list(r['optimizer_step_ms_by_stage'].values()))"
+  grep -h -m2 -E "Error|error:" /tmp/bench_run.log
+done
