@@ -18,13 +18,35 @@ A run with the same seed gets the same initial weights and the same batches what
 correction, so the differences between variants are paired. Token streams are cached (``--token-cache``,
 default ``.data/study_tokens``) so that all runs of a seed tokenize once; ``--prepare-data`` fills the cache for a
 matrix without training (the cache is all a GPU machine needs: the corpus can stay behind).
+
+The real engine (``--engine deepspeed``): the same run through ``ds_async.initialize`` -> ``AsyncPipelineEngine``,
+one process per pipeline stage (one pipeline, no data parallelism), with the emulation's initial weights, batches,
+LR schedule, clipping, optimizer block and correction; bf16 is DeepSpeed's ``torch_autocast`` over fp32 weights at
+ZeRO-0 (the emulation autocasts each layer), fp32 on CPU, where the two are equal (``tests/test_study.py``). The
+2BW engine needs ``m >= p`` micro-batches and validates on micro-batches of the training shape, so an engine spec
+has ``eval_batch_size = micro_batch_size``. Only the reporting rank (last stage) writes the run folder, in the same
+format (the manifest adds ``engine``, ``world_size`` and the DeepSpeed config).
+
+    # one engine run on 2 processes (GPUs if present, gloo on CPU), and its emulation twin
+    torchrun --nproc_per_node 2 launch/study.py --engine deepspeed --optimizer muon --schedule 2bw \
+        --correction ef --batch 2x24 --eval-batches 21 --eval-batch-size 24 --out runs/study/engine
+    python launch/study.py --optimizer muon --schedule 2bw --correction ef --batch 2x24 --eval-batches 21 \
+        --eval-batch-size 24 --out runs/study/emulation
+    # the engine matrix (group ``engine``: pairs <opt>-<variant>-s<seed>-{deepspeed,emulation}): under torchrun a
+    # matrix runs its engine runs (one after the other, over all ranks), in one process its emulation runs
+    CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node 2 --master_port 29610 launch/study.py --matrix engine \
+        --gpu-index 0 --of 2 --out launch/results/study        # and GPUs 2,3 with --gpu-index 1, port 29611
+    python launch/study.py --matrix engine --engine emulation --gpu-index 0 --of 4 --out launch/results/study
+    # all of it on this host's GPUs: bash launch/study_engine.sh [OUT] [NUM_GPUS]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import hashlib
 import json
+import logging
 import math
 import os
 import platform
@@ -64,10 +86,18 @@ OPTIMIZERS = {
     "sgd": dict(lr=0.1, weight_decay=0.0),
 }
 
+# How a run trains: the single-process delay emulation, or the real pipeline engine on `stages` processes.
+ENGINES = ("emulation", "deepspeed")
+
 
 @dataclass
 class RunSpec:
-    """One run. ``None`` fields are filled in by :meth:`resolved` (optimizer defaults, steps from tokens, ...)."""
+    """One run. ``None`` fields are filled in by :meth:`resolved` (optimizer defaults, steps from tokens, ...).
+
+    ``engine``: ``emulation`` (``ds_async.emulate.DelayedTrainer``, one process) or ``deepspeed`` (the real
+    ``AsyncPipelineEngine`` through ``ds_async.initialize``, one process per stage); everything else means the same
+    for both, so a spec and its copy with the other engine are the same run through two implementations.
+    """
 
     name: str = "run"
     group: str = "single"
@@ -100,6 +130,7 @@ class RunSpec:
     validation_file: str = "enwiki-validation.parquet"
     shuffle_buffer: int = 1000
     precision: str = "auto"
+    engine: str = "emulation"
 
     @property
     def tokens_per_step(self) -> int:
@@ -197,10 +228,23 @@ PLAN_HOST_S_PER_LAYER = 3e-3
 PLAN_START_S = 2.0
 
 
+# An engine run (one process per stage) is planned as each stage doing its share of the layers' work, plus DeepSpeed's
+# per-micro-batch instruction and p2p overhead and a longer start (engine build, process groups).
+PLAN_ENGINE_S_PER_MICRO_BATCH = 5e-3
+PLAN_ENGINE_START_S = 30.0
+
+
 def estimated_seconds(spec: RunSpec) -> float:
-    """Planned GPU seconds of a run (see the assumptions above): steps, validations and start-up."""
+    """Planned seconds of a run (see the assumptions above): steps, validations and start-up; GPU seconds for an
+    emulation run, wall seconds on ``stages`` GPUs for an engine run."""
     r = spec.resolved()
     layers = MODELS[r.model]["num_hidden_layers"]
+    if r.engine == "deepspeed":
+        host = PLAN_HOST_S_PER_LAYER * (layers / r.stages + 1) + PLAN_ENGINE_S_PER_MICRO_BATCH * r.micro_batches
+        step = max(estimated_flops(r) / r.steps / r.stages / PLAN_FLOPS_PER_S, host)
+        evals = r.steps // r.eval_every + 1
+        return r.steps * step + evals * r.eval_batches * (host / 3 + PLAN_ENGINE_S_PER_MICRO_BATCH) \
+            + PLAN_ENGINE_START_S
     host = PLAN_HOST_S_PER_LAYER * (layers + 1)
     step = max(estimated_flops(r) / r.steps / PLAN_FLOPS_PER_S, host)
     evals = r.steps // r.eval_every + 1
@@ -340,9 +384,94 @@ def _autocast_layers(layers, device, dtype):
     return [Autocast(layer) for layer in layers]
 
 
+def check_engine(spec: RunSpec) -> None:
+    """Refuse, before anything starts, what the real engine cannot run as the emulation does."""
+    if spec.engine not in ENGINES:
+        raise ValueError(f"{spec.name}: engine must be one of {ENGINES}, got {spec.engine!r}")
+    if spec.engine != "deepspeed":
+        return
+    if spec.schedule == "2bw" and spec.micro_batches < spec.stages:
+        raise ValueError(f"{spec.name}: the 2BW engine needs at least as many micro-batches as stages "
+                         f"(m={spec.micro_batches} < p={spec.stages}); e.g. --batch {spec.stages}x"
+                         f"{max(1, spec.micro_batch_size // spec.stages)}")
+    if spec.eval_batch_size != spec.micro_batch_size:
+        raise ValueError(f"{spec.name}: the pipeline sizes its activation buffers by the training micro-batch, so "
+                         f"an engine run validates on micro-batches of the same shape: set eval_batch_size = "
+                         f"micro_batch_size ({spec.micro_batch_size}), got {spec.eval_batch_size}")
+
+
+def _precision(spec: RunSpec, device) -> str:
+    return spec.precision if spec.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+
+
+def _warmup_steps(spec: RunSpec) -> int:
+    return int(spec.warmup if spec.warmup >= 1 else max(1, round(spec.warmup * spec.steps)))
+
+
+def _lr_scheduler(optimizer, spec: RunSpec):
+    """The run's LR schedule on ``optimizer`` (stepped once after each optimizer step, by either engine)."""
+    import torch
+
+    warmup = _warmup_steps(spec)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, spec.steps, warmup, spec.min_lr_ratio))
+
+
+def _data(spec: RunSpec, data_dir: Path | None, cache_dir: Path, memo: dict | None, device):
+    """``(train batches, validation batches, manifest data section)``. Training micro-batch ``j`` is rows
+    ``j*B .. j*B+B-1`` of the seed's stream; validation batch ``k`` rows ``k*E .. k*E+E-1`` of the held-out stream
+    (``E = eval_batch_size``, ``eval_batches`` of them): the same rows for a run and its engine twin."""
+    train_stream, train_info = token_stream(spec, "train", spec.tokens + 1, data_dir, cache_dir, memo)
+    val_tokens = spec.eval_batches * spec.eval_batch_size * spec.seq_len + 1
+    val_stream, val_info = token_stream(spec, "validation", val_tokens, data_dir, cache_dir, memo)
+    info = {"train": {**train_info, "tokens": spec.tokens + 1}, "validation": {**val_info, "tokens": val_tokens},
+            "data_dir": str(data_dir) if data_dir else None}
+    return (Batches(train_stream, spec.seq_len, spec.micro_batch_size, device),
+            Batches(val_stream, spec.seq_len, spec.eval_batch_size, device), info)
+
+
+def _manifest(log, spec: RunSpec, card: str, device, precision: str, section: dict, n_params: int, n_embedding: int,
+              data_info: dict, commit: str | None, **extra) -> None:
+    import torch
+
+    log.manifest(
+        card=card, device=str(device), seed=spec.seed,
+        run={**dataclasses.asdict(spec), "variant": spec.variant, "warmup_steps": _warmup_steps(spec),
+             "precision": precision},
+        model={**section, "parameters": n_params, "embedding_parameters": n_embedding,
+               "flops_per_token": model_flops_per_token(spec, n_params, n_embedding)},
+        optimizer=optimizer_block(spec), correction=correction_block(spec), data=data_info,
+        host={"python": platform.python_version(), "torch_threads": torch.get_num_threads(), "argv": sys.argv},
+        provenance={"commit": commit, "source": "--commit / DS_ASYNC_COMMIT"} if commit else {}, **extra)
+
+
+def _summary(log, out_dir: Path, spec: RunSpec, steps_done: int, diverged: bool, card: str, n_params: int,
+             n_embedding: int, train_s: float, t_start: float, **extra) -> dict:
+    log.close(steps_done, plot=False)
+    summary_path = Path(out_dir) / "summary.json"
+    doc = json.loads(summary_path.read_text())
+    doc.update(diverged=diverged, card=card, seed=spec.seed, variant=spec.variant, engine=spec.engine,
+               parameters=n_params, train_seconds=round(train_s, 3),
+               wall_seconds=round(time.perf_counter() - t_start, 3),
+               seconds_per_step=round(train_s / max(1, steps_done), 5),
+               model_tflops_per_s=round(model_flops_per_token(spec, n_params, n_embedding) * spec.tokens_per_step
+                                        * steps_done / max(train_s, 1e-9) / 1e12, 3), **extra)
+    summary_path.write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+def _clear(run_dir: Path) -> None:
+    """An interrupted run's folder: start it again from scratch."""
+    if run_dir.exists():
+        for f in run_dir.iterdir():
+            f.unlink()
+
+
 def train_run(spec: RunSpec, out_dir: Path, data_dir: Path | None, cache_dir: Path, device, memo: dict | None = None,
               verbose: bool = True, commit: str | None = None) -> dict:
-    """Train one run into ``out_dir`` (tensorboard events, manifest.json, summary.json); returns the summary."""
+    """Train one run into ``out_dir`` (tensorboard events, manifest.json, summary.json); returns the summary.
+
+    Through the single-process emulation; a spec with ``engine="deepspeed"`` goes to :func:`train_run_engine`
+    (which must run on every rank of a launched process group)."""
     import torch
 
     from ds_async.emulate import DelayedTrainer, build_layers, uniform_stages
@@ -350,18 +479,16 @@ def train_run(spec: RunSpec, out_dir: Path, data_dir: Path | None, cache_dir: Pa
     from ds_async.optim import build_optimizer
 
     spec = spec.resolved()
+    check_engine(spec)
+    if spec.engine == "deepspeed":
+        return train_run_engine(spec, out_dir, data_dir, cache_dir, device, memo, verbose, commit)
     t_start = time.perf_counter()
     torch.manual_seed(spec.seed)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    precision = spec.precision if spec.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-
-    train_stream, train_info = token_stream(spec, "train", spec.tokens + 1, data_dir, cache_dir, memo)
-    val_tokens = spec.eval_batches * spec.eval_batch_size * spec.seq_len + 1
-    val_stream, val_info = token_stream(spec, "validation", val_tokens, data_dir, cache_dir, memo)
-    train_batches = Batches(train_stream, spec.seq_len, spec.micro_batch_size, device)
-    val_batches = Batches(val_stream, spec.seq_len, spec.eval_batch_size, device)
+    precision = _precision(spec, device)
+    train_batches, val_batches, data_info = _data(spec, data_dir, cache_dir, memo, device)
 
     section = model_section(spec)
     layers, loss_fn, hf_config = build_layers(section, seed=spec.seed)
@@ -371,9 +498,7 @@ def train_run(spec: RunSpec, out_dir: Path, data_dir: Path | None, cache_dir: Pa
     stage_of = uniform_stages(len(layers), spec.stages)
     block, corr = optimizer_block(spec), correction_block(spec)
     optimizer = build_optimizer(block, layers if spec.optimizer == "muon" else layers.parameters(), corr)
-    warmup = spec.warmup if spec.warmup >= 1 else max(1, round(spec.warmup * spec.steps))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, spec.steps, int(warmup), spec.min_lr_ratio))
+    scheduler = _lr_scheduler(optimizer, spec)
     run_layers = (_autocast_layers(layers, device, torch.bfloat16) if precision == "bf16" else list(layers))
     trainer = DelayedTrainer(run_layers, stage_of, loss_fn, optimizer, spec.schedule, spec.micro_batches,
                              spec.stages, clip=spec.clip, after_step=scheduler.step)
@@ -390,17 +515,7 @@ def train_run(spec: RunSpec, out_dir: Path, data_dir: Path | None, cache_dir: Pa
 
     card = card_name(device)
     log = RunLogger(out_dir, spec.steps, spec.tokens_per_step, enabled=True, progress=False)
-    log.manifest(
-        card=card, device=str(device), seed=spec.seed,
-        run={**dataclasses.asdict(spec), "variant": spec.variant, "warmup_steps": int(warmup), "precision": precision},
-        model={**section, "parameters": n_params, "embedding_parameters": n_embedding,
-               "flops_per_token": model_flops_per_token(spec, n_params, n_embedding)},
-        optimizer=block, correction=corr,
-        data={"train": {**train_info, "tokens": spec.tokens + 1}, "validation": {**val_info, "tokens": val_tokens},
-              "data_dir": str(data_dir) if data_dir else None},
-        host={"python": platform.python_version(), "torch_threads": torch.get_num_threads(),
-              "argv": sys.argv},
-        provenance={"commit": commit, "source": "--commit / DS_ASYNC_COMMIT"} if commit else {})
+    _manifest(log, spec, card, device, precision, section, n_params, n_embedding, data_info, commit)
     group_names = [g.get("name", f"group{i}") for i, g in enumerate(optimizer.param_groups)]
     diverged = False
     if device.type == "cuda":
@@ -423,17 +538,161 @@ def train_run(spec: RunSpec, out_dir: Path, data_dir: Path | None, cache_dir: Pa
                 print(f"[{spec.name}] step {step + 1}/{spec.steps} train {loss:.4f} val {val:.4f}", flush=True)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    return _summary(log, out_dir, spec, trainer.step_count, diverged, card, n_params, n_embedding,
+                    time.perf_counter() - t_train, t_start)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One run through the real engine (ds_async.initialize -> AsyncPipelineEngine), on `stages` processes
+
+
+def engine_device(arg: str):
+    """This rank's device: ``cuda:LOCAL_RANK`` (of the visible GPUs) under ``auto``/``cuda``, else ``arg``."""
+    import torch
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if arg == "auto":
+        return torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+    if arg == "cuda":
+        return torch.device("cuda", local)
+    return torch.device(arg)
+
+
+def engine_ds_config(spec: RunSpec, precision: str) -> dict:
+    """The DeepSpeed config of an engine run: the emulation's batch split, clipping and optimizer block, ZeRO-0.
+
+    bf16 is autocast compute over fp32 weights (``torch_autocast``), as the emulation's per-layer autocast: Muon
+    needs whole fp32 matrices, which DeepSpeed's bf16 optimizer would hand it as flat partitions."""
+    config = {"train_micro_batch_size_per_gpu": spec.micro_batch_size,
+              "gradient_accumulation_steps": spec.micro_batches, "steps_per_print": 10 ** 9,
+              "wall_clock_breakdown": False, "gradient_clipping": spec.clip, "optimizer": optimizer_block(spec),
+              "zero_optimization": {"stage": 0}}
+    if precision == "bf16":
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    elif precision != "fp32":
+        raise ValueError(f"{spec.name}: precision {precision!r}: the engine runs bf16 (autocast) or fp32")
+    return config
+
+
+def train_run_engine(spec: RunSpec, out_dir: Path, data_dir: Path | None, cache_dir: Path, device,
+                     memo: dict | None = None, verbose: bool = True, commit: str | None = None) -> dict | None:
+    """Train one run through the real pipeline engine: ``ds_async.initialize`` builds an ``AsyncPipelineEngine``
+    over ``spec.stages`` processes (launched by torchrun or the deepspeed launcher; one pipeline, no data
+    parallelism) from the same model section, seed, optimizer block, correction, clipping and LR schedule as
+    :func:`train_run`, and trains on the same micro-batches in the same order. Flush-free schedules drain only
+    before each validation and at the end (``engine.drain_after``), as ``ds_async.trainer`` does.
+
+    Collective: every rank calls it. The reporting rank (last stage: it holds the loss) writes ``out_dir`` in the
+    emulation's format (manifest with ``engine``, ``world_size`` and the DeepSpeed config added) and returns the
+    summary; the other ranks return ``None``. In fp32 on CPU it reproduces :func:`train_run` of the same spec
+    (``tests/test_study.py``).
+    """
+    import torch
+    import torch.distributed as tdist
+
+    from ds_async import config as cfgmod
+    from ds_async.initialize import init_distributed, initialize
+    from ds_async.metrics import RunLogger
+    from ds_async.models import build_pipeline, model_config
+    from ds_async.optim import ROLES
+
+    spec = spec.resolved()
+    check_engine(spec)
+    if spec.engine != "deepspeed":
+        raise ValueError(f"{spec.name}: engine {spec.engine!r} is not the deepspeed engine")
+    t_start = time.perf_counter()
+    if not verbose:
+        from deepspeed.utils import logger as ds_logger
+
+        ds_logger.setLevel(logging.WARNING)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    init_distributed()
+    world = tdist.get_world_size()
+    if world != spec.stages:
+        raise ValueError(f"{spec.name}: an engine run is one pipeline of {spec.stages} stages, launched on "
+                         f"{world} processes; launch it with --nproc_per_node {spec.stages}")
+    torch.manual_seed(spec.seed)
+    precision = _precision(spec, device)
+    section = model_section(spec)
+    corr = correction_block(spec)
+    cfg = cfgmod.parse({"model": section, "pipeline_stages": spec.stages, "schedule": spec.schedule,
+                        "partition": {"method": "uniform"}, "train": {"steps": spec.steps}, "seed": spec.seed,
+                        "p2p": "deepspeed", "correction": corr or {"type": "none"}})
+    ds_config = engine_ds_config(spec, precision)
+    engine = initialize(build_pipeline(cfg, model_config(cfg)), ds_config, schedule=spec.schedule, p2p=cfg.p2p,
+                        correction=cfg.correction, lr_scheduler=lambda optimizer: _lr_scheduler(optimizer, spec))
+    reporting = engine.is_reporting_rank
+    needs_data = engine.is_first_stage() or engine.is_last_stage()
+    if needs_data:
+        train_batches, val_batches, data_info = _data(spec, data_dir, cache_dir, memo, device)
+
+    # Whole-model figures, once: parameter counts and every stage's param groups (name, initial LR) for the logs.
+    local_params = sum(p.numel() for p in engine.module.parameters())
+    local_embedding = sum(p.numel() for n, p in engine.module.named_parameters() if n.endswith("embed_tokens.weight"))
+    groups = [(g.get("name", f"group{i}"), g.get("initial_lr", g["lr"]))
+              for i, g in enumerate(engine.optimizer.param_groups)]
+    gathered = [None] * world
+    tdist.all_gather_object(gathered, (local_params, local_embedding, groups))
+    n_params, n_embedding = sum(g[0] for g in gathered), sum(g[1] for g in gathered)
+    base_lrs: dict[str, float] = {}
+    for _, _, stage_groups in gathered:
+        for name, lr in stage_groups:
+            base_lrs.setdefault(name, lr)
+    base_lrs = dict(sorted(base_lrs.items(), key=lambda kv: ROLES.index(kv[0]) if kv[0] in ROLES else len(ROLES)))
+    warmup = _warmup_steps(spec)
+
+    card = f"{world}x {card_name(device)}"
+    if reporting:
+        _clear(Path(out_dir))
+    log = RunLogger(out_dir, spec.steps, spec.tokens_per_step, enabled=reporting, progress=False)
+    _manifest(log, spec, card, device, precision, section, n_params, n_embedding, data_info if reporting else {},
+              commit, world_size=world, engine={"type": "AsyncPipelineEngine", "schedule": spec.schedule,
+                                                "stages": spec.stages, "data_parallel": 1, "p2p": cfg.p2p,
+                                                "partition": "uniform"},
+              deepspeed=ds_config)
+
+    def validate() -> float:
+        it = iter([val_batches[k] for k in range(spec.eval_batches)]) if needs_data else None
+        return engine.eval_batch(it, num_micro_batches=spec.eval_batches).item()  # broadcast to every rank
+
+    train_iter = (iter([train_batches[j] for j in range(spec.steps * spec.micro_batches)])
+                  if needs_data else None)
+    diverged = False
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    tdist.barrier()
+    t_train = time.perf_counter()
+    for step in range(1, spec.steps + 1):
+        evaluating = step % spec.eval_every == 0 or step == spec.steps
+        # Flush-free schedules drain only where the pipeline must be empty: before a validation and at the end.
+        next_drain = min(spec.steps, -(-step // spec.eval_every) * spec.eval_every)
+        engine.drain_after(next_drain - 1)
+        loss = engine.train_batch(train_iter)  # the batch's mean loss on the last stage (None elsewhere on 2bw)
+        if reporting:
+            value = loss.item()
+            factor = lr_factor(step - 1, spec.steps, warmup, spec.min_lr_ratio)  # what LambdaLR gave this step
+            lrs = {name: lr * factor for name, lr in base_lrs.items()}
+            log.train_step(step, value, next(iter(lrs.values())))
+            log.scalars(step, {f"lr/{name}": lr for name, lr in lrs.items()})
+            diverged |= not math.isfinite(value)
+        if evaluating:
+            val = validate()
+            log.validation(step, val)
+            if reporting and verbose:
+                print(f"[{spec.name}] step {step}/{spec.steps} train {value:.4f} val {val:.4f}", flush=True)
+            if not math.isfinite(val):  # every rank has it: all stop here, on a drained pipeline
+                diverged = True
+                break
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     train_s = time.perf_counter() - t_train
-    steps_done = trainer.step_count
-    summary = log.close(steps_done, plot=False)
-    summary_path = Path(out_dir) / "summary.json"
-    doc = json.loads(summary_path.read_text())
-    doc.update(diverged=diverged, card=card, seed=spec.seed, variant=spec.variant, parameters=n_params,
-               train_seconds=round(train_s, 3), wall_seconds=round(time.perf_counter() - t_start, 3),
-               seconds_per_step=round(train_s / max(1, steps_done), 5),
-               model_tflops_per_s=round(model_flops_per_token(spec, n_params, n_embedding) * spec.tokens_per_step
-                                        * steps_done / max(train_s, 1e-9) / 1e12, 3))
-    summary_path.write_text(json.dumps(doc, indent=1))
+    steps_done = engine.global_steps
+    doc = (_summary(log, out_dir, spec, steps_done, diverged, card, n_params, n_embedding, train_s, t_start,
+                    world_size=world) if reporting else None)
+    tdist.barrier()
     return doc
 
 
@@ -447,6 +706,13 @@ TINY = dict(model="tiny", seq_len=32, micro_batches=1, micro_batch_size=4, steps
             eval_batch_size=4, shuffle_buffer=64)
 VARIANTS = {"sync": dict(schedule="1f1b"), "2bw": dict(schedule="2bw"),
             "2bw+ef": dict(schedule="2bw", correction="ef", ef_lambda=1.0)}
+# The engine comparison: MAIN's configuration with its 48 sequences per step as 2 micro-batches of 24 (the 2BW engine
+# needs m >= p; micro-batch j is rows 24j..24j+23, so a step sees the same 48 rows in the same order), validated on
+# 21 micro-batches of 24 (504 held-out sequences; the engine validates on micro-batches of the training shape). Each
+# point runs twice, through the real engine on 2 GPUs and through the emulation, everything else equal.
+ENGINE_BASE = dict(MAIN, micro_batches=2, micro_batch_size=24, eval_batches=21, eval_batch_size=24, stages=2)
+TINY_ENGINE = dict(TINY, micro_batches=2, micro_batch_size=2, eval_batches=4, eval_batch_size=2, stages=2)
+ENGINE_POINTS = (("muon", "2bw+ef"), ("adamw", "2bw"), ("adamw", "sync"))
 
 
 def _name(**kw) -> str:
@@ -481,6 +747,14 @@ def _extras(base: dict, optimizers=("adamw", "muon"), token_scales=(0.5, 2.0), l
     return runs
 
 
+def engine_pairs(base: dict, seeds=(0,), points=ENGINE_POINTS) -> list[RunSpec]:
+    """Each (optimizer, variant) point of ``points`` per seed as a pair of runs in group ``engine``:
+    ``<opt>-<variant>-s<seed>-deepspeed`` through the real engine and ``...-emulation``, the same spec otherwise."""
+    return [RunSpec(name=f"{opt}-{variant}-s{seed}-{engine}", group="engine", optimizer=opt, seed=seed, engine=engine,
+                    **VARIANTS[variant], **base)
+            for seed in seeds for opt, variant in points for engine in ("deepspeed", "emulation")]
+
+
 def matrix(name: str) -> list[RunSpec]:
     """The named list of runs (see ``launch/results/study/README.md``).
 
@@ -488,7 +762,9 @@ def matrix(name: str) -> list[RunSpec]:
     plus one AdamW point of each sweep. ``main`` (GPU): AdamW & Muon x {sync, 2bw, 2bw+ef} x 3 seeds of the 20M
     model. ``extras`` (GPU, seed 0 only): token budget x0.5/x2, peak LR x0.5/x2 (sync and 2bw, both optimizers),
     batch 96/192 sequences at the same tokens (AdamW only), PipeDream at p = 2/4/8, EF lambda 0.5/1.5 and the
-    Nesterov look-ahead correction (both optimizers).
+    Nesterov look-ahead correction (both optimizers). ``engine`` (GPU): Muon 2bw+ef, AdamW 2bw and AdamW sync x 3
+    seeds of the main configuration (as 2 micro-batches of 24), each through the real 2BW engine on 2 GPUs and
+    through the emulation; ``engine-tiny`` (CPU, CI): the same points, seed 0, on the tiny model.
     """
     if name == "tiny":
         runs = [RunSpec(name=f"{opt}-{variant}-s{seed}", group="main", optimizer=opt, seed=seed, **kw, **TINY)
@@ -500,7 +776,11 @@ def matrix(name: str) -> list[RunSpec]:
                 for seed in (0, 1, 2) for opt in ("adamw", "muon") for variant, kw in VARIANTS.items()]
     if name == "extras":
         return _extras(dict(MAIN, seed=0))
-    raise ValueError(f"unknown matrix {name!r}; known: tiny, main, extras")
+    if name == "engine":
+        return engine_pairs(ENGINE_BASE, seeds=(0, 1, 2))
+    if name == "engine-tiny":
+        return engine_pairs(TINY_ENGINE, seeds=(0,))
+    raise ValueError(f"unknown matrix {name!r}; known: tiny, main, extras, engine, engine-tiny")
 
 
 def split(runs: list[RunSpec], index: int, of: int) -> list[RunSpec]:
@@ -529,9 +809,7 @@ def run_matrix(runs: list[RunSpec], out: Path, args) -> int:
         if (run_dir / "summary.json").exists() and not args.force:
             print(f"[skip] {run_dir} is done", flush=True)
             continue
-        if run_dir.exists():
-            for f in run_dir.iterdir():  # an interrupted run: start it again from scratch
-                f.unlink()
+        _clear(run_dir)
         print(f"[run {k + 1}/{len(runs)}] {run_dir} on {device}", flush=True)
         try:
             doc = train_run(spec, run_dir, args.data_dir, args.token_cache, device, memo, verbose=args.verbose,
@@ -544,6 +822,58 @@ def run_matrix(runs: list[RunSpec], out: Path, args) -> int:
     print(f"[matrix] {len(runs) - len(failed)}/{len(runs)} runs in {time.perf_counter() - t0:.1f}s"
           + (f"; failed: {failed}" if failed else ""), flush=True)
     return 1 if failed else 0
+
+
+def run_engine_matrix(runs: list[RunSpec], out: Path, args) -> int:
+    """Every rank of the launched group trains the engine runs one after the other (each a new engine over all
+    ranks). Which runs are left is decided before anything is written, so the ranks agree; a failed run stops the
+    group (the launcher ends every rank), and launching it again resumes after the finished runs."""
+    import torch
+    import torch.distributed as tdist
+
+    from ds_async.initialize import init_distributed
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = engine_device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    init_distributed()
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    wrong = [spec.name for spec in runs if spec.stages != world]
+    if wrong:
+        raise SystemExit(f"launched on {world} processes, but these engine runs have another number of stages: {wrong}")
+    todo = [spec for spec in runs if args.force or not (out / spec.group / spec.name / "summary.json").exists()]
+    if rank == 0:
+        for spec in runs:
+            if spec not in todo:
+                print(f"[skip] {out / spec.group / spec.name} is done", flush=True)
+        prepare(todo, args)  # the token cache: nothing to do where it holds the streams already
+    tdist.barrier()
+    memo: dict = {}
+    t0 = time.perf_counter()
+    for k, spec in enumerate(todo):
+        run_dir = out / spec.group / spec.name
+        if rank == 0:
+            print(f"[run {k + 1}/{len(todo)}] {run_dir} through the engine on {world} ranks ({device.type})",
+                  flush=True)
+        doc = train_run_engine(spec, run_dir, args.data_dir, args.token_cache, device, memo, verbose=args.verbose,
+                               commit=args.commit)
+        if doc is not None:
+            print(f"[done] {spec.name}: val {doc['final_validation_loss']} in {doc['wall_seconds']}s "
+                  f"({doc['seconds_per_step'] * 1000:.1f} ms/step, {doc['model_tflops_per_s']} TFLOP/s)", flush=True)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if rank == 0:
+        print(f"[matrix] {len(todo)} engine runs in {time.perf_counter() - t0:.1f}s"
+              + (f" ({len(runs) - len(todo)} done before)" if len(todo) < len(runs) else ""), flush=True)
+    return 0
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is one rank of a launched group (torchrun, the deepspeed launcher)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def prepare(runs: list[RunSpec], args) -> None:
@@ -570,10 +900,15 @@ def _parse_batch(text: str) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--matrix", help="run named lists of runs: tiny, main, extras, or several joined by commas "
-                   "(main,extras: one list, split as a whole, main's runs first)")
+    p.add_argument("--matrix", help="run named lists of runs: tiny, main, extras, engine, engine-tiny, or several "
+                   "joined by commas (main,extras: one list, split as a whole, main's runs first)")
     p.add_argument("--gpu-index", type=int, default=0, help="with --matrix: run share i of --of (and use GPU i)")
     p.add_argument("--of", type=int, default=1, help="with --matrix: number of shares (one process per GPU)")
+    p.add_argument("--engine", choices=("auto",) + ENGINES, default="auto",
+                   help="emulation: one process (python launch/study.py); deepspeed: the real engine, one process per "
+                        "stage (torchrun --nproc_per_node STAGES launch/study.py ...). With --matrix it picks that "
+                        "engine's runs; auto: deepspeed's under torchrun (WORLD_SIZE > 1), else emulation's (with "
+                        "--list / --prepare-data: all)")
     p.add_argument("--list", action="store_true", help="print the runs (of this share) and their estimated cost")
     p.add_argument("--prepare-data", action="store_true", help="only tokenize the streams the runs need")
     p.add_argument("--force", action="store_true", help="re-run runs whose folder already has summary.json")
@@ -586,6 +921,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--quiet", dest="verbose", action="store_false")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     p.add_argument("--commit", default=os.environ.get("DS_ASYNC_COMMIT"),
                    help="the commit to record where the checkout has no .git (a copied working tree); "
                         "default $DS_ASYNC_COMMIT")
@@ -622,8 +958,12 @@ def main(argv: list[str] | None = None) -> int:
                      help="auto: bf16 autocast on CUDA, fp32 on CPU")
     args = p.parse_args(argv)
 
+    engine = args.engine
+    if engine == "auto":
+        engine = "deepspeed" if launched_by_torchrun() else None if args.list or args.prepare_data else "emulation"
     if args.matrix:
-        runs = split([r for name in args.matrix.split(",") for r in matrix(name.strip())], args.gpu_index, args.of)
+        runs = [r for name in args.matrix.split(",") for r in matrix(name.strip())]
+        runs = split([r for r in runs if engine is None or r.engine == engine], args.gpu_index, args.of)
         out = args.out or ROOT / "launch" / "results" / "study"
     else:
         m, b = args.batch
@@ -635,8 +975,10 @@ def main(argv: list[str] | None = None) -> int:
                        steps=args.steps if args.steps or args.tokens else MAIN["steps"], tokens=args.tokens,
                        warmup=args.warmup, min_lr_ratio=args.min_lr_ratio, clip=args.clip, eval_every=args.eval_every,
                        eval_batches=args.eval_batches, eval_batch_size=args.eval_batch_size, seed=args.seed,
-                       tokenizer=args.tokenizer, shuffle_buffer=args.shuffle_buffer, precision=args.precision)
-        spec.name = args.name or f"{spec.optimizer}-{spec.variant}-s{spec.seed}"
+                       tokenizer=args.tokenizer, shuffle_buffer=args.shuffle_buffer, precision=args.precision,
+                       engine=engine or "emulation")
+        spec.name = args.name or f"{spec.optimizer}-{spec.variant}-s{spec.seed}" + (
+            f"-{spec.engine}" if spec.engine != "emulation" else "")
         runs = [spec]
         out = args.out or ROOT / "runs" / "study" / spec.name
 
@@ -645,22 +987,32 @@ def main(argv: list[str] | None = None) -> int:
         for spec in runs:
             r = spec.resolved()
             secs = estimated_seconds(spec)
-            total += secs
-            print(f"{spec.group:>10}/{spec.name:<28} {r.variant:<14} steps={r.steps:<5} tokens={r.tokens:>10,} "
-                  f"~{secs:5.1f} GPU-s")
+            total += secs * (r.stages if r.engine == "deepspeed" else 1)
+            where = f"on {r.stages} GPUs" if r.engine == "deepspeed" else "GPU-s"
+            print(f"{spec.group:>10}/{spec.name:<34} {r.variant:<14} steps={r.steps:<5} tokens={r.tokens:>10,} "
+                  f"~{secs:5.1f} {where}")
         print(f"{len(runs)} runs, ~{total / 60:.1f} GPU-min planned (model FLOPs at {PLAN_FLOPS_PER_S / 1e12:.0f} "
               f"TFLOP/s, >= {PLAN_HOST_S_PER_LAYER * 1e3:.0f} ms host time per layer and step, "
-              f"{PLAN_START_S:.0f} s start-up per run)")
+              f"{PLAN_START_S:.0f} s start-up per run; an engine run counts its wall time on each of its GPUs)")
         return 0
     if args.prepare_data:
         prepare(runs, args)
         return 0
     if args.matrix:
+        if engine == "deepspeed":
+            return run_engine_matrix(runs, out, args)
         return run_matrix(runs, out, args)
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if runs[0].engine == "deepspeed":
+        device = engine_device(args.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        train_run_engine(runs[0], out, args.data_dir, args.token_cache, device, verbose=args.verbose,
+                         commit=args.commit)
+        return 0
     train_run(runs[0], out, args.data_dir, args.token_cache, pick_device(args.device), verbose=args.verbose,
               commit=args.commit)
     return 0

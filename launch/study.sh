@@ -14,6 +14,9 @@
 # .data/study_tokens already holds them). At the end the table is printed and notebooks/loss_curves.ipynb is
 # executed in place on OUT (set NOTEBOOK= to skip that). Where the checkout has no .git (a copied tree), set
 # DS_ASYNC_COMMIT to the commit so the manifests record it.
+#
+# Every run here goes through the single-process emulation. The comparison with the real 2BW engine (the same
+# specs through ds_async.initialize on 2 GPUs each, next to their emulation twins) is launch/study_engine.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
