@@ -10,6 +10,11 @@ the delayed one and ``corr`` a delayed run with a correction:
 - recovered share = (loss(2bw) − loss(corr)) / (loss(2bw) − loss(sync)), from the means over the seeds that have
   all three: 1 closes the gap, 0 does nothing, > 1 beats the synchronous run, < 0 makes things worse. It is noisy
   when the gap is small compared with the seed-to-seed spread of the difference (see ``gap_std``).
+
+The engine comparison (group ``engine``, ``launch/study.py --matrix engine``): each point runs twice with the same
+spec, once through the real 2BW engine (``engine = deepspeed``, one process per stage) and once through the
+emulation; :func:`engine_table` pairs them by spec and sets the difference of their final validation losses against
+the seed noise, the std over seeds of the same variant in the main matrix. Those runs stay out of every other table.
 """
 from __future__ import annotations
 
@@ -51,9 +56,12 @@ def label_of(run: dict) -> str:
 
 
 COLUMNS = ["path", "group", "name", "optimizer", "schedule", "stages", "correction", "ef_lambda", "label", "model",
-           "seq_len", "batch", "tokens", "steps", "tokens_per_step", "lr", "lr_scale", "seed", "final_val",
-           "final_train", "diverged", "complete", "card", "commit", "dirty", "parameters", "seconds_per_step",
-           "val_steps", "val_loss", "train_steps", "train_loss"]
+           "seq_len", "batch", "micro_batches", "tokens", "steps", "tokens_per_step", "lr", "lr_scale", "seed",
+           "engine", "world_size", "final_val", "final_train", "diverged", "complete", "card", "commit", "dirty",
+           "parameters", "seconds_per_step", "val_steps", "val_loss", "train_steps", "train_loss", "config_key"]
+ENGINE_GROUP = "engine"  # the engine-vs-emulation pairs: their own table, left out of the others
+# What may differ between an engine run and its emulation twin; everything else in the manifest's ``run`` must match.
+PAIR_FREE = ("name", "group", "engine")
 
 
 def load_run(run_dir: str | Path) -> dict:
@@ -71,8 +79,10 @@ def load_run(run_dir: str | Path) -> dict:
         "optimizer": run["optimizer"], "schedule": run["schedule"], "stages": run["stages"],
         "correction": run["correction"], "ef_lambda": run["ef_lambda"], "label": label_of(run),
         "model": run["model"], "seq_len": run["seq_len"], "batch": run["micro_batches"] * run["micro_batch_size"],
-        "tokens": run["tokens"], "steps": run["steps"], "tokens_per_step": tokens_per_step,
-        "lr": run["lr"], "lr_scale": run["lr_scale"], "seed": manifest.get("seed", run["seed"]),
+        "micro_batches": run["micro_batches"], "tokens": run["tokens"], "steps": run["steps"],
+        "tokens_per_step": tokens_per_step, "lr": run["lr"], "lr_scale": run["lr_scale"],
+        "seed": manifest.get("seed", run["seed"]), "engine": run.get("engine", "emulation"),
+        "world_size": manifest.get("world_size", 1),
         "final_val": final if math.isfinite(final) else math.nan,
         "final_train": train_loss[-1] if train_loss else math.nan,
         "diverged": bool(summary.get("diverged", not math.isfinite(final))),
@@ -82,6 +92,7 @@ def load_run(run_dir: str | Path) -> dict:
         "dirty": (manifest.get("code") or {}).get("dirty"), "parameters": manifest.get("model", {}).get("parameters"),
         "seconds_per_step": summary.get("seconds_per_step"),
         "val_steps": val_steps, "val_loss": val_loss, "train_steps": train_steps, "train_loss": train_loss,
+        "config_key": json.dumps({k: v for k, v in run.items() if k not in PAIR_FREE}, sort_keys=True),
     }
 
 
@@ -107,8 +118,13 @@ def reference(runs: pd.DataFrame, group: str = "main") -> dict:
 
 
 def at_reference(runs: pd.DataFrame, ref: dict, free: str | None = None) -> pd.DataFrame:
-    """The runs that sit at the reference on every axis but ``free``."""
+    """The runs that sit at the reference on every axis but ``free`` (emulation runs only, outside the engine
+    comparison's group)."""
     keep = np.ones(len(runs), dtype=bool)
+    if "engine" in runs:
+        keep &= (runs["engine"].fillna("emulation") == "emulation").to_numpy()
+    if "group" in runs:
+        keep &= (runs["group"] != ENGINE_GROUP).to_numpy()
     for axis, value in ref.items():
         if axis != free:
             keep &= np.isclose(runs[axis].astype(float), float(value)) if axis in ("lr_scale",) else \
@@ -416,6 +432,169 @@ def plot_lambda(table: pd.DataFrame):
     return fig
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The real engine vs the emulation
+
+
+def _max_rel(a_steps, a_vals, b_steps, b_vals) -> float:
+    """Largest relative difference of two curves over their common steps (NaN when they share none)."""
+    b = dict(zip(b_steps, b_vals))
+    rel = [abs(v - b[s]) / abs(b[s]) for s, v in zip(a_steps, a_vals) if s in b and b[s] != 0]
+    return max(rel) if rel else math.nan
+
+
+def engine_pairs(runs: pd.DataFrame) -> pd.DataFrame:
+    """Each engine run (``engine != "emulation"``) next to the emulation run of the same spec (equal manifest
+    ``run`` sections but for name, group and engine): their final validation losses, the difference
+    ``engine − emulation``, and how far apart the whole curves are (largest relative difference over the training
+    steps and the validation points)."""
+    cols = ["optimizer", "label", "seed", "model", "batch", "micro_batches", "emulation", "engine", "diff",
+            "train max rel", "val max rel", "complete", "engine card", "emulation card", "engine s/step",
+            "emulation s/step", "engine path", "emulation path", "config_key"]
+    if "engine" not in runs or runs.empty:
+        return pd.DataFrame(columns=cols)
+    emulated = runs[runs["engine"] == "emulation"]
+    rows = []
+    for _, run in runs[runs["engine"] != "emulation"].iterrows():
+        twins = emulated[emulated["config_key"] == run["config_key"]]
+        if twins.empty:
+            continue
+        twin = twins.iloc[0]
+        rows.append({
+            "optimizer": run["optimizer"], "label": run["label"], "seed": run["seed"], "model": run["model"],
+            "batch": run["batch"], "micro_batches": run["micro_batches"], "emulation": twin["final_val"],
+            "engine": run["final_val"], "diff": run["final_val"] - twin["final_val"],
+            "train max rel": _max_rel(run["train_steps"], run["train_loss"], twin["train_steps"], twin["train_loss"]),
+            "val max rel": _max_rel(run["val_steps"], run["val_loss"], twin["val_steps"], twin["val_loss"]),
+            "complete": bool(run["complete"] and twin["complete"]), "engine card": run["card"],
+            "emulation card": twin["card"], "engine s/step": run["seconds_per_step"],
+            "emulation s/step": twin["seconds_per_step"], "engine path": run["path"], "emulation path": twin["path"],
+            "config_key": run["config_key"]})
+    return pd.DataFrame(rows, columns=cols)
+
+
+def seed_noise(runs: pd.DataFrame, pairs: pd.DataFrame, ref: dict | None = None) -> pd.DataFrame:
+    """The seed noise of each (optimizer, label) of ``pairs``: the std over seeds (ddof 1) of the final validation
+    loss of that variant in the main matrix (the runs at the reference), where the pairs sit at the reference too;
+    otherwise the std over seeds of the pairs' own emulation runs (``source`` says which; NaN with one seed)."""
+    rows = []
+    ref = ref or (reference(runs) if len(runs) else {})
+    main = at_reference(runs, ref) if len(runs) else runs
+    for (opt, label), part in pairs.groupby(["optimizer", "label"], sort=False):
+        first = runs[runs["path"] == part.iloc[0]["engine path"]].iloc[0]
+        same_point = all(first[axis] == ref.get(axis) if axis != "lr_scale"
+                         else math.isclose(first[axis], ref.get(axis, math.nan)) for axis in AXES)
+        base = main[(main["optimizer"] == opt) & (main["label"] == label)] if same_point else main.iloc[0:0]
+        per_seed = base.groupby("seed")["final_val"].mean()
+        if per_seed.count() >= 2:
+            rows.append({"optimizer": opt, "label": label, "seed std": per_seed.std(ddof=1),
+                         "noise seeds": int(per_seed.count()), "source": "main matrix"})
+        else:
+            own = part.groupby("seed")["emulation"].mean()
+            rows.append({"optimizer": opt, "label": label,
+                         "seed std": own.std(ddof=1) if own.count() >= 2 else math.nan,
+                         "noise seeds": int(own.count()), "source": "the pairs' emulation runs"})
+    return pd.DataFrame(rows, columns=["optimizer", "label", "seed std", "noise seeds", "source"])
+
+
+def within_noise(diff: float, noise: float) -> str:
+    """``identical``, ``within noise`` (|diff| ≤ σ), ``within 2σ``, ``outside noise`` (> 2σ), or ``no noise
+    estimate``."""
+    if diff is None or not math.isfinite(diff):
+        return "—"
+    if diff == 0:
+        return "identical"
+    if noise is None or not math.isfinite(noise) or noise <= 0:
+        return "no noise estimate"
+    ratio = abs(diff) / noise
+    return "within noise" if ratio <= 1 else "within 2σ" if ratio <= 2 else "outside noise"
+
+
+def engine_table(runs: pd.DataFrame, ref: dict | None = None) -> pd.DataFrame:
+    """One row per engine/emulation pair (:func:`engine_pairs`) with the seed noise σ of its variant
+    (:func:`seed_noise`), ``|diff| / σ`` and the verdict (:func:`within_noise`)."""
+    pairs = engine_pairs(runs)
+    if pairs.empty:
+        return pairs.assign(**{"seed std": [], "noise seeds": [], "source": [], "|diff|/σ": [], "verdict": []})
+    noise = seed_noise(runs, pairs, ref)
+    out = pairs.merge(noise, on=["optimizer", "label"], how="left")
+    out["|diff|/σ"] = out["diff"].abs() / out["seed std"]
+    out["verdict"] = [within_noise(d, n) for d, n in zip(out["diff"], out["seed std"])]
+    return out.sort_values(["optimizer", "label", "seed"], ascending=[False, True, True]).reset_index(drop=True)
+
+
+VERDICTS = ("identical", "within noise", "within 2σ", "outside noise", "no noise estimate", "—")
+
+
+def engine_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """Per (optimizer, label): the engine's and the emulation's final validation loss (mean ± std over seeds), the
+    paired difference (mean, largest |diff|), the seed noise σ and the worst verdict over the seeds (strings)."""
+    rows = {}
+    for (opt, label), part in table.groupby(["optimizer", "label"], sort=False):
+        worst = max(part["verdict"], key=VERDICTS.index)
+        sigma = part["seed std"].iloc[0]
+        rows[(opt, label)] = {
+            "pairs": len(part), "engine": pm(part["engine"].mean(), part["engine"].std(ddof=1)),
+            "emulation": pm(part["emulation"].mean(), part["emulation"].std(ddof=1)),
+            "diff engine − emulation": f"{part['diff'].mean():+.4f}",
+            "max |diff|": f"{part['diff'].abs().max():.4f}",
+            "seed noise σ": "—" if not math.isfinite(sigma) else
+            f"{sigma:.4f} ({part['source'].iloc[0]}, n={int(part['noise seeds'].iloc[0])})",
+            "max |diff|/σ": "—" if not part["|diff|/σ"].notna().any() else f"{part['|diff|/σ'].max():.2f}",
+            "verdict": worst, "train max rel": f"{part['train max rel'].max():.2g}",
+            "card": "; ".join(dict.fromkeys(str(c) for c in part["engine card"]))}
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis(["optimizer", "label"])
+
+
+def plot_engine(runs: pd.DataFrame, ref: dict | None = None):
+    """One column per (optimizer, label) of the engine pairs. Top: validation loss of each seed through the engine
+    (solid) and the emulation (dashed), over the main matrix's mean ± std band of that variant (grey). Bottom:
+    engine − emulation per seed against ± the main matrix's seed std at each point (grey). Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    table = engine_table(runs, ref)
+    points = list(dict.fromkeys(zip(table["optimizer"], table["label"]))) or [("(no engine runs)", "")]
+    ref = ref or (reference(runs) if len(runs) else {})
+    main = curves(at_reference(runs, ref)) if len(runs) else curves(runs)
+    fig, axes = plt.subplots(2, len(points), figsize=(5.5 * len(points), 7), squeeze=False, sharex="col",
+                             gridspec_kw={"height_ratios": [3, 2]})
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    by_path = runs.set_index("path") if len(runs) else runs
+    for col, (opt, label) in enumerate(points):
+        top, bottom = axes[0][col], axes[1][col]
+        band = main[(main["optimizer"] == opt) & (main["label"] == label)].sort_values("tokens")
+        part = table[(table["optimizer"] == opt) & (table["label"] == label)]
+        if not band.empty and len(part) and part["source"].iloc[0] == "main matrix":
+            x, lo, hi = band["tokens"] / 1e6, band["mean"] - band["std"], band["mean"] + band["std"]
+            top.fill_between(x, lo, hi, color="grey", alpha=0.25,
+                             label=f"main matrix ± std (n={int(band['n'].max())})")
+            bottom.fill_between(x, -band["std"], band["std"], color="grey", alpha=0.25, label="± seed std")
+        for k, (_, pair) in enumerate(part.iterrows()):
+            color = colors[k % len(colors)]
+            eng, emu = by_path.loc[pair["engine path"]], by_path.loc[pair["emulation path"]]
+            tps = eng["tokens_per_step"] / 1e6
+            top.plot([s * tps for s in eng["val_steps"]], eng["val_loss"], "-", color=color, marker="o", ms=3,
+                     label=f"seed {pair['seed']} engine")
+            top.plot([s * tps for s in emu["val_steps"]], emu["val_loss"], "--", color=color, marker="x", ms=4,
+                     label=f"seed {pair['seed']} emulation")
+            twin = dict(zip(emu["val_steps"], emu["val_loss"]))
+            steps = [s for s in eng["val_steps"] if s in twin]
+            bottom.plot([s * tps for s in steps],
+                        [v - twin[s] for s, v in zip(eng["val_steps"], eng["val_loss"]) if s in twin],
+                        color=color, marker="o", ms=3, label=f"seed {pair['seed']}")
+        bottom.axhline(0, color="k", lw=0.8)
+        top.set_title(f"{opt} {label}")
+        top.set_ylabel("validation loss")
+        bottom.set_ylabel("engine − emulation")
+        bottom.set_xlabel("training tokens (M)")
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 def provenance(runs: pd.DataFrame) -> pd.DataFrame:
     """Which cards and commits produced the runs (and whether the checkout was dirty), with run counts."""
     return (runs.assign(dirty=runs["dirty"].fillna(False)).groupby(["card", "commit", "dirty"], dropna=False)
@@ -457,7 +636,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(runs)} runs under {args.runs}")
     if len(runs):
         with pd.option_context("display.width", 200, "display.max_columns", 20):
-            print(main_table(runs).to_string())
+            table = main_table(runs)
+            if len(table.columns):
+                print(table.to_string())
+            engine = engine_table(runs)
+            if len(engine):
+                print("\nThe real engine vs the emulation (final validation loss, same spec and seed):")
+                print(engine_summary(engine).to_string())
     if args.notebook:
         execute_notebook(args.notebook, args.runs)
         print(f"executed {args.notebook} on {args.runs}")
