@@ -184,3 +184,156 @@ def test_notebook_executes_on_the_tiny_runs(tiny_runs):
     for absent in ("no token-budget", "no LR", "no batch-size", "no PipeDream", "no λ", "no nesterov"):
         assert absent not in text, absent
     assert images >= 6  # curves, tokens, LR, batch, depth, λ
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real engine vs the emulation
+
+
+def test_engine_matrix_pairs_each_engine_run_with_its_emulation():
+    launcher = _launcher()
+    runs = launcher.matrix("engine")
+    engine = [r for r in runs if r.engine == "deepspeed"]
+    assert len(engine) == 9 and len(runs) == 18 and {r.group for r in runs} == {"engine"}
+    assert {(r.optimizer, r.variant) for r in engine} == {("muon", "2bw+ef"), ("adamw", "2bw"), ("adamw", "sync")}
+    assert {r.seed for r in engine} == {0, 1, 2}
+    main = {(r.optimizer, r.variant, r.seed): r.resolved() for r in launcher.matrix("main")}
+    twins = {r.name: r for r in runs if r.engine == "emulation"}
+    for r in engine:
+        twin = twins[r.name.replace("-deepspeed", "-emulation")]
+        assert launcher.dataclasses.replace(r, name=twin.name, engine="emulation") == twin
+        launcher.check_engine(r.resolved())  # the engine can run it as specified
+        # the main matrix's step: the same 48 rows, LR schedule and length, split into 2 micro-batches of 24
+        a, b = r.resolved(), main[(r.optimizer, r.variant, r.seed)]
+        assert (a.micro_batches, a.micro_batch_size, a.stages) == (2, 24, 2)
+        assert a.tokens_per_step == b.tokens_per_step and (a.steps, a.eval_every, a.lr, a.warmup) == (
+            b.steps, b.eval_every, b.lr, b.warmup)
+        assert a.eval_batch_size == a.micro_batch_size and a.eval_batches * a.eval_batch_size <= (
+            b.eval_batches * b.eval_batch_size)
+    shares = [launcher.split(engine, i, 2) for i in range(2)]
+    assert sorted(r.name for s in shares for r in s) == sorted(r.name for r in engine)
+
+
+def test_engine_refuses_what_it_cannot_run_like_the_emulation():
+    launcher = _launcher()
+    ok = launcher.RunSpec(name="x", schedule="2bw", engine="deepspeed", micro_batches=2, micro_batch_size=4,
+                          eval_batch_size=4, steps=1)
+    launcher.check_engine(ok)
+    with pytest.raises(ValueError, match="at least as many micro-batches as stages"):
+        launcher.check_engine(launcher.dataclasses.replace(ok, micro_batches=1))
+    with pytest.raises(ValueError, match="eval_batch_size = micro_batch_size"):
+        launcher.check_engine(launcher.dataclasses.replace(ok, eval_batch_size=8))
+    with pytest.raises(ValueError, match="engine must be one of"):
+        launcher.check_engine(launcher.dataclasses.replace(ok, engine="megatron"))
+    launcher.check_engine(launcher.dataclasses.replace(ok, engine="emulation", micro_batches=1, eval_batch_size=8))
+
+
+def _paired_runs(rows, noise_rows=()) -> pd.DataFrame:
+    """Hand-made engine pairs (optimizer, label, seed, emulation loss, engine loss) in group ``engine``, plus main
+    matrix runs (optimizer, label, seed, loss) for the seed noise."""
+    base = {"model": "20m", "seq_len": 256, "batch": 48, "tokens": 1000, "lr_scale": 1.0, "diverged": False,
+            "complete": True, "card": "card", "seconds_per_step": 0.1, "tokens_per_step": 100,
+            "train_steps": [1, 2], "val_steps": [2]}
+    out = []
+    for opt, label, seed, emu, eng in rows:
+        for engine, val in (("emulation", emu), ("deepspeed", eng)):
+            out.append({**base, "path": f"engine/{opt}-{label}-s{seed}-{engine}", "group": "engine",
+                        "optimizer": opt, "label": label, "seed": seed, "engine": engine, "micro_batches": 2,
+                        "final_val": val, "train_loss": [9.0, val + 1], "val_loss": [val],
+                        "config_key": f"{opt}/{label}/{seed}"})
+    for opt, label, seed, val in noise_rows:
+        out.append({**base, "path": f"main/{opt}-{label}-s{seed}", "group": "main", "optimizer": opt, "label": label,
+                    "seed": seed, "engine": "emulation", "micro_batches": 1, "final_val": val,
+                    "train_loss": [9.0, val + 1], "val_loss": [val], "config_key": f"main/{opt}/{label}/{seed}"})
+    return pd.DataFrame(out)
+
+
+def test_engine_table_judges_the_difference_against_the_main_matrix_seed_noise():
+    runs = _paired_runs([("muon", "2bw+ef", 0, 5.20, 5.21), ("muon", "2bw+ef", 1, 5.22, 5.25),
+                         ("adamw", "2bw", 0, 6.5, 6.5), ("adamw", "sync", 0, 6.0, 6.1)],
+                        noise_rows=[("muon", "2bw+ef", s, v) for s, v in ((0, 5.20), (1, 5.21), (2, 5.22))]
+                        + [("adamw", "2bw", s, 6.5 + 0.2 * s) for s in (0, 1, 2)])
+    table = study.engine_table(runs).set_index(["optimizer", "label", "seed"]).sort_index()
+    assert len(table) == 4
+    muon = table.loc[("muon", "2bw+ef")]
+    assert muon["seed std"].tolist() == pytest.approx([0.01, 0.01]) and set(muon["source"]) == {"main matrix"}
+    assert muon["diff"].tolist() == pytest.approx([0.01, 0.03])
+    assert muon["|diff|/σ"].tolist() == pytest.approx([1.0, 3.0])
+    assert muon["verdict"].tolist() == ["within noise", "outside noise"]
+    assert table.loc[("adamw", "2bw", 0), "verdict"] == "identical"
+    # no main-matrix runs of adamw sync and a single seed of its own: no noise estimate
+    sync = table.loc[("adamw", "sync", 0)]
+    assert math.isnan(sync["seed std"]) and sync["verdict"] == "no noise estimate"
+    assert sync["train max rel"] == pytest.approx(0.1 / 7.0)
+    summary = study.engine_summary(study.engine_table(runs))
+    assert summary.loc[("muon", "2bw+ef"), "verdict"] == "outside noise"
+    assert summary.loc[("muon", "2bw+ef"), "max |diff|/σ"] == "3.00"
+    assert summary.loc[("adamw", "2bw"), "verdict"] == "identical"
+    assert study.within_noise(0.015, 0.01) == "within 2σ"
+    # the pairs stay out of the main table
+    ref = study.reference(runs)
+    assert set(study.at_reference(runs, ref)["group"]) == {"main"}
+
+
+@pytest.fixture(scope="module")
+def engine_tiny_runs(tmp_path_factory):
+    """``--matrix engine-tiny``: its emulation runs (one process, tokenizing into a fresh cache), then its engine
+    runs on 2 gloo ranks under torchrun, which read only the token cache (their --data-dir does not exist)."""
+    if not (CORPUS / "tokenizers" / "bpe8192.json").exists():
+        pytest.skip(f"shared corpus not found at {CORPUS} (the repo must be cloned next to shared/)")
+    out = tmp_path_factory.mktemp("engine_study")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONUNBUFFERED": "1",
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                  str(Path.home() / ".cache" / "ds_async_torch_extensions"))}
+    common = ["--matrix", "engine-tiny", "--out", str(out / "runs"), "--token-cache", str(out / "tokens"),
+              "--device", "cpu", "--threads", "1", "--quiet"]
+    emulation = subprocess.run([sys.executable, str(ROOT / "launch" / "study.py"), *common, "--engine", "emulation",
+                                "--data-dir", str(CORPUS)], cwd=ROOT, env=env, capture_output=True, text=True,
+                               timeout=300)
+    assert emulation.returncode == 0, (emulation.stdout + emulation.stderr)[-5000:]
+    assert "[matrix] 3/3 runs" in emulation.stdout
+    engine = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             str(31000 + os.getpid() % 2000), str(ROOT / "launch" / "study.py"), *common,
+                             "--data-dir", str(out / "no-corpus")],
+                            cwd=out, env=env, capture_output=True, text=True, timeout=300)
+    assert engine.returncode == 0, (engine.stdout + engine.stderr)[-5000:]
+    assert "[matrix] 3 engine runs" in engine.stdout
+    return out / "runs"
+
+
+def test_engine_runs_equal_their_emulation_on_cpu(engine_tiny_runs):
+    """fp32 on CPU: the real engine on 2 processes trains exactly as the emulation of the same spec: identical
+    validation losses at every validation point, per-step training losses within 1e-6 (the engine averages the
+    micro-batch losses in fp32, the emulation in float64), the same logged learning rates."""
+    runs = study.load_runs(engine_tiny_runs)
+    assert len(runs) == 6 and (runs["group"] == "engine").all() and runs["complete"].all()
+    assert sorted(runs["engine"]) == ["deepspeed"] * 3 + ["emulation"] * 3
+    for _, run in runs[runs["engine"] == "deepspeed"].iterrows():
+        eng_dir = Path(run["path"])
+        emu_dir = eng_dir.with_name(eng_dir.name.replace("-deepspeed", "-emulation"))
+        assert sorted(p.name for p in eng_dir.iterdir() if not p.name.startswith("events.")) == [
+            "manifest.json", "summary.json"]
+        m_eng, m_emu = (json.loads((d / "manifest.json").read_text()) for d in (eng_dir, emu_dir))
+        assert m_eng["card"].startswith("2x cpu") and m_eng["world_size"] == 2 and m_eng["code"]["commit"]
+        assert m_eng["run"]["engine"] == "deepspeed" and m_emu["run"]["engine"] == "emulation"
+        assert {k: v for k, v in m_eng["run"].items() if k not in ("name", "engine")} == {
+            k: v for k, v in m_emu["run"].items() if k not in ("name", "engine")}
+        assert m_eng["deepspeed"]["optimizer"] == m_emu["optimizer"] and m_eng["correction"] == m_emu["correction"]
+        assert m_eng["engine"]["schedule"] == m_eng["run"]["schedule"] and m_eng["run"]["precision"] == "fp32"
+        s_eng, s_emu = (json.loads((d / "summary.json").read_text()) for d in (eng_dir, emu_dir))
+        assert s_eng["history"]["validation"] == s_emu["history"]["validation"], run["name"]  # bit-equal
+        assert len(s_eng["history"]["validation"]) == 3
+        train_eng, train_emu = s_eng["history"]["train"], s_emu["history"]["train"]
+        assert [s for s, _ in train_eng] == [s for s, _ in train_emu] == list(range(1, 31))
+        for (_, a), (_, b) in zip(train_eng, train_emu):
+            assert a == pytest.approx(b, rel=1e-6, abs=0)
+        lr_eng, lr_emu = (study._scalars(d, "train/lr") for d in (eng_dir, emu_dir))
+        assert lr_eng == lr_emu and len(lr_eng[0]) == 30
+    table = study.engine_table(runs)
+    assert len(table) == 3 and (table["diff"] == 0).all() and (table["verdict"] == "identical").all()
+    assert set(zip(table["optimizer"], table["label"])) == {("muon", "2bw+ef"), ("adamw", "2bw"), ("adamw", "sync")}
+    assert list(study.engine_summary(table)["verdict"]) == ["identical"] * 3
+    fig = study.plot_engine(runs)
+    assert len(fig.axes) == 6
+    # none of them is a main-matrix run
+    assert study.at_reference(runs, study.reference(runs)).empty
