@@ -147,8 +147,8 @@ class PerformanceConfig:
     """Speed levers; each is off by default and changes no result beyond floating-point rounding."""
 
     compile: bool = False
-    """``torch.compile`` each decoder layer (not the whole pipeline module, whose forward DeepSpeed drives layer by
-    layer). The first steps pay the compilation."""
+    """``torch.compile`` each decoder layer, the head and the loss (not the whole pipeline module, whose forward
+    DeepSpeed drives layer by layer). The first steps pay the compilation."""
     loss_chunk: int = 0
     """Rows (tokens) per chunk of the cross-entropy (``ds_async.models.loss``): the vocabulary logits are never
     held in fp32 whole. 0: ``F.cross_entropy`` on fp32 logits."""

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Issue 7's levers, one at a time, on one GPU host: each line of the matrix is one bench_pipeline.py run.
-# Usage: bash launch/bench_levers.sh OUT.jsonl [MATRIX]     (MATRIX: levers | scaling | optimizer; default levers)
+# Usage: bash launch/bench_levers.sh OUT.jsonl [MATRIX]     (MATRIX: levers | compiled | scaling | optimizer;
+# default levers; several: 'compiled scaling')
 # Every row records its flags ("performance", "p2p", ...) and the card; compare rows of one call only.
 set -uo pipefail
 out=${1:?output JSON-lines file}
-matrix=${2:-levers}
+matrices=${2:-levers}
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 export OMP_NUM_THREADS=4
 part=${PARTITION:-0,5,9,13,17}  # compute-balanced 4 stages of the 15-layer 0.9B LLaMA
+runs=()
+for matrix in $matrices; do
 case $matrix in
-  levers) runs=(
+  levers) runs+=(
     "--schedule 1f1b --micro-batches 4"
     "--schedule 2bw --micro-batches 4"
     "--schedule 2bw --micro-batches 4 --loss-chunk 4096"
@@ -19,14 +22,21 @@ case $matrix in
     "--schedule 1f1b --micro-batches 4 --compile --loss-chunk 4096"
     "--schedule 2bw --micro-batches 8 --compile --loss-chunk 4096"
     "--schedule 1f1b --micro-batches 8 --compile --loss-chunk 4096") ;;
-  scaling) runs=(  # 2 stages x 1 replica on GPUs 0-1, then 2 stages x 2 replicas on 4 GPUs
-    "NPROC=2 --schedule 2bw --micro-batches 8 --stages 2"
-    "NPROC=4 --schedule 2bw --micro-batches 8 --stages 2") ;;
-  optimizer) runs=(
+  compiled) runs+=(  # the compile lever (decoder layers, head, loss) on both schedules
+    "--schedule 1f1b --micro-batches 4 --compile"
+    "--schedule 2bw --micro-batches 4 --compile"
+    "--schedule 1f1b --micro-batches 8 --compile"
+    "--schedule 2bw --micro-batches 8 --compile") ;;
+  scaling) runs+=(  # 2 stages x 1 replica on GPUs 0-1, then 2 stages x 2 replicas on 4 GPUs
+    "NPROC=2 --schedule 2bw --micro-batches 8 --stages 2 --compile"
+    "NPROC=4 --schedule 2bw --micro-batches 8 --stages 2 --compile") ;;
+  optimizer) runs+=(
     "--schedule 2bw --micro-batches 8 --precision autocast --optimizer adamw"
-    "--schedule 2bw --micro-batches 8 --precision autocast --optimizer muon-ef") ;;
+    "--schedule 2bw --micro-batches 8 --precision autocast --optimizer muon-ef"
+    "--schedule 2bw --micro-batches 16 --precision autocast --optimizer muon-ef") ;;
   *) echo "unknown matrix $matrix" >&2; exit 2 ;;
 esac
+done
 for r in "${runs[@]}"; do
   n=$ngpu; [[ $r == NPROC=* ]] && { n=${r%% *}; n=${n#NPROC=}; r=${r#* }; }
   flags=$r; [[ $r == *--stages* ]] || flags="$r --partition $part"

@@ -100,6 +100,9 @@ def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: i
     losses = [engine.train_batch(it) for _ in range(steps)]
     optimizer_stats = engine.optimizer_stats() if stats else None  # collective: every rank
     _save_params(engine, out)
+    master = getattr(engine.optimizer, "fp32_groups_flat_partition", None)  # DeepSpeed's bf16 optimizer
+    if master is not None and engine.grid.data_parallel_id == 0:
+        torch.save(torch.cat([t.detach().float() for t in master]), out / f"master_stage{engine.stage_id}.pt")
     result = {"losses": torch.tensor([0.0 if x is None else x.item() for x in losses], dtype=torch.float64)}
     if stats:
         result["optimizer_stats"] = optimizer_stats

@@ -83,3 +83,19 @@ def test_speed_levers_keep_the_update_rule(tmp_path, schedule):
     losses, want = emulate_run(schedule, 2, STEPS, 4, 1, SGD_M, seq_len=SEQ, mbs=MBS)
     torch.testing.assert_close(got["losses"], losses, rtol=1e-6, atol=0)
     assert_params_close(stage_params(tmp_path, 2), want, rel=1e-6)
+
+
+@pytest.mark.parametrize("immediate", [False, True], ids=["default", "immediate_grad_update"])
+def test_2bw_first_bf16_update_equals_stock_deepspeed(tmp_path, immediate):
+    """With DeepSpeed's bf16 optimizer the first 2BW update (gradients at W(0), as 1F1B's) equals stock
+    DeepSpeed's bit for bit, fp32 master included: the micro-batch gradients that the version slots collect reach
+    the optimizer's fp32 buffers exactly as DeepSpeed's own pipeline hands them over (measured: in either setting
+    of ``immediate_grad_update``, stock DeepSpeed's pipeline sums a batch's micro-batch gradients in bf16)."""
+    sgd = {"type": "SGD", "params": {"lr": 0.5}}
+    kw = dict(stages=2, steps=1, mbs=MBS, gas=4, seq_len=SEQ, optimizer=sgd, clip=0.0,
+              bf16={"enabled": True, "immediate_grad_update": immediate})
+    run_job(2, "train", tmp_path / "ours", schedule="2bw", **kw)
+    run_job(2, "train", tmp_path / "stock", stock=True, **kw)
+    for s in range(2):
+        ours, stock = (torch.load(tmp_path / d / f"master_stage{s}.pt") for d in ("ours", "stock"))
+        torch.testing.assert_close(ours, stock, rtol=0, atol=0)

@@ -1,6 +1,7 @@
 """Hugging Face models as DeepSpeed pipeline modules."""
 from __future__ import annotations
 
+import torch
 from deepspeed.pipe import PipelineModule
 
 from ..config import ConfigError, DsAsyncConfig
@@ -64,10 +65,11 @@ def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineMod
                                   # needs no gradient: recompute decoder layers only (DeepSpeed matches by name).
                                   checkpointable_layers=[llama.DecoderLayerPipe.__name__,
                                                          mixtral.MoeDecoderLayerPipe.__name__], **kwargs)
-    if perf.compile:
+    if perf.compile:  # per layer: DeepSpeed drives the module layer by layer; the loss so it fuses with the softmax
         for layer in module.forward_funcs:
-            if isinstance(layer, llama.DecoderLayerPipe):
+            if isinstance(layer, (llama.DecoderLayerPipe, llama.HeadPipe)):
                 layer.compile()
+        module.loss_fn = torch.compile(module.loss_fn)
     return module
 
 
