@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 7's levers, one at a time, on one GPU host: each line of the matrix is one bench_pipeline.py run.
-# Usage: bash launch/bench_levers.sh OUT.jsonl [MATRIX]     (MATRIX: levers | compiled | scaling | optimizer;
+# Usage: bash launch/bench_levers.sh OUT.jsonl [MATRIX]     (MATRIX: levers | compiled | fused | scaling |
+# optimizer | optimizer16;
 # default levers; several: 'compiled scaling')
 # Every row records its flags ("performance", "p2p", ...) and the card; compare rows of one call only.
 set -uo pipefail
@@ -27,6 +28,11 @@ case $matrix in
     "--schedule 2bw --micro-batches 4 --compile"
     "--schedule 1f1b --micro-batches 8 --compile"
     "--schedule 2bw --micro-batches 8 --compile") ;;
+  fused) runs+=(  # compile + torch's fused AdamW kernel (the step that 2BW overlaps with the next batch)
+    "--schedule 1f1b --micro-batches 4 --compile --adamw fused"
+    "--schedule 2bw --micro-batches 4 --compile --adamw fused"
+    "--schedule 1f1b --micro-batches 8 --compile --adamw fused"
+    "--schedule 2bw --micro-batches 8 --compile --adamw fused") ;;
   scaling) runs+=(  # 2 stages x 1 replica on GPUs 0-1, then 2 stages x 2 replicas on 4 GPUs
     "NPROC=2 --schedule 2bw --micro-batches 8 --stages 2 --compile"
     "NPROC=4 --schedule 2bw --micro-batches 8 --stages 2 --compile") ;;
@@ -34,6 +40,7 @@ case $matrix in
     "--schedule 2bw --micro-batches 8 --precision autocast --optimizer adamw"
     "--schedule 2bw --micro-batches 8 --precision autocast --optimizer muon-ef"
     "--schedule 2bw --micro-batches 16 --precision autocast --optimizer muon-ef") ;;
+  optimizer16) runs+=("--schedule 2bw --micro-batches 16 --precision autocast --optimizer adamw") ;;
   *) echo "unknown matrix $matrix" >&2; exit 2 ;;
 esac
 done

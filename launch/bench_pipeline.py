@@ -104,6 +104,8 @@ def main() -> None:
                     help="chunked cross-entropy with this many tokens per chunk (performance.loss_chunk; 0: off)")
     ap.add_argument("--activation-checkpoint-interval", type=int, default=0,
                     help="recompute every this many decoder layers in backward (0: off)")
+    ap.add_argument("--adamw", choices=["foreach", "fused"], default="foreach",
+                    help="torch AdamW implementation (DeepSpeed passes the flag through to torch.optim.AdamW)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--profile", default=None,
@@ -138,7 +140,7 @@ def main() -> None:
     ds_config = {"train_micro_batch_size_per_gpu": a.micro_batch_size, "gradient_accumulation_steps": a.micro_batches,
                  "steps_per_print": 10 ** 9, "gradient_clipping": 1.0, "wall_clock_breakdown": False,
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": True,
-                                                           "foreach": True}}}
+                                                           a.adamw: True}}}
     if a.optimizer != "adamw":
         ds_config["optimizer"] = {"type": "Muon", "params": {"lr": 0.02, "weight_decay": 0.01, "adam_lr": 1e-4}}
     if a.precision == "bf16":
@@ -201,7 +203,7 @@ def main() -> None:
            "micro_batch_size": a.micro_batch_size, "seq_len": a.seq_len, "precision": a.precision,
            "step_time_s": round(step_time, 4), "tokens_per_s": round(tokens / step_time, 1),
            "mfu": None if mfu is None else round(mfu, 4), "ideal_1f1b_bubble": round((p - 1) / (m + p - 1), 4),
-           "optimizer": a.optimizer, "performance": dataclasses.asdict(cfg.performance),
+           "optimizer": a.optimizer, "adamw": a.adamw, "performance": dataclasses.asdict(cfg.performance),
            "peak_mem_GiB_by_stage": {f"s{s}": g for s, d, g, _, _ in sorted(peaks) if d == 0},
            "measured_idle_by_stage": {f"s{s}": b for s, d, _, b, _ in sorted(peaks) if d == 0},
            "optimizer_step_ms_by_stage": {f"s{s}": o for s, d, _, _, o in sorted(peaks) if d == 0},
