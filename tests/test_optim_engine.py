@@ -42,6 +42,21 @@ def test_2bw_muon_ef_zero1_data_parallel(tmp_path):
     assert_params_close(stage_params(tmp_path, 2), want, rel=0)
 
 
+def test_2bw_muon_ef_at_depth_8_equals_emulation(tmp_path):
+    """Eight stages (embedding, six decoder layers, head: one layer each), m = 8: the depth of the eight-GPU run,
+    on CPU. Clipping is off here: the global norm summed over eight ranks rounds differently from the emulation's
+    sum, and Muon's bf16 Newton-Schulz turns that last-bit difference into bf16-sized ones."""
+    from jobs import TINY_LLAMA
+
+    model = {"config": {**TINY_LLAMA, "num_hidden_layers": 6}}
+    kw = dict(optimizer=MUON, correction=EF, model=model, clip=0.0)
+    got = run_job(8, "train", tmp_path, stages=8, steps=STEPS, mbs=MBS, gas=8, seq_len=SEQ, schedule="2bw",
+                  timeout=900, **kw)
+    losses, want = emulate_run("2bw", 8, STEPS, 8, 1, seq_len=SEQ, mbs=MBS, **kw)
+    torch.testing.assert_close(got["losses"], losses, rtol=1e-6, atol=0)
+    assert_params_close(stage_params(tmp_path, 8), want, rel=0)
+
+
 class _Tiny(nn.Module):
     def __init__(self):
         super().__init__()
