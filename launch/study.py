@@ -70,6 +70,9 @@ MODELS = {
     # 20.5M parameters (14.2M in the 8 decoder layers)
     "20m": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=6,
                 num_key_value_heads=6),
+    # ~0.6M parameters, 6 decoder layers: 8 pipeline layers, one per stage at depth 8 (the CPU depth-8 pair)
+    "tiny6": dict(hidden_size=32, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+                  num_key_value_heads=2),
     # 46.9M parameters (38.5M in the 12 decoder layers)
     "50m": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=12, num_attention_heads=8,
                 num_key_value_heads=8),
@@ -713,6 +716,12 @@ VARIANTS = {"sync": dict(schedule="1f1b"), "2bw": dict(schedule="2bw"),
 ENGINE_BASE = dict(MAIN, micro_batches=2, micro_batch_size=24, eval_batches=21, eval_batch_size=24, stages=2)
 TINY_ENGINE = dict(TINY, micro_batches=2, micro_batch_size=2, eval_batches=4, eval_batch_size=2, stages=2)
 ENGINE_POINTS = (("muon", "2bw+ef"), ("adamw", "2bw"), ("adamw", "sync"))
+# Depth 8 (the eight-GPU issue's loss-curve pair): Muon sync vs 2BW+EF through an 8-stage engine, m = 8. On 8 GPUs
+# with the main configuration (48 rows as 8 micro-batches of 6); on 8 CPU ranks with the 6-layer tiny model.
+DEPTH8_POINTS = (("muon", "sync"), ("muon", "2bw+ef"))
+DEPTH8_BASE = dict(MAIN, micro_batches=8, micro_batch_size=6, eval_batches=84, eval_batch_size=6, stages=8)
+DEPTH8_CPU = dict(TINY, model="tiny6", micro_batches=8, micro_batch_size=1, eval_batches=8, eval_batch_size=1,
+                  stages=8)
 
 
 def _name(**kw) -> str:
@@ -765,6 +774,8 @@ def matrix(name: str) -> list[RunSpec]:
     Nesterov look-ahead correction (both optimizers). ``engine`` (GPU): Muon 2bw+ef, AdamW 2bw and AdamW sync x 3
     seeds of the main configuration (as 2 micro-batches of 24), each through the real 2BW engine on 2 GPUs and
     through the emulation; ``engine-tiny`` (CPU, CI): the same points, seed 0, on the tiny model.
+    ``engine-depth8`` (8 GPUs) and ``engine-depth8-cpu`` (8 CPU ranks): Muon sync vs 2bw+ef through an 8-stage
+    engine (m = 8) and through the emulation, seed 0 (CPU: seeds 0 and 1).
     """
     if name == "tiny":
         runs = [RunSpec(name=f"{opt}-{variant}-s{seed}", group="main", optimizer=opt, seed=seed, **kw, **TINY)
@@ -780,7 +791,12 @@ def matrix(name: str) -> list[RunSpec]:
         return engine_pairs(ENGINE_BASE, seeds=(0, 1, 2))
     if name == "engine-tiny":
         return engine_pairs(TINY_ENGINE, seeds=(0,))
-    raise ValueError(f"unknown matrix {name!r}; known: tiny, main, extras, engine, engine-tiny")
+    if name == "engine-depth8":
+        return engine_pairs(DEPTH8_BASE, seeds=(0,), points=DEPTH8_POINTS)
+    if name == "engine-depth8-cpu":
+        return engine_pairs(DEPTH8_CPU, seeds=(0, 1), points=DEPTH8_POINTS)
+    raise ValueError(f"unknown matrix {name!r}; known: tiny, main, extras, engine, engine-tiny, engine-depth8, "
+                     "engine-depth8-cpu")
 
 
 def split(runs: list[RunSpec], index: int, of: int) -> list[RunSpec]:

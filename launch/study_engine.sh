@@ -29,7 +29,7 @@ fi
 out=${1:-launch/results/study}
 ngpu=${2:-$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")}
 matrix=${3:-engine}
-stages=2
+stages=${STAGES:-2}  # pipeline depth of the matrix's engine runs (8 for engine-depth8*)
 port=${MASTER_PORT_BASE:-29610}
 notebook=${NOTEBOOK-notebooks/loss_curves.ipynb}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
