@@ -721,7 +721,7 @@ ENGINE_POINTS = (("muon", "2bw+ef"), ("adamw", "2bw"), ("adamw", "sync"))
 DEPTH8_POINTS = (("muon", "sync"), ("muon", "2bw+ef"))
 DEPTH8_BASE = dict(MAIN, micro_batches=8, micro_batch_size=6, eval_batches=84, eval_batch_size=6, stages=8)
 DEPTH8_CPU = dict(TINY, model="tiny6", micro_batches=8, micro_batch_size=1, eval_batches=8, eval_batch_size=1,
-                  stages=8)
+                  stages=8, steps=200, eval_every=20)
 
 
 def _name(**kw) -> str:
