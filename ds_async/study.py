@@ -324,6 +324,13 @@ def gap_curves(runs: pd.DataFrame, sync: str = "sync") -> pd.DataFrame:
     return pd.DataFrame({"mean": g.mean(), "std": g.std(ddof=1), "n": g.count()}).reset_index()
 
 
+def _grid_and_legend(axes, fontsize: int) -> None:
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=fontsize)
+
+
 def _band(ax, x, d, color, label):
     n = int(d["n"].max())
     ax.plot(x, d["mean"], color=color, marker="o", ms=2.5, label=f"{label} (n={n})")
@@ -360,10 +367,7 @@ def plot_curves(runs: pd.DataFrame, labels: tuple[str, ...] = ("sync", "2bw", "2
         top.set_ylabel("validation loss")
         bottom.set_ylabel("Δ validation loss vs sync (same seed)")
         bottom.set_xlabel("training tokens (M)")
-        for ax in (top, bottom):
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=8)
+        _grid_and_legend((top, bottom), fontsize=8)
     fig.tight_layout()
     return fig
 
@@ -587,10 +591,7 @@ def plot_engine(runs: pd.DataFrame, ref: dict | None = None):
         top.set_ylabel("validation loss")
         bottom.set_ylabel("engine − emulation")
         bottom.set_xlabel("training tokens (M)")
-        for ax in (top, bottom):
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
+        _grid_and_legend((top, bottom), fontsize=7)
     fig.tight_layout()
     return fig
 
