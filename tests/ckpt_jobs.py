@@ -34,8 +34,8 @@ def _patch_loss(micro_batches: int, poison: dict | None, stall_at: int | None) -
     calls = [0]
 
     def wrap(make):
-        def loss_fn(config):
-            inner = make(config)
+        def loss_fn(config, *args):
+            inner = make(config, *args)
 
             def loss(outputs, labels):
                 value = inner(outputs, labels)
