@@ -2,9 +2,10 @@
 
 DeepSpeed's pipeline exchanges activations and gradients with blocking ``send``/``recv`` on one communicator per
 pair of ranks. A stage that sends waits, on its compute stream, until the neighbour posts the matching receive,
-and activations going down and gradients coming back between the same two stages queue behind each other. That
-turns 1F1B's dataflow into a lock-step grid: measured on 4x H200, each micro-batch cost ~2 x max(F, B) instead of
-F + B, with or without a flush.
+and activations going down and gradients coming back between the same two stages queue behind each other, which
+couples neighbouring stages step by step. Measured on 4x H200 (``launch/results/README.md``), this module does not
+beat it: 2BW ran 1-3% slower with it at p = 4 (idle time fell on the middle stages only), so ``"p2p": "deepspeed"``
+stays the default and this is kept as an option and a base for a better overlap.
 
 Here each direction between two neighbours has its own process group (so its own NCCL communicator and stream).
 Sends are posted and kept alive only until they complete; receives land in fresh tensors and make the compute
