@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 7's levers, one at a time, on one GPU host: each line of the matrix is one bench_pipeline.py run.
-# Usage: bash launch/bench_levers.sh OUT.jsonl [MATRIX]     (MATRIX: levers | compiled | fused | scaling |
+# Usage: bash launch/bench_levers.sh OUT.jsonl [MATRIX]     (MATRIX: levers | compiled | fused | clip | scaling |
 # optimizer | optimizer16;
 # default levers; several: 'compiled scaling')
 # Every row records its flags ("performance", "p2p", ...) and the card; compare rows of one call only.
@@ -33,6 +33,9 @@ case $matrix in
     "--schedule 2bw --micro-batches 4 --compile --adamw fused"
     "--schedule 1f1b --micro-batches 8 --compile --adamw fused"
     "--schedule 2bw --micro-batches 8 --compile --adamw fused") ;;
+  clip) runs+=(  # does the global-norm all-reduce (issued at each batch boundary, waited on by the step) cost time?
+    "--schedule 2bw --micro-batches 4 --compile --adamw fused --clip 1.0"
+    "--schedule 2bw --micro-batches 4 --compile --adamw fused --clip 0") ;;
   scaling) runs+=(  # 2 stages x 1 replica on GPUs 0-1, then 2 stages x 2 replicas on 4 GPUs
     "NPROC=2 --schedule 2bw --micro-batches 8 --stages 2 --compile"
     "NPROC=4 --schedule 2bw --micro-batches 8 --stages 2 --compile") ;;

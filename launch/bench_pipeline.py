@@ -106,6 +106,7 @@ def main() -> None:
                     help="recompute every this many decoder layers in backward (0: off)")
     ap.add_argument("--adamw", choices=["foreach", "fused"], default="foreach",
                     help="torch AdamW implementation (DeepSpeed passes the flag through to torch.optim.AdamW)")
+    ap.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off, no global-norm all-reduce)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--profile", default=None,
@@ -138,7 +139,7 @@ def main() -> None:
                                         "activation_checkpoint_interval": a.activation_checkpoint_interval}})
     hf = LlamaConfig(**model, tie_word_embeddings=False)
     ds_config = {"train_micro_batch_size_per_gpu": a.micro_batch_size, "gradient_accumulation_steps": a.micro_batches,
-                 "steps_per_print": 10 ** 9, "gradient_clipping": 1.0, "wall_clock_breakdown": False,
+                 "steps_per_print": 10 ** 9, "gradient_clipping": a.clip, "wall_clock_breakdown": False,
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": True,
                                                            a.adamw: True}}}
     if a.optimizer != "adamw":
@@ -203,7 +204,7 @@ def main() -> None:
            "micro_batch_size": a.micro_batch_size, "seq_len": a.seq_len, "precision": a.precision,
            "step_time_s": round(step_time, 4), "tokens_per_s": round(tokens / step_time, 1),
            "mfu": None if mfu is None else round(mfu, 4), "ideal_1f1b_bubble": round((p - 1) / (m + p - 1), 4),
-           "optimizer": a.optimizer, "adamw": a.adamw, "performance": dataclasses.asdict(cfg.performance),
+           "optimizer": a.optimizer, "adamw": a.adamw, "clip": a.clip, "performance": dataclasses.asdict(cfg.performance),
            "peak_mem_GiB_by_stage": {f"s{s}": g for s, d, g, _, _ in sorted(peaks) if d == 0},
            "measured_idle_by_stage": {f"s{s}": b for s, d, _, b, _ in sorted(peaks) if d == 0},
            "optimizer_step_ms_by_stage": {f"s{s}": o for s, d, _, _, o in sorted(peaks) if d == 0},
