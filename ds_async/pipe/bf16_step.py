@@ -19,7 +19,8 @@ class PrecomputedNormBF16Optimizer(BF16_Optimizer):
     """``BF16_Optimizer`` whose ``step`` clips by ``squared_norm``, set by the engine before each step.
 
     DeepSpeed constructs the optimizer; the engine swaps the instance's class to this one (no state is added
-    beyond ``squared_norm``). Without a norm it is DeepSpeed's step unchanged. A non-finite norm is not detected
+    beyond ``squared_norm``). With clipping off it needs no norm; with clipping on but no norm given it is DeepSpeed's
+    step unchanged. A non-finite norm is not detected
     here (that needs the host): it reaches the weights, and the loss shows it.
     """
 
@@ -28,7 +29,9 @@ class PrecomputedNormBF16Optimizer(BF16_Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         sq, self.squared_norm = self.squared_norm, None
-        if sq is None or self.has_moe_layers:
+        # Without clipping no norm is needed; DeepSpeed's step would still all-reduce one over the pipeline at step
+        # time (measured on 4x H200: 2BW 25% slower with gradient_clipping 0 than with 1.0 before this).
+        if (sq is None and self.clip_grad > 0.0) or self.has_moe_layers:
             return super().step(closure)
         if closure is not None:
             raise NotImplementedError(f"{type(self).__name__} does not support closure")
