@@ -331,6 +331,15 @@ def _grid_and_legend(axes, fontsize: int) -> None:
             ax.legend(fontsize=fontsize)
 
 
+def _finish_pair(top, bottom, title: str, difference: str, fontsize: int) -> None:
+    """Labels of a curves-over-difference panel pair (validation loss on top, a difference below, vs tokens)."""
+    top.set_title(title)
+    top.set_ylabel("validation loss")
+    bottom.set_ylabel(difference)
+    bottom.set_xlabel("training tokens (M)")
+    _grid_and_legend((top, bottom), fontsize=fontsize)
+
+
 def _band(ax, x, d, color, label):
     n = int(d["n"].max())
     ax.plot(x, d["mean"], color=color, marker="o", ms=2.5, label=f"{label} (n={n})")
@@ -363,11 +372,7 @@ def plot_curves(runs: pd.DataFrame, labels: tuple[str, ...] = ("sync", "2bw", "2
             if not d.empty:
                 _band(bottom, d["tokens"] / 1e6, d, colors[label], f"{label} − sync")
         bottom.axhline(0, color=colors.get("sync", "k"), lw=1)
-        top.set_title(opt)
-        top.set_ylabel("validation loss")
-        bottom.set_ylabel("Δ validation loss vs sync (same seed)")
-        bottom.set_xlabel("training tokens (M)")
-        _grid_and_legend((top, bottom), fontsize=8)
+        _finish_pair(top, bottom, opt, "Δ validation loss vs sync (same seed)", fontsize=8)
     fig.tight_layout()
     return fig
 
@@ -587,11 +592,7 @@ def plot_engine(runs: pd.DataFrame, ref: dict | None = None):
                         [v - twin[s] for s, v in zip(eng["val_steps"], eng["val_loss"]) if s in twin],
                         color=color, marker="o", ms=3, label=f"seed {pair['seed']}")
         bottom.axhline(0, color="k", lw=0.8)
-        top.set_title(f"{opt} {label}")
-        top.set_ylabel("validation loss")
-        bottom.set_ylabel("engine − emulation")
-        bottom.set_xlabel("training tokens (M)")
-        _grid_and_legend((top, bottom), fontsize=7)
+        _finish_pair(top, bottom, f"{opt} {label}", "engine − emulation", fontsize=7)
     fig.tight_layout()
     return fig
 
