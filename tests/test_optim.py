@@ -69,11 +69,13 @@ def test_batched_newton_schulz_equals_per_matrix(shape):
     assert torch.equal(batched, ours) and torch.equal(batched, torchs)
 
 
-def test_same_shape_matrices_orthogonalised_together_equal_one_by_one():
+@pytest.mark.parametrize("by", ["shape", "orientation"])
+def test_matrices_orthogonalised_together_equal_one_by_one(by):
     gen = torch.Generator().manual_seed(5)
-    shapes = [(16, 24), (24, 16), (16, 24), (3, 8, 8), (16, 24), (3, 8, 8), (5, 7)]
+    shapes = [(16, 24), (24, 16), (16, 24), (3, 8, 8), (16, 24), (3, 8, 8), (5, 7), (24, 16)]
     ds = [torch.randn(s, generator=gen) for s in shapes]
-    for got, d in zip(orthogonalise_batched(ds), ds):
+    for got, d in zip(orthogonalise_batched(ds, by=by), ds):
+        assert got.shape == d.shape
         assert torch.equal(got, zeropower_via_newtonschulz(d))
 
 

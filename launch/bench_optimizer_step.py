@@ -1,0 +1,118 @@
+"""Optimizer step of one pipeline stage, alone on one GPU: where Muon+EF's time goes.
+
+    python launch/bench_optimizer_step.py --out launch/results/bench_optimizer_step.jsonl
+
+A stage of the ~0.9B LLaMA (``--layers`` decoder layers of hidden 2048, ffn 5632, fp32 weights as under
+autocast) gets random gradients; each optimizer steps it ``--steps`` times. Per optimizer one JSON row: the GPU
+time of a whole ``step()`` (CUDA events, median), the host time to issue it (the thread that also issues the
+pipeline's forward and backward kernels), and for Muon the Newton-Schulz part alone with its rate in TFLOP/s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def newton_schulz_flops(shapes: list[torch.Size], steps: int) -> float:
+    """Per matrix of n x k (n <= k after orientation) and iteration: X X^T (2n^2k), A A (2n^3), B X (2n^2k)."""
+    total = 0.0
+    for shape in shapes:
+        n, k = sorted(shape[-2:])
+        total += steps * (4 * n * n * k + 2 * n ** 3)
+    return total
+
+
+def median_ms(fn, steps: int, warmup: int) -> tuple[float, float]:
+    """(median ms until the device finished, median ms for the host to issue) of ``fn``."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    done, host = [], []
+    for _ in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        sync()
+        done.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(done), statistics.median(host)
+
+
+def build_stage(a) -> torch.nn.Module:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    cfg = LlamaConfig(hidden_size=a.hidden, intermediate_size=a.ffn, num_attention_heads=a.heads,
+                      num_key_value_heads=a.heads, vocab_size=a.vocab, num_hidden_layers=a.layers)
+    mods = [LlamaDecoderLayer(cfg, i) for i in range(a.layers)]
+    if a.embedding:
+        mods.insert(0, torch.nn.Embedding(a.vocab, a.hidden))
+    return torch.nn.Sequential(*mods).to("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def make_optimizer(name: str, model: torch.nn.Module):
+    from ds_async.optim.corrections import ErrorFeedback
+    from ds_async.optim.optimizers import AdamW, Muon, muon_param_groups
+
+    if name == "torch-adamw-fused":
+        return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    if name == "adamw":
+        return AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    correction = ErrorFeedback(1.0) if name == "muon-ef" else None
+    return Muon(muon_param_groups(model, lr=0.02, weight_decay=0.01, adam_lr=1e-4), correction=correction)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--ffn", type=int, default=5632)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--embedding", action="store_true", help="add the embedding (pipeline stage 0)")
+    ap.add_argument("--optimizers", default="torch-adamw-fused,adamw,muon,muon-ef")
+    ap.add_argument("--ns-batching", default="orientation,shape",
+                    help="Newton-Schulz alone: how orthogonalise_batched groups matrices (its `by` argument)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+
+    from ds_async.metrics import code_version
+    from ds_async.optim.muon import momentum_direction, orthogonalise_batched
+
+    torch.manual_seed(0)
+    model = build_stage(a)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    base = {"layers": a.layers, "hidden": a.hidden, "ffn": a.ffn, "embedding": a.embedding,
+            "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+            "card": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "code": code_version()}
+    rows = []
+    for name in a.optimizers.split(","):
+        opt = make_optimizer(name, model)
+        done, host = median_ms(opt.step, a.steps, a.warmup)
+        row = dict(base, optimizer=name, step_ms=round(done, 2), issue_ms=round(host, 2))
+        if name.startswith("muon"):
+            group = next(g for g in opt.param_groups if g["use_muon"])
+            dirs = [momentum_direction(p.grad, opt.state[p]["momentum_buffer"].clone(), momentum=0.95, nesterov=True)
+                    for p in group["params"]]
+            flops = newton_schulz_flops([d.shape for d in dirs], 5)
+            for by in a.ns_batching.split(","):
+                ns, _ = median_ms(lambda: orthogonalise_batched(dirs, by=by), a.steps, a.warmup)
+                row[f"newton_schulz_ms/{by}"] = round(ns, 2)
+                row[f"newton_schulz_tflops/{by}"] = round(flops / ns / 1e9, 1)
+        del opt
+        print("OPTSTEP " + json.dumps(row), flush=True)
+        rows.append(row)
+    if a.out:
+        with open(a.out, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+if __name__ == "__main__":
+    main()
