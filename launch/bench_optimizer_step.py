@@ -83,7 +83,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from ds_async.metrics import code_version
-    from ds_async.optim.muon import momentum_direction, orthogonalise_batched
+    from ds_async.optim.muon import momentum_directions, orthogonalise_batched
 
     torch.manual_seed(0)
     model = build_stage(a)
@@ -99,8 +99,9 @@ def main() -> None:
         row = dict(base, optimizer=name, step_ms=round(done, 2), issue_ms=round(host, 2))
         if name.startswith("muon"):
             group = next(g for g in opt.param_groups if g["use_muon"])
-            dirs = [momentum_direction(p.grad, opt.state[p]["momentum_buffer"].clone(), momentum=0.95, nesterov=True)
-                    for p in group["params"]]
+            dirs = momentum_directions([p.grad for p in group["params"]],
+                                       [opt.state[p]["momentum_buffer"].clone() for p in group["params"]],
+                                       momentum=0.95, nesterov=True)
             flops = newton_schulz_flops([d.shape for d in dirs], 5)
             for by in a.ns_batching.split(","):
                 ns, _ = median_ms(lambda: orthogonalise_batched(dirs, by=by), a.steps, a.warmup)

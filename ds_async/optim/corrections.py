@@ -60,10 +60,19 @@ class Correction:
     name: str = "correction"
     buffer_key: str = ""
 
-    def __call__(self, u: Tensor, state: dict) -> Tensor:
-        """The term ``e`` to add to the update: ``u + e`` is applied instead of ``u`` (a new tensor; ``u`` is
-        left alone). Returning the difference rather than ``u + e`` keeps a zero correction bit-exact."""
+    def __call__(self, us: list[Tensor], states: list[dict]) -> list[Tensor]:
+        """For the updates ``us`` of several parameters (``states``: their optimizer states), the terms ``e`` to
+        add: ``u + e`` is applied instead of ``u`` (new tensors; ``us`` are left alone). Returning the difference
+        rather than ``u + e`` keeps a zero correction bit-exact. Foreach kernels over the list: the same
+        arithmetic per element as one call per parameter."""
         raise NotImplementedError
+
+    def _buffers(self, us: list[Tensor], states: list[dict], init) -> list[Tensor]:
+        """Each parameter's buffer, created as ``init(u)`` on its first step."""
+        for u, state in zip(us, states):
+            if self.buffer_key not in state:
+                state[self.buffer_key] = init(u)
+        return [state[self.buffer_key] for state in states]
 
     def buffer(self, state: dict) -> Tensor | None:
         return state.get(self.buffer_key)
@@ -77,14 +86,13 @@ class ErrorFeedback(Correction):
     name = "ef"
     buffer_key = "ef_prev_update"
 
-    def __call__(self, u: Tensor, state: dict) -> Tensor:
-        prev = state.get(self.buffer_key)
-        if prev is None:
-            # u(-1) = 0: the buffer starts at zero (allocated on the first step, like the optimizers' own state).
-            prev = state[self.buffer_key] = torch.zeros_like(u)
-        extra = (u - prev).mul_(self.lam)
-        prev.copy_(u)
-        return extra
+    def __call__(self, us, states):
+        # u(-1) = 0: the buffer starts at zero (allocated on the first step, like the optimizers' own state).
+        prevs = self._buffers(us, states, torch.zeros_like)
+        extras = torch._foreach_sub(us, prevs)
+        torch._foreach_mul_(extras, self.lam)
+        torch._foreach_copy_(prevs, us)
+        return extras
 
 
 @dataclass
@@ -102,16 +110,15 @@ class NesterovLookahead(Correction):
         if self.delay < 0:
             raise ValueError(f"nesterov correction: delay must be >= 0, got {self.delay}")
 
-    def __call__(self, u: Tensor, state: dict) -> Tensor:
-        velocity = state.get(self.buffer_key)
-        if velocity is None:
-            # m(-1) = u(0): no velocity is known before the first update, and a zero start would read the whole
-            # first update as acceleration.
-            velocity = state[self.buffer_key] = u.detach().clone()
+    def __call__(self, us, states):
+        # m(-1) = u(0): no velocity is known before the first update, and a zero start would read the whole first
+        # update as acceleration.
+        velocities = self._buffers(us, states, lambda u: u.detach().clone())
         # m(t) - m(t-1) = (1 - mu) * (u(t) - m(t-1))
-        delta = u - velocity
-        velocity.add_(delta, alpha=1 - self.momentum)
-        return delta.mul_(self.delay * (1 - self.momentum))
+        deltas = torch._foreach_sub(us, velocities)
+        torch._foreach_add_(velocities, deltas, alpha=1 - self.momentum)
+        torch._foreach_mul_(deltas, self.delay * (1 - self.momentum))
+        return deltas
 
 
 def build_correction(spec) -> Correction | None:

@@ -71,18 +71,15 @@ def adjusted_lr(lr: float, shape: torch.Size, rule: str) -> float:
     raise ValueError(f"Muon lr_rule must be one of {list(LR_RULES)}, got {rule!r}")
 
 
-def muon_direction(grad: Tensor, momentum_buffer: Tensor, *, momentum: float, nesterov: bool, ns_steps: int,
-                   ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS) -> Tensor:
-    """Advance the momentum buffer (an EMA of gradients: ``B <- momentum * B + (1 - momentum) * g``) in place and
-    return the orthogonalised direction (bf16) of ``g + momentum * (B - g)`` (Nesterov) or of ``B``."""
-    direction = momentum_direction(grad, momentum_buffer, momentum=momentum, nesterov=nesterov)
-    return zeropower_via_newtonschulz(direction, ns_steps, ns_coefficients, eps)
+def momentum_directions(grads: list[Tensor], momentum_buffers: list[Tensor], *, momentum: float,
+                        nesterov: bool) -> list[Tensor]:
+    """Advance each momentum buffer (an EMA of gradients: ``B <- momentum * B + (1 - momentum) * g``) in place and
+    return what Newton-Schulz orthogonalises: ``g + momentum * (B - g)`` (Nesterov) or ``B`` itself.
 
-
-def momentum_direction(grad: Tensor, momentum_buffer: Tensor, *, momentum: float, nesterov: bool) -> Tensor:
-    """Advance the momentum buffer in place; return what Newton-Schulz orthogonalises (before orthogonalising)."""
-    momentum_buffer.lerp_(grad, 1 - momentum)
-    return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+    torch's Muon ops (``lerp``) as one foreach call each over the whole list, not one kernel per matrix.
+    """
+    torch._foreach_lerp_(momentum_buffers, grads, 1 - momentum)
+    return torch._foreach_lerp(grads, momentum_buffers, momentum) if nesterov else list(momentum_buffers)
 
 
 def orthogonalise_batched(directions: list[Tensor], steps: int = NS_STEPS,

@@ -18,8 +18,25 @@ import torch
 from torch import Tensor
 
 from .corrections import Correction
-from .muon import LR_RULES, NS_COEFFICIENTS, NS_EPS, NS_STEPS, momentum_direction, muon_apply, orthogonalise_batched
+from .muon import LR_RULES, NS_COEFFICIENTS, NS_EPS, NS_STEPS, momentum_directions, muon_apply, orthogonalise_batched
 from .updates import adamw_step, lion_step, sgd_step
+
+
+# Parameters are updated in chunks of about this many elements: the update's temporaries (new values, ``u``, the
+# correction's term) exist for one chunk at a time, ~3 GiB at fp32, not for the whole model.
+APPLY_CHUNK_NUMEL = 2 ** 28
+
+
+def _chunks(params: list[Tensor], numel: int):
+    chunk, size = [], 0
+    for p in params:
+        if chunk and size + p.numel() > numel:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(p)
+        size += p.numel()
+    if chunk:
+        yield chunk
 
 
 class UpdateOptimizer(torch.optim.Optimizer):
@@ -58,32 +75,39 @@ class UpdateOptimizer(torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             name = self._group_name(index)
             self.last_lrs[name] = float(group["lr"])
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            for param in params:
                 if param.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                state = self.state[param]
-                self._apply(name, param, self._new_value(param, param.grad, state, group), state)
+            for chunk in _chunks(params, APPLY_CHUNK_NUMEL):
+                states = [self.state[p] for p in chunk]
+                news = [self._new_value(p, p.grad, state, group) for p, state in zip(chunk, states)]
+                self._apply(name, chunk, news, states)
         return loss
 
-    def _apply(self, name: str, param: Tensor, new: Tensor, state: dict) -> None:
-        """The one place a parameter changes: with ``u = x - new``, ``x <- x - (u + correction(u))``."""
-        u = param.detach() - new
-        if self.correction is not None:
-            self._accumulate(f"base_update_sq/{name}", u)
-            extra = self.correction(u, state)
-            self._accumulate(f"{self.correction.name}_buffer_sq", self.correction.buffer(state))
-            new.sub_(extra)
-            u.add_(extra)
-        self._accumulate(f"update_sq/{name}", u)
-        self._sums[f"numel/{name}"] = self._sums.get(f"numel/{name}", 0) + u.numel()
-        param.copy_(new)
+    def _apply(self, name: str, params: list[Tensor], news: list[Tensor], states: list[dict]) -> None:
+        """The one place parameters change: with ``u = x - new``, ``x <- x - (u + correction(u))``.
 
-    def _accumulate(self, key: str, t: Tensor) -> None:
-        # A norm kernel reads t once and allocates nothing parameter-sized; at least fp32 (it refuses to narrow).
-        wide = torch.promote_types(t.dtype, torch.float32)
-        sq = torch.linalg.vector_norm(t.detach(), dtype=wide).square()
+        Foreach kernels over the list: the host issues a few kernels per chunk instead of ten per parameter (under
+        2BW it is the host that also issues the next batch's forward passes).
+        """
+        xs = [p.detach() for p in params]
+        us = torch._foreach_sub(xs, news)
+        if self.correction is not None:
+            self._accumulate(f"base_update_sq/{name}", us)
+            extras = self.correction(us, states)
+            self._accumulate(f"{self.correction.name}_buffer_sq", [self.correction.buffer(s) for s in states])
+            torch._foreach_sub_(news, extras)
+            torch._foreach_add_(us, extras)
+        self._accumulate(f"update_sq/{name}", us)
+        self._sums[f"numel/{name}"] = self._sums.get(f"numel/{name}", 0) + sum(u.numel() for u in us)
+        torch._foreach_copy_(xs, news)
+
+    def _accumulate(self, key: str, tensors: list[Tensor]) -> None:
+        # Norm kernels read each tensor once and allocate nothing parameter-sized; at least fp32 (they refuse to
+        # narrow).
+        wide = torch.promote_types(tensors[0].dtype, torch.float32)
+        sq = torch.stack(torch._foreach_norm(tensors, 2, dtype=wide)).square().sum()
         self._sums[key] = self._sums[key] + sq if key in self._sums else sq
 
     def stat_sums(self) -> dict[str, Tensor | int]:
@@ -214,14 +238,14 @@ class Muon(UpdateOptimizer):
             if not group["use_muon"]:
                 continue
             params = [p for p in group["params"] if p.grad is not None]
-            directions = []
             for p in params:
                 _require_matrix(p)
                 state = self.state[p]
                 if not state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                directions.append(momentum_direction(p.grad, state["momentum_buffer"], momentum=group["momentum"],
-                                                     nesterov=group["nesterov"]))
+            directions = momentum_directions([p.grad for p in params],
+                                             [self.state[p]["momentum_buffer"] for p in params],
+                                             momentum=group["momentum"], nesterov=group["nesterov"])
             ortho = orthogonalise_batched(directions, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
             self._orthogonalised.update(zip(params, ortho))
 
