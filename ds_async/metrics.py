@@ -5,6 +5,7 @@ Only the reporting rank (last stage, first data-parallel replica: it holds the l
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import time
@@ -12,7 +13,11 @@ from pathlib import Path
 
 
 def code_version() -> dict:
-    """The code that ran: git commit and dirty flag of the ds_async checkout, and library versions."""
+    """The code that ran: git commit and dirty flag of the ds_async checkout, and library versions.
+
+    ``DS_ASYNC_COMMIT`` in the environment names the commit instead, for a copy of the tree whose ``.git`` is not
+    that commit's (the GPU machine gets the working tree with a ``.git`` that may be older).
+    """
     import deepspeed
     import torch
     import transformers
@@ -28,8 +33,9 @@ def code_version() -> dict:
         except (OSError, subprocess.TimeoutExpired):
             return None
 
-    return {"ds_async": ds_async.__version__, "commit": git("rev-parse", "HEAD"),
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+    named = os.environ.get("DS_ASYNC_COMMIT")
+    return {"ds_async": ds_async.__version__, "commit": named or git("rev-parse", "HEAD"),
+            "dirty": None if named else bool(git("status", "--porcelain", "--untracked-files=no")),
             "torch": torch.__version__, "deepspeed": deepspeed.__version__,
             "transformers": transformers.__version__, "python": platform.python_version()}
 

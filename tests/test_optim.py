@@ -366,3 +366,13 @@ def test_build_optimizer_paths():
         build_optimizer({"type": "Muon", "params": {"lr_rul": "original"}}, model)
     with pytest.raises(ValueError, match="no ds_async implementation"):
         build_optimizer({"type": "RMSprop", "params": {"lr": 0.1}}, model, {"type": "ef"})
+
+
+def test_muon_steps_when_a_group_has_no_gradients():
+    """A ZeRO-1 shard may own none of a group's matrices: the group is skipped, the others still step."""
+    a, b = twin_params([(8, 6)])[0], twin_params([(5,)])[0]
+    opt = Muon([dict(params=a, use_muon=True), dict(params=b, use_muon=False)])
+    b[0].grad = torch.ones_like(b[0])
+    before = b[0].detach().clone()
+    opt.step()
+    assert a[0].grad is None and not torch.equal(b[0], before)

@@ -238,6 +238,8 @@ class Muon(UpdateOptimizer):
             if not group["use_muon"]:
                 continue
             params = [p for p in group["params"] if p.grad is not None]
+            if not params:  # e.g. a ZeRO-1 shard owning none of this group's matrices
+                continue
             for p in params:
                 _require_matrix(p)
                 state = self.state[p]
