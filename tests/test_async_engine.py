@@ -57,7 +57,10 @@ def test_2bw_with_zero1_equals_emulation(tmp_path):
                   optimizer=SGD_M, zero_optimization={"stage": 1}, zero_allow_untested_optimizer=True)
     losses, want = emulate_run("2bw", 2, steps, 2, 2, SGD_M, seq_len=SEQ, mbs=MBS)
     torch.testing.assert_close(got["losses"], losses, rtol=1e-6, atol=0)
-    assert_params_close(stage_params(tmp_path, 2), want, rel=1e-6)
+    # Under ZeRO-1 DeepSpeed clips by its own norm (vector norms of its flat partitions, summed over ranks): the
+    # clip coefficient rounds differently from the emulation's in its last bits, hence 1e-5, not bit-equality (a
+    # wrong delay or version moves parameters by ~lr * grad, orders of magnitude more).
+    assert_params_close(stage_params(tmp_path, 2), want, rel=1e-5)
 
 
 def test_engine_dispatches_its_own_instructions():
