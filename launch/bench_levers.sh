@@ -4,6 +4,8 @@
 # optimizer | optimizer16;
 # default levers; several: 'compiled scaling')
 # Every row records its flags ("performance", "p2p", ...) and the card; compare rows of one call only.
+# REPEAT=n runs the whole list n times in order (1F1B and 2BW rows interleave): runs of the same code on one
+# machine spread by up to 7% (measured on 4x H200), as much as some targets' margins.
 set -uo pipefail
 out=${1:?output JSON-lines file}
 matrices=${2:-levers}
@@ -47,7 +49,9 @@ case $matrix in
   *) echo "unknown matrix $matrix" >&2; exit 2 ;;
 esac
 done
-for r in "${runs[@]}"; do
+all=()
+for _ in $(seq "${REPEAT:-1}"); do all+=("${runs[@]}"); done
+for r in "${all[@]}"; do
   n=$ngpu; [[ $r == NPROC=* ]] && { n=${r%% *}; n=${n#NPROC=}; r=${r#* }; }
   flags=$r; [[ $r == *--stages* ]] || flags="$r --partition $part"
   t0=$(date +%s)
