@@ -187,3 +187,36 @@ def test_correction_state_survives_state_dict(correction):
     opt3.load_state_dict(stripped)
     run(resumed, opt3, grads[3:])
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters()))
+
+
+@pytest.mark.parametrize("correction", [ErrorFeedback(1.0), NesterovLookahead(0.8)])
+def test_chunked_apply_equals_whole_group(monkeypatch, correction):
+    """Updates are applied with foreach kernels over chunks of parameters; where the chunks fall must not change
+    a single bit of the parameters, the optimizer state or the statistics."""
+    import ds_async.optim.optimizers as optimizers
+
+    gen = torch.Generator().manual_seed(11)
+    shapes = [(6, 4), (5,), (3, 7), (7, 3), (2,)]
+    base = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(4)]
+
+    def run(chunk_numel):
+        monkeypatch.setattr(optimizers, "APPLY_CHUNK_NUMEL", chunk_numel)
+        params = [b.clone().requires_grad_() for b in base]
+        opt = AdamW(params, lr=0.05, weight_decay=0.1, correction=correction)
+        for gs in grads:
+            for p, g in zip(params, gs):
+                p.grad = g.clone()
+            opt.step()
+        return params, opt
+
+    whole, opt_whole = run(2 ** 28)
+    single, opt_single = run(1)  # every parameter a chunk of its own
+    for a, b in zip(whole, single):
+        assert torch.equal(a, b)
+    for a, b in zip(whole, single):
+        for key, value in opt_whole.state[a].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(opt_single.state[b][key])), key
+    assert opt_whole.stats().keys() == opt_single.stats().keys()
+    for key, value in opt_whole.stats().items():
+        assert value == pytest.approx(opt_single.stats()[key], rel=1e-6), key
