@@ -75,8 +75,6 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--embedding", action="store_true", help="add the embedding (pipeline stage 0)")
     ap.add_argument("--optimizers", default="torch-adamw-fused,adamw,muon,muon-ef")
-    ap.add_argument("--ns-batching", default="orientation,shape",
-                    help="Newton-Schulz alone: how orthogonalise_batched groups matrices (its `by` argument)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default=None)
@@ -103,10 +101,8 @@ def main() -> None:
                                        [opt.state[p]["momentum_buffer"].clone() for p in group["params"]],
                                        momentum=0.95, nesterov=True)
             flops = newton_schulz_flops([d.shape for d in dirs], 5)
-            for by in a.ns_batching.split(","):
-                ns, _ = median_ms(lambda: orthogonalise_batched(dirs, by=by), a.steps, a.warmup)
-                row[f"newton_schulz_ms/{by}"] = round(ns, 2)
-                row[f"newton_schulz_tflops/{by}"] = round(flops / ns / 1e9, 1)
+            ns, _ = median_ms(lambda: orthogonalise_batched(dirs), a.steps, a.warmup)
+            row.update(newton_schulz_ms=round(ns, 2), newton_schulz_tflops=round(flops / ns / 1e9, 1))
         del opt
         print("OPTSTEP " + json.dumps(row), flush=True)
         rows.append(row)

@@ -69,12 +69,11 @@ def test_batched_newton_schulz_equals_per_matrix(shape):
     assert torch.equal(batched, ours) and torch.equal(batched, torchs)
 
 
-@pytest.mark.parametrize("by", ["shape", "orientation"])
-def test_matrices_orthogonalised_together_equal_one_by_one(by):
+def test_same_shape_matrices_orthogonalised_together_equal_one_by_one():
     gen = torch.Generator().manual_seed(5)
     shapes = [(16, 24), (24, 16), (16, 24), (3, 8, 8), (16, 24), (3, 8, 8), (5, 7), (24, 16)]
     ds = [torch.randn(s, generator=gen) for s in shapes]
-    for got, d in zip(orthogonalise_batched(ds, by=by), ds):
+    for got, d in zip(orthogonalise_batched(ds), ds):
         assert got.shape == d.shape
         assert torch.equal(got, zeropower_via_newtonschulz(d))
 

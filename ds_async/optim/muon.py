@@ -83,33 +83,27 @@ def momentum_directions(grads: list[Tensor], momentum_buffers: list[Tensor], *, 
 
 
 def orthogonalise_batched(directions: list[Tensor], steps: int = NS_STEPS,
-                          coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS,
-                          by: str = "orientation") -> list[Tensor]:
-    """:func:`zeropower_via_newtonschulz` of each tensor, several matrices per batched call.
+                          coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS
+                          ) -> list[Tensor]:
+    """:func:`zeropower_via_newtonschulz` of each tensor, with same-shaped ones stacked into one batched call.
 
-    A stage's hidden matrices come in a few shapes (q/k/v/o, gate/up, down). ``by="shape"`` stacks the ones of
-    equal shape; ``by="orientation"`` (default) also stacks a tall matrix with the wide ones of its transposed
-    shape (gate/up with down), since the iteration runs on the wide orientation anyway: fewer, larger calls.
-    Each result is bit-equal to orthogonalising the tensor alone on CPU (tested; on GPU a transposed operand may
-    pick another kernel); the stack is made in bf16, the precision the iteration starts from.
+    A stage's hidden matrices come in a few shapes (q/k/v/o, gate/up, down): one call per shape instead of one
+    per matrix. The result of each is bit-equal to orthogonalising it alone (tested), since the batched kernels
+    run the same per-matrix products; the stack is made in bf16, the precision the iteration starts from.
+    (Stacking tall matrices with the wide ones of their transposed shape as well, gate/up with down, was measured
+    no faster on an H200: ``launch/results/README.md``, session 12.)
     """
-    if by not in ("shape", "orientation"):
-        raise ValueError(f"orthogonalise_batched: by must be 'shape' or 'orientation', got {by!r}")
     out: list[Tensor | None] = [None] * len(directions)
-    groups: dict[tuple, list[tuple[int, bool]]] = {}
+    by_shape: dict[tuple, list[int]] = {}
     for i, d in enumerate(directions):
-        flip = by == "orientation" and d.size(-2) > d.size(-1)
-        shape = tuple(d.mT.shape if flip else d.shape)
-        groups.setdefault((shape, d.device), []).append((i, flip))
-    for members in groups.values():
-        if len(members) == 1:
-            i, _ = members[0]
-            out[i] = zeropower_via_newtonschulz(directions[i], steps, coefficients, eps)
+        by_shape.setdefault((tuple(d.shape), d.device), []).append(i)
+    for idx in by_shape.values():
+        if len(idx) == 1:
+            out[idx[0]] = zeropower_via_newtonschulz(directions[idx[0]], steps, coefficients, eps)
             continue
-        stacked = torch.stack([directions[i].bfloat16().mT if flip else directions[i].bfloat16()
-                               for i, flip in members])
-        for (i, flip), o in zip(members, zeropower_via_newtonschulz(stacked, steps, coefficients, eps).unbind(0)):
-            out[i] = o.mT if flip else o
+        stacked = torch.stack([directions[i].bfloat16() for i in idx])
+        for i, o in zip(idx, zeropower_via_newtonschulz(stacked, steps, coefficients, eps).unbind(0)):
+            out[i] = o
     return out
 
 
