@@ -30,17 +30,15 @@ mkdir -p "$out/logs"
 "$PYTHON" launch/study.py --matrix "$matrices" --prepare-data
 "$PYTHON" launch/study.py --matrix "$matrices" --list | tail -1
 
-pids=()
+source launch/wait_jobs.sh
+pids=() what=() logs=()
 for ((i = 0; i < ngpu; i++)); do
   "$PYTHON" launch/study.py --matrix "$matrices" --gpu-index "$i" --of "$ngpu" --out "$out" --quiet \
     >"$out/logs/gpu$i.log" 2>&1 &
-  pids+=($!)
+  pids+=($!) what+=("GPU $i") logs+=("$out/logs/gpu$i.log")
 done
 status=0
-for i in "${!pids[@]}"; do
-  wait "${pids[$i]}" || { status=1; echo "GPU $i: some runs failed, see $out/logs/gpu$i.log" >&2; }
-  grep -h "^\[matrix\]" "$out/logs/gpu$i.log" | sed "s/^/GPU $i: /" || true
-done
+wait_jobs || status=1
 
 "$PYTHON" -m ds_async.study "$out" ${notebook:+--notebook "$notebook"}
 exit $status

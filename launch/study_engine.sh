@@ -43,6 +43,7 @@ mkdir -p "$out/logs"
 "$PYTHON" launch/study.py --matrix "$matrix" --prepare-data
 "$PYTHON" launch/study.py --matrix "$matrix" --list | tail -1
 
+source launch/wait_jobs.sh
 pids=() what=() logs=()
 for ((k = 0; k < groups; k++)); do
   gpus=$(seq -s, $((k * stages)) $((k * stages + stages - 1)))
@@ -57,10 +58,7 @@ for ((i = 0; i < ngpu; i++)); do
   pids+=($!) what+=("emulation runs on GPU $i") logs+=("$out/logs/emulation$i.log")
 done
 status=0
-for j in "${!pids[@]}"; do
-  wait "${pids[$j]}" || { status=1; echo "${what[$j]}: failed, see ${logs[$j]}" >&2; }
-  grep -h "^\[matrix\]" "${logs[$j]}" | sed "s/^/${what[$j]}: /" || true
-done
+wait_jobs || status=1
 
 # The table (pandas, tensorboard) and the notebook (nbclient, a python3 kernel) may be missing on a bare GPU host:
 # the runs are done either way, and `python -m ds_async.study OUT --notebook ...` can run wherever they are.
