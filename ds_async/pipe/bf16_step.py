@@ -19,9 +19,9 @@ class PrecomputedNormBF16Optimizer(BF16_Optimizer):
     """``BF16_Optimizer`` whose ``step`` clips by ``squared_norm``, set by the engine before each step.
 
     DeepSpeed constructs the optimizer; the engine swaps the instance's class to this one (no state is added
-    beyond ``squared_norm``). With clipping off it needs no norm; with clipping on but no norm given it is DeepSpeed's
-    step unchanged. A non-finite norm is not detected
-    here (that needs the host): it reaches the weights, and the loss shows it.
+    beyond ``squared_norm``). With clipping off it needs no norm; with clipping on but no norm given it is
+    DeepSpeed's step unchanged. A non-finite norm is not detected here (that needs the host): it reaches the
+    weights, and the loss shows it.
     """
 
     squared_norm: torch.Tensor | None = None

@@ -169,7 +169,7 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
 
         DeepSpeed would still flatten every gradient into a stage-sized buffer, cast it to the communication dtype,
         all-reduce it over one rank and copy it back: four passes over the gradients on the compute stream (by memory
-        traffic ~2 ms per step on a stage of the 0.9B benchmark model; estimated, not yet measured). Only the cast
+        traffic ~2 ms per step on a stage of the 0.9B benchmark model; estimated, not measured alone). Only the cast
         could change a value, and only where it narrows: under DeepSpeed's bf16 optimizer every gradient in its fp32
         buffers is a bf16 sum handed over whole, so the bf16 cast is exact too.
         """
