@@ -25,12 +25,9 @@ ngpu=${2:-$("$PYTHON" -c "import torch; print(max(1, torch.cuda.device_count()))
 matrices=${3:-main,extras}
 notebook=${NOTEBOOK-notebooks/loss_curves.ipynb}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
-mkdir -p "$out/logs"
+source launch/study_common.sh
+prepare_study "$matrices" "$out"
 
-"$PYTHON" launch/study.py --matrix "$matrices" --prepare-data
-"$PYTHON" launch/study.py --matrix "$matrices" --list | tail -1
-
-source launch/wait_jobs.sh
 pids=() what=() logs=()
 for ((i = 0; i < ngpu; i++)); do
   "$PYTHON" launch/study.py --matrix "$matrices" --gpu-index "$i" --of "$ngpu" --out "$out" --quiet \

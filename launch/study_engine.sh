@@ -38,12 +38,9 @@ if ((ngpu < stages)); then
   exit 1
 fi
 groups=$((ngpu / stages))
-mkdir -p "$out/logs"
+source launch/study_common.sh
+prepare_study "$matrix" "$out"
 
-"$PYTHON" launch/study.py --matrix "$matrix" --prepare-data
-"$PYTHON" launch/study.py --matrix "$matrix" --list | tail -1
-
-source launch/wait_jobs.sh
 pids=() what=() logs=()
 for ((k = 0; k < groups; k++)); do
   gpus=$(seq -s, $((k * stages)) $((k * stages + stages - 1)))
