@@ -12,6 +12,7 @@ be killed in the middle of training at a known point. Each rank writes ``OUT_DIR
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -57,6 +58,8 @@ def main(runs_file: str, out_dir: str) -> None:
     import torch.distributed as tdist
 
     out = Path(out_dir)
+    # torchrun starts each rank in a session of its own: a test that kills the job kills the ranks by these ids.
+    (out / f"pid.rank{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
     for run in json.loads(Path(runs_file).read_text()):
         config = json.loads(Path(run["config"]).read_text())
         _patch_loss(config["gradient_accumulation_steps"], run.get("poison"), run.get("stall_at"))

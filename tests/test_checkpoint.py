@@ -109,6 +109,18 @@ def launch(work: Path, tag: str, runs: list[dict], wait: bool = True):
             for r in runs}
 
 
+def kill_job(proc: subprocess.Popen, out: Path) -> None:
+    """SIGKILL a job started by :func:`launch`: its ranks (torchrun gives each a session of its own, so killing
+    the launcher's group alone would leave them hanging) and then the launcher's group."""
+    for pid_file in out.glob("pid.rank*"):
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def final_state(folder: Path) -> dict:
     """Everything a checkpoint holds that the math depends on, as flat name -> tensor."""
     out = {}
@@ -168,8 +180,7 @@ def test_sigkill_and_resume_equals_uninterrupted(work, references):
                 time.sleep(0.05)
             time.sleep(0.5)  # into step 5 or the hang in step 6
         finally:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            kill_job(proc, work / name)
         assert [s for s, _ in checkpoint.complete_checkpoints(ckpt_root(work, name))] == [2, 4]
         resumes.append({"name": name, "config": str(config), "resume": "latest"})
 
