@@ -64,18 +64,43 @@ class ComputeTimer:
 
 
 def profile_steps(engine, it, folder: str) -> None:
-    """Kernel and host-op table of two steady steps on this rank (separate from the timed steps)."""
-    from torch.profiler import ProfilerActivity, profile
+    """Two steady steps on this rank under torch.profiler, every pipeline instruction marked: a kernel and
+    host-op table, a chrome trace, and its compute-stream gaps (``launch/trace_gaps.py``)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
+    from trace_gaps import PREFIX, gap_report
+
+    def marked(name, fn):
+        def run(engine, *args, **kwargs):
+            with record_function(PREFIX + name):
+                return fn(engine, *args, **kwargs)
+        return run
+
+    cls = type(engine)
+    saved = {id(t): dict(t) for t in (cls._INSTRUCTION_MAP, cls._ASYNC_INSTRUCTIONS)}
+    for table in (cls._INSTRUCTION_MAP, cls._ASYNC_INSTRUCTIONS):
+        for kind, fn in table.items():
+            table[kind] = marked(kind.__name__, fn)
     os.makedirs(folder, exist_ok=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            engine.train_batch(it)
-        torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                engine.train_batch(it)
+            torch.cuda.synchronize()
+    finally:
+        for table in (cls._INSTRUCTION_MAP, cls._ASYNC_INSTRUCTIONS):
+            table.update(saved[id(table)])
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
     host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
-    with open(os.path.join(folder, f"profile_rank{engine.global_rank}.txt"), "w") as f:
+    rank = engine.global_rank
+    with open(os.path.join(folder, f"profile_rank{rank}.txt"), "w") as f:
         f.write(table + "\n\n" + host)
+    trace = os.path.join(folder, f"trace_rank{rank}.json")
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        report = gap_report(json.load(f))
+    with open(os.path.join(folder, f"gaps_rank{rank}.json"), "w") as f:
+        json.dump({"stage": engine.stage_id, "schedule": engine.schedule_name, **report}, f, indent=1)
 
 
 def main() -> None:

@@ -218,12 +218,23 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
     def _hand_grads_to_bf16_optimizer(self):
         # DeepSpeed's BF16_Optimizer collects gradients into its fp32 buffers from hooks on the bf16 parameters;
         # forwards ran on version slots, so those hooks never fired: hand the gathered gradients over here.
+        # Same sums as DeepSpeed's per-parameter ``_update_hp_grad`` (fp32 += exact fp32 copy of a bf16 gradient),
+        # without materialising that copy: one read of each gradient instead of three passes and a temporary.
         opt = self.optimizer
+        if opt.autoep_folding_tp_group is not None:
+            raise NotImplementedError("flush-free schedules do not support DeepSpeed's AutoEP gradient folding")
+        hp_grads, lp_grads = [], []
         for i, group in enumerate(opt.bf16_groups):
             for j, lp in enumerate(group):
                 if lp.grad is not None:
-                    opt._update_hp_grad(lp, i, j, clear_lp_grads=False)
+                    hp = opt.fp32_groups_gradients[i][j]
+                    hp_grads.append(hp)
+                    lp_grads.append(lp.grad.view(hp.shape))
+                    lp._hp_grad = hp
+                    opt.fp32_groups_has_gradients[i][j] = True
                     lp.grad = None
+        if hp_grads:
+            torch._foreach_add_(hp_grads, lp_grads)
 
     def _exec_batch_step(self, batch: int):
         needed = weight_version(self.schedule_name, self._next_forward, self.stage_id, self.num_stages,
