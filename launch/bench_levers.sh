@@ -64,6 +64,7 @@ import json, sys
 for line in sys.stdin:
     r = json.loads(line[6:])
     print('   step', r['step_time_s'], 'mfu', r['mfu'], 'idle', list(r['measured_idle_by_stage'].values()),
-          'mem', list(r['peak_mem_GiB_by_stage'].values()), 'opt_ms', list(r['optimizer_step_ms_by_stage'].values()))"
+          'mem', list(r['peak_mem_GiB_by_stage'].values()), 'opt_ms', list(r['optimizer_step_ms_by_stage'].values()),
+          'host_ms', [round(sum(h.values()), 1) for h in r.get('host_ms_per_step_by_stage', {}).values()])"
   grep -h -m2 -E "Error|error:" /tmp/bench_run.log
 done

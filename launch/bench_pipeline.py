@@ -30,31 +30,36 @@ def model_flops_per_token(cfg, seq_len: int) -> float:
 
 
 class ComputeTimer:
-    """Busy time of this stage: CUDA events around every forward and backward instruction (no host syncs).
+    """Busy time of this stage: CUDA events around every forward and backward instruction (no host syncs), and
+    the host's own time inside every instruction (``time.perf_counter``; it includes any wait the host makes).
 
-    Benchmark-only instrumentation: it wraps the engine's instruction table entries for the passes.
+    Benchmark-only instrumentation: it wraps the engine's instruction table entries.
     """
 
+    PASSES = ("ForwardPass", "BackwardPass")
+
     def __init__(self, engine_cls):
-        from deepspeed.runtime.pipe import schedule as ds
-
-        from ds_async.pipe import schedule as fs
-
         self.pairs, self.on = [], False
+        self.host = {}  # instruction name -> host seconds
         for table in (engine_cls._INSTRUCTION_MAP, engine_cls._ASYNC_INSTRUCTIONS):
-            for kind in (ds.ForwardPass, ds.BackwardPass, fs.ForwardPass, fs.BackwardPass):
-                if kind in table:
-                    table[kind] = self._wrap(table[kind])
+            for kind, fn in table.items():
+                table[kind] = self._wrap(kind.__name__, fn)
 
-    def _wrap(self, fn):
+    def _wrap(self, name, fn):
+        timed_on_gpu = name in self.PASSES
+
         def timed(engine, *args, **kwargs):
             if not self.on:
                 return fn(engine, *args, **kwargs)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            if timed_on_gpu:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
             out = fn(engine, *args, **kwargs)
-            end.record()
-            self.pairs.append((start, end))
+            self.host[name] = self.host.get(name, 0.0) + time.perf_counter() - t0
+            if timed_on_gpu:
+                end.record()
+                self.pairs.append((start, end))
             return out
         return timed
 
@@ -214,9 +219,10 @@ def main() -> None:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2 ** 30
     peaks = [None] * world
+    host_ms = {k: round(v * 1e3 / (a.steps - 1), 2) for k, v in sorted(timer.host.items(), key=lambda kv: -kv[1])}
     dist.all_gather_object(peaks, (engine.stage_id, engine.grid.data_parallel_id, round(peak, 2),
                                    round(1 - busy / elapsed, 4),
-                                   round(sum(step_ms) / len(step_ms), 2) if step_ms else None))
+                                   round(sum(step_ms) / len(step_ms), 2) if step_ms else None, host_ms))
 
     step_time = elapsed / (a.steps - 1)
     tokens = engine.train_batch_size() * a.seq_len
@@ -230,9 +236,11 @@ def main() -> None:
            "step_time_s": round(step_time, 4), "tokens_per_s": round(tokens / step_time, 1),
            "mfu": None if mfu is None else round(mfu, 4), "ideal_1f1b_bubble": round((p - 1) / (m + p - 1), 4),
            "optimizer": a.optimizer, "adamw": a.adamw, "clip": a.clip, "performance": dataclasses.asdict(cfg.performance),
-           "peak_mem_GiB_by_stage": {f"s{s}": g for s, d, g, _, _ in sorted(peaks) if d == 0},
-           "measured_idle_by_stage": {f"s{s}": b for s, d, _, b, _ in sorted(peaks) if d == 0},
-           "optimizer_step_ms_by_stage": {f"s{s}": o for s, d, _, _, o in sorted(peaks) if d == 0},
+           "peak_mem_GiB_by_stage": {f"s{s}": g for s, d, g, *_ in sorted(peaks) if d == 0},
+           "measured_idle_by_stage": {f"s{s}": b for s, d, _, b, *_ in sorted(peaks) if d == 0},
+           "optimizer_step_ms_by_stage": {f"s{s}": o for s, d, _, _, o, _ in sorted(peaks) if d == 0},
+           # host time per step inside each instruction: when its sum nears the step time, the host is the limit
+           "host_ms_per_step_by_stage": {f"s{s}": h for s, d, *_, h in sorted(peaks) if d == 0},
            "card": f"{world}x {name}", "model": model, "code": code_version()}
     n_params = torch.tensor([sum(x.numel() for x in engine.module.parameters())], device=dev)
     dist.all_reduce(n_params, group=engine.grid.get_pipe_parallel_group())
