@@ -68,6 +68,19 @@ class ComputeTimer:
         return sum(s.elapsed_time(e) for s, e in self.pairs) / 1000
 
 
+def param_digest(engine) -> str:
+    """SHA-1 of this stage's trained weights (the fp32 master where DeepSpeed keeps one): runs of the same
+    settings must agree bit for bit whatever the overlap, so a race between streams shows up here."""
+    import hashlib
+
+    master = getattr(engine.optimizer, "fp32_groups_flat_partition", None)
+    tensors = master if master is not None else [p.detach() for p in engine.module.parameters()]
+    h = hashlib.sha1()
+    for t in tensors:
+        h.update(t.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()[:12]
+
+
 def profile_steps(engine, it, folder: str) -> None:
     """Two steady steps on this rank under torch.profiler, every pipeline instruction marked: a kernel and
     host-op table, a chrome trace, and its compute-stream gaps (``launch/trace_gaps.py``)."""
@@ -222,7 +235,8 @@ def main() -> None:
     host_ms = {k: round(v * 1e3 / (a.steps - 1), 2) for k, v in sorted(timer.host.items(), key=lambda kv: -kv[1])}
     dist.all_gather_object(peaks, (engine.stage_id, engine.grid.data_parallel_id, round(peak, 2),
                                    round(1 - busy / elapsed, 4),
-                                   round(sum(step_ms) / len(step_ms), 2) if step_ms else None, host_ms))
+                                   round(sum(step_ms) / len(step_ms), 2) if step_ms else None, host_ms,
+                                   param_digest(engine)))
 
     step_time = elapsed / (a.steps - 1)
     tokens = engine.train_batch_size() * a.seq_len
@@ -238,9 +252,10 @@ def main() -> None:
            "optimizer": a.optimizer, "adamw": a.adamw, "clip": a.clip, "performance": dataclasses.asdict(cfg.performance),
            "peak_mem_GiB_by_stage": {f"s{s}": g for s, d, g, *_ in sorted(peaks) if d == 0},
            "measured_idle_by_stage": {f"s{s}": b for s, d, _, b, *_ in sorted(peaks) if d == 0},
-           "optimizer_step_ms_by_stage": {f"s{s}": o for s, d, _, _, o, _ in sorted(peaks) if d == 0},
+           "optimizer_step_ms_by_stage": {f"s{s}": o for s, d, _, _, o, *_ in sorted(peaks) if d == 0},
            # host time per step inside each instruction: when its sum nears the step time, the host is the limit
-           "host_ms_per_step_by_stage": {f"s{s}": h for s, d, *_, h in sorted(peaks) if d == 0},
+           "host_ms_per_step_by_stage": {f"s{s}": h for s, d, *_, h, _ in sorted(peaks) if d == 0},
+           "param_digest_by_stage": {f"s{s}": x for s, d, *_, x in sorted(peaks) if d == 0},
            "card": f"{world}x {name}", "model": model, "code": code_version()}
     n_params = torch.tensor([sum(x.numel() for x in engine.module.parameters())], device=dev)
     dist.all_reduce(n_params, group=engine.grid.get_pipe_parallel_group())

@@ -152,9 +152,20 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
         self.versions.backward_done(version)
 
     def _exec_batch_reduce(self, batch: int):
-        if self._step_stream is not None:
-            torch.cuda.current_stream().wait_stream(self._step_stream)
         self.versions.restore_master()
+        side = self._step_stream
+        if side is None:
+            return self._reduce_batch_grads()
+        # The batch-boundary work (gradient hand-over, replica all-reduce, norm) queues on the side stream behind
+        # the previous step, so the compute stream goes straight on to the next batch's passes. The gradients were
+        # made on the compute stream and are dropped here: keep their memory until the side stream has read them.
+        side.wait_stream(torch.cuda.current_stream())
+        for g in self.versions.slot_grads():
+            g.record_stream(side)
+        with torch.cuda.stream(side):
+            self._reduce_batch_grads()
+
+    def _reduce_batch_grads(self):
         self.versions.gather_grads()
         if self.using_bf16_optimizer:
             self._hand_grads_to_bf16_optimizer()
@@ -239,25 +250,20 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
     def _exec_batch_step(self, batch: int):
         needed = weight_version(self.schedule_name, self._next_forward, self.stage_id, self.num_stages,
                                 self.micro_batches)
+        if self._step_stream is None:
+            self._step_and_publish(batch, needed)
+        else:
+            with torch.cuda.stream(self._step_stream):  # behind this batch's reduce, see _exec_batch_reduce
+                self._step_and_publish(batch, needed)
+                self._version_ready[batch + 1] = torch.cuda.Event()
+                self._version_ready[batch + 1].record(self._step_stream)
+        self._stepped = True
+
+    def _step_and_publish(self, batch: int, needed: int) -> None:
         if self.stats_every and (batch + 1) % self.stats_every == 0:
             used = weight_version(self.schedule_name, batch * self.micro_batches, self.stage_id, self.num_stages,
                                   self.micro_batches)
             self._staleness_sq = self.versions.distance_sq(used)
-        if self._step_stream is None:
-            self._step_and_publish(batch, needed)
-        else:
-            stream = self._step_stream
-            stream.wait_stream(torch.cuda.current_stream())
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    p.grad.record_stream(stream)  # freed by zero_grad on the side stream, not before it ran
-            with torch.cuda.stream(stream):
-                self._step_and_publish(batch, needed)
-                self._version_ready[batch + 1] = torch.cuda.Event()
-                self._version_ready[batch + 1].record(stream)
-        self._stepped = True
-
-    def _step_and_publish(self, batch: int, needed: int) -> None:
         timed = self.step_events is not None and self.device.type == "cuda"
         if timed and self._pending_norm is not None:
             self._pending_norm[1].wait()  # time the step, not the wait for the other stages' norms
@@ -288,6 +294,8 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
         from ..optim.optimizers import finish_stats, stack_sums
         from ..optim.sharded import ShardedOptimizer
 
+        if self._step_stream is not None:
+            torch.cuda.current_stream().wait_stream(self._step_stream)  # the step just queued there
         base = base_optimizer(self.optimizer)
         inner = base.optimizer if isinstance(base, ShardedOptimizer) else base
         sums, lrs = {}, {}

@@ -55,6 +55,10 @@ class WeightVersions:
         for owner, name, master in self.entries:
             owner._parameters[name] = master
 
+    def slot_grads(self) -> list[torch.Tensor]:
+        """The gradients the slots hold (the finished batch's, before :meth:`gather_grads` moves them)."""
+        return [t.grad for slot in self.slots for t in slot if t.grad is not None]
+
     def gather_grads(self) -> None:
         """Move the gradients of a finished batch from the slots onto the master parameters.
 
