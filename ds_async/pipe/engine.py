@@ -52,9 +52,9 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
         self.stats_every = 0  # compute the staleness of the weights at every this many steps (0: never)
         self.step_events: list | None = None  # benchmarks: (start, end) CUDA events around each optimizer step
         self._staleness_sq = None
-        # On GPUs the optimizer step runs on a side stream: with blocking p2p, a step on the compute stream would
-        # stall every neighbour, once per stage per batch. Forwards never read the master, so nothing waits for
-        # the step but the next gradient hand-over and the first forward on the version it publishes.
+        # On GPUs the batch boundary (gradient hand-over, reduce, norm) and the optimizer step run on a side stream:
+        # with blocking p2p, work on the compute stream would stall every neighbour, once per stage per batch.
+        # Forwards never read the master, so only the first forward on the version a step publishes waits for it.
         self._step_stream = torch.cuda.Stream() if self.is_async and self.device.type == "cuda" else None
         if self.is_async:
             slots = fs.FlushFreeSchedule(self.micro_batches, self.num_stages, self.stage_id, schedule).num_versions()
