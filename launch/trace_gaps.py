@@ -6,7 +6,8 @@
 (``pipe:ForwardPass``, ``pipe:RecvGrad``, ...). For each rank this reports the compute stream's kernel time and its
 gaps, each gap charged to the instruction during which the host launched the kernel that ended it, and split by
 cause: ``host`` when that kernel was launched after the stream ran dry (the host was late), ``wait`` when it was
-launched in time and the stream waited on something else (a receive, another stream, a peer's send).
+launched in time and the stream waited on something else (a receive, another stream, a peer's send). It also sums
+the host's blocking CUDA calls (synchronizes, synchronous copies, allocations) per instruction: why a host is late.
 """
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ from collections import defaultdict
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
 PREFIX = "pipe:"
+STALLS = ("cudaMemcpy", "cudaMalloc", "cudaFree")  # synchronous copy, allocation (slow), free (waits for the GPU)
+
+
+def _stalls_host(name: str) -> bool:
+    return "Synchronize" in name or name in STALLS
 
 
 def _spans(events):
@@ -59,6 +65,11 @@ def gap_report(trace: dict, min_gap_us: float = 2.0) -> dict:
             cause = "host" if launched is not None and launched > end else "wait"
             gaps[(label(launched) if launched is not None else "(unknown)", cause)] += start - end
         end = max(end, stop)
+    # Host calls that wait for the device, by instruction: a host that blocks inside a pass falls behind the GPU.
+    blocking = defaultdict(float)
+    for e in events:
+        if e.get("cat") in LAUNCH_CATS and _stalls_host(e["name"]):
+            blocking[f"{label(e['ts'])}/{e['name']}"] += e.get("dur", 0)
     window = end - kernels[0][0]
     busy = busy_by_stream[compute]
     others = {s: round(t / 1e3, 3) for s, t in busy_by_stream.items() if s != compute}
@@ -69,6 +80,7 @@ def gap_report(trace: dict, min_gap_us: float = 2.0) -> dict:
     return {"compute_stream": compute, "window_ms": round(window / 1e3, 3), "kernel_ms": round(busy / 1e3, 3),
             "gap_ms": round(sum(gaps.values()) / 1e3, 3),
             "gaps_ms": {f"{k[0]}/{k[1]}": round(v / 1e3, 3) for k, v in sorted(gaps.items(), key=lambda kv: -kv[1])},
+            "host_blocking_ms": {k: round(v / 1e3, 3) for k, v in sorted(blocking.items(), key=lambda kv: -kv[1])},
             "other_streams_kernel_ms": others, "nccl_kernel_ms_by_stream": {s: round(t / 1e3, 3) for s, t in nccl.items()}}
 
 
@@ -85,6 +97,8 @@ def main() -> None:
               f"gaps {r['gap_ms']} ms; other streams {r['other_streams_kernel_ms']}; nccl {r['nccl_kernel_ms_by_stream']}")
         for k, v in top:
             print(f"    {v:8.2f} ms  {k}")
+        for k, v in list(r["host_blocking_ms"].items())[:a.top]:
+            print(f"    {v:8.2f} ms  host blocked in {k}")
 
 
 if __name__ == "__main__":

@@ -33,11 +33,16 @@ def test_gaps_are_charged_to_the_launching_instruction_and_split_by_cause():
         _kernel("bwd_b", 81, 9, 7, 4), _launch(41, 4),              # 1 us gap: below the threshold
         _kernel("ncclDevKernel_SendRecv", 30, 29, 20, 5), _launch(32, 5),
         _kernel("adam", 70, 40, 9, 6), _launch(52, 6),
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 37, "dur": 12, "args": {}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 5, "dur": 3, "args": {}},  # no stall
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpy", "ts": 6, "dur": 2, "args": {}},
     ]
     r = trace_gaps.gap_report({"traceEvents": events})
     assert r["compute_stream"] == 7
     assert r["window_ms"] == pytest.approx(0.080)
     assert r["kernel_ms"] == pytest.approx(0.045)
     assert r["gaps_ms"] == {"BackwardPass/wait": pytest.approx(0.030), "ForwardPass/host": pytest.approx(0.004)}
+    assert r["host_blocking_ms"] == {"BackwardPass/cudaStreamSynchronize": pytest.approx(0.012),
+                                     "ForwardPass/cudaMemcpy": pytest.approx(0.002)}
     assert r["other_streams_kernel_ms"] == {9: pytest.approx(0.04)}
     assert r["nccl_kernel_ms_by_stream"] == {20: pytest.approx(0.029)}
