@@ -90,7 +90,9 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
         last stage and ``None`` on the others, which never wait for it.
         """
         if not self.is_async:
-            return super().train_batch(data_iter)
+            loss = super().train_batch(data_iter)
+            self._complete_sends()
+            return loss
         if not torch.is_grad_enabled():
             raise RuntimeError("train_batch() requires gradients enabled")
         if data_iter is not None:
@@ -116,13 +118,18 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
                 break
         if flush:
             self._segment = None
-            if self.links is not None:
-                self.links.wait_sends()
+            self._complete_sends()
             if self._step_stream is not None:
                 torch.cuda.current_stream().wait_stream(self._step_stream)
                 self._version_ready.clear()
             self.versions.restore_master()
         return self._batch_loss(batch)
+
+    def _complete_sends(self):
+        # A drained pipeline may still have a non-blocking send in flight: complete it now, not at interpreter
+        # exit, where gloo aborted the process over a send it still held (seen on CPU, about 1 run in 10).
+        if self.links is not None:
+            self.links.wait_sends()
 
     def _batch_loss(self, batch: int):
         if not self.is_last_stage():
@@ -325,7 +332,9 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
     def eval_batch(self, data_iter, *args, **kwargs):
         if self._segment is not None:
             raise RuntimeError("eval_batch() needs a drained pipeline: call train_batch(..., flush=True) first")
-        return super().eval_batch(data_iter, *args, **kwargs)
+        out = super().eval_batch(data_iter, *args, **kwargs)
+        self._complete_sends()
+        return out
 
     # ---------------------------------------------------------------------------------- fixes to DeepSpeed
     def _recv_tensor_meta(self, send_stage):
