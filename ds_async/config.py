@@ -149,6 +149,10 @@ class PerformanceConfig:
     compile: bool = False
     """``torch.compile`` each decoder layer, the head and the loss (not the whole pipeline module, whose forward
     DeepSpeed drives layer by layer). The first steps pay the compilation."""
+    compile_scope: Literal["layer", "stage"] = "layer"
+    """What one compiled region covers when ``compile`` is on: ``layer`` (each decoder layer and the head) or
+    ``stage`` (all of a stage's layers in one region: one compiled call per pass instead of one per layer, and
+    fusion across layer boundaries; not with activation checkpointing)."""
     loss_chunk: int = 0
     """Rows (tokens) per chunk of the cross-entropy (``ds_async.models.loss``): the vocabulary logits are never
     held in fp32 whole. 0: ``F.cross_entropy`` on fp32 logits."""
@@ -266,6 +270,12 @@ def parse(section: dict) -> DsAsyncConfig:
                         cfg.performance.activation_checkpoint_interval)):
         if value < 0:
             raise ConfigError(f"{key}: must be >= 0, got {value}")
+    perf = cfg.performance
+    if perf.compile_scope != "layer" and not perf.compile:
+        raise ConfigError(f"ds_async.performance.compile_scope: '{perf.compile_scope}' needs compile: true")
+    if perf.compile_scope == "stage" and perf.activation_checkpoint_interval:
+        raise ConfigError("ds_async.performance.compile_scope: 'stage' needs activation_checkpoint_interval 0 "
+                          "(checkpointing runs layer by layer)")
     if (cfg.model.path is None) == (not cfg.model.config):
         raise ConfigError("ds_async.model: set exactly one of 'config' (inline HF config) and 'path' (a directory)")
     if (cfg.partition.method == "explicit") != (cfg.partition.boundaries is not None):

@@ -143,6 +143,8 @@ def main() -> None:
                     help="'parameters', 'uniform', or explicit stage boundaries over [embedding, layers..., head], "
                          "e.g. 0,5,9,13,17")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (performance.compile)")
+    ap.add_argument("--compile-scope", choices=["layer", "stage"], default="layer",
+                    help="with --compile: one compiled region per layer or per stage (performance.compile_scope)")
     ap.add_argument("--loss-chunk", type=int, default=0,
                     help="chunked cross-entropy with this many tokens per chunk (performance.loss_chunk; 0: off)")
     ap.add_argument("--activation-checkpoint-interval", type=int, default=0,
@@ -178,7 +180,7 @@ def main() -> None:
     cfg = cfgmod.parse({"model": {"config": model}, "pipeline_stages": stages, "schedule": a.schedule,
                         "train": {"steps": a.steps}, "partition": partition, "p2p": a.p2p,
                         "correction": {"type": "ef" if a.optimizer == "muon-ef" else "none"},
-                        "performance": {"compile": a.compile, "loss_chunk": a.loss_chunk,
+                        "performance": {"compile": a.compile, "compile_scope": a.compile_scope, "loss_chunk": a.loss_chunk,
                                         "activation_checkpoint_interval": a.activation_checkpoint_interval}})
     hf = LlamaConfig(**model, tie_word_embeddings=False)
     ds_config = {"train_micro_batch_size_per_gpu": a.micro_batch_size, "gradient_accumulation_steps": a.micro_batches,

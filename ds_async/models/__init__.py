@@ -18,6 +18,19 @@ class StagedPipelineModule(PipelineModule):
     def __init__(self, layers, boundaries: list[int] | None = None, **kwargs):
         self._explicit = boundaries
         super().__init__(layers, **kwargs)
+        self._compiled_stage = None
+
+    def compile_stage(self) -> None:
+        """Run this stage's layers as one compiled region (``performance.compile_scope = "stage"``)."""
+        if self.activation_checkpoint_interval or self.seed_layers:
+            raise ValueError("a stage compiled as one region cannot checkpoint or seed layer by layer")
+        self._compiled_stage = compiled_stage(self.forward_funcs)
+
+    def forward(self, forward_input):
+        if self._compiled_stage is None:
+            return super().forward(forward_input)
+        self.micro_offset += 1  # as DeepSpeed's forward; only seeded layers read it, refused above
+        return self._compiled_stage(forward_input)
 
     def _partition_layers(self, method="uniform"):
         if self._explicit is None:
@@ -25,6 +38,24 @@ class StagedPipelineModule(PipelineModule):
         self.parts = list(self._explicit)
         stage_id = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+
+def compiled_stage(layers, **compile_kwargs):
+    """One ``torch.compile`` region over ``layers`` in sequence.
+
+    Per-layer compilation pays the host a compiled call (guards, autograd wrapper) per layer and fuses nothing
+    across layer boundaries; a pipeline stage whose host issues passes barely faster than its GPU runs them
+    (measured in ``launch/bench_stage.py``) loses that as idle time. Parameters are graph inputs, so swapping in
+    another weight version recompiles nothing.
+    """
+    layers = list(layers)
+
+    def run(x):
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    return torch.compile(run, **compile_kwargs)
 
 
 def model_config(cfg: DsAsyncConfig):
@@ -65,7 +96,10 @@ def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineMod
                                   # needs no gradient: recompute decoder layers only (DeepSpeed matches by name).
                                   checkpointable_layers=[llama.DecoderLayerPipe.__name__,
                                                          mixtral.MoeDecoderLayerPipe.__name__], **kwargs)
-    if perf.compile:  # per layer: DeepSpeed drives the module layer by layer; the loss so it fuses with the softmax
+    if perf.compile and perf.compile_scope == "stage":
+        module.compile_stage()
+        module.loss_fn = torch.compile(module.loss_fn)
+    elif perf.compile:  # per layer: DeepSpeed drives the module layer by layer; the loss so it fuses with the softmax
         for layer in module.forward_funcs:
             if isinstance(layer, (llama.DecoderLayerPipe, llama.HeadPipe)):
                 layer.compile()

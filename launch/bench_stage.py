@@ -1,0 +1,144 @@
+"""One pipeline stage's passes on one GPU: host issue time vs GPU time, per compile scope.
+
+    python launch/bench_stage.py --layers 4 --out stage.jsonl
+
+A flush-free pipeline keeps the GPU busy only if the host issues each forward and backward faster than the GPU
+runs it. This times both for one stage of the benchmark LLaMA (bf16, two weight versions swapped in as the 2BW
+engine does, micro-batches interleaved 1F1B-style with two in flight):
+
+- ``host_ms``: wall time of the host thread inside the pass while the GPU is held busy by a sleep kernel, so the
+  host never waits for the device: pure issue cost (Python, dispatch, guards, kernel launches).
+- ``gpu_ms``: CUDA-event time of the same passes, issued back to back.
+
+Scopes: ``eager``; ``layer`` (``torch.compile`` per decoder layer, ``performance.compile``); ``stage`` (one
+compiled region over all the stage's layers, ``performance.compile_scope = "stage"``); ``stage-cudagraphs`` (the
+same region under ``mode="reduce-overhead"``, an upper bound on what CUDA graphs could save; not an engine option).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def build(args, scope: str):
+    from transformers import LlamaConfig
+
+    from ds_async.models import compiled_stage, llama
+    from ds_async.pipe.versions import WeightVersions
+
+    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.ffn, num_attention_heads=args.heads,
+                      num_key_value_heads=args.heads, num_hidden_layers=args.layers, vocab_size=32000,
+                      max_position_embeddings=args.seq_len, tie_word_embeddings=False)
+    llama.check_supported(cfg)
+    layers = [llama.DecoderLayerPipe(cfg, i) for i in range(args.layers)]
+    stage = torch.nn.ModuleList(layers).to("cuda", torch.bfloat16)
+    if scope == "layer":
+        for layer in layers:
+            layer.compile()
+    run = None
+    if scope.startswith("stage"):
+        run = compiled_stage(layers, **({"mode": "reduce-overhead"} if scope == "stage-cudagraphs" else {}))
+
+    def forward(x):
+        if run is not None:
+            return run(x)
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    versions = WeightVersions(stage, 2)
+    versions.publish(1, needed_from=0)
+    return forward, versions
+
+
+def passes(forward, versions, x, grad, n: int):
+    """n micro-batches, 1F1B with two in flight, alternating weight versions; yields ('F'|'B', thunk)."""
+    outs = {}
+    for k in range(n + 1):
+        if k < n:
+            def fwd(k=k):
+                versions.activate(k % 2)
+                outs[k] = forward(x)
+            yield "F", fwd
+        if k >= 1:
+            def bwd(k=k - 1):
+                outs.pop(k).backward(grad)
+                versions.backward_done(k % 2)
+            yield "B", bwd
+
+
+def measure(args, scope: str) -> dict:
+    torch.manual_seed(0)
+    forward, versions = build(args, scope)
+    shape = (args.micro_batch_size, args.seq_len, args.hidden)
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    for _, thunk in passes(forward, versions, x, grad, 4):
+        thunk()
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
+
+    host = {"F": 0.0, "B": 0.0}
+    for _ in range(args.repeats):
+        torch.cuda._sleep(int(args.sleep_cycles))  # the device is busy: the host never waits for it below
+        for kind, thunk in passes(forward, versions, x, grad, args.micro_batches):
+            t = time.perf_counter()
+            thunk()
+            host[kind] += time.perf_counter() - t
+        torch.cuda.synchronize()
+
+    gpu = {"F": [], "B": []}
+    for _ in range(args.repeats):
+        for kind, thunk in passes(forward, versions, x, grad, args.micro_batches):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            thunk()
+            end.record()
+            gpu[kind].append((start, end))
+    torch.cuda.synchronize()
+    n = args.repeats * args.micro_batches
+    row = {"scope": scope, "first_passes_s": round(warm_s, 2)}
+    for kind, name in (("F", "forward"), ("B", "backward")):
+        row[f"{name}_host_ms"] = round(1000 * host[kind] / n, 3)
+        row[f"{name}_gpu_ms"] = round(sum(s.elapsed_time(e) for s, e in gpu[kind]) / n, 3)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scopes", default="eager,layer,stage")
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers in the stage")
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--ffn", type=int, default=5632)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--micro-batch-size", type=int, default=2)
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sleep-cycles", type=float, default=2e9, help="GPU clock cycles the host measurement hides")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    from ds_async.metrics import code_version
+
+    for scope in args.scopes.split(","):
+        try:
+            result = measure(args, scope)
+        except Exception as e:  # an exploratory scope may not run at all: say so in the row
+            result = {"scope": scope, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        row = {"bench": "stage_passes", **result, "layers": args.layers, "seq_len": args.seq_len,
+               "micro_batch_size": args.micro_batch_size, "device": torch.cuda.get_device_name(),
+               "torch": torch.__version__, "code": code_version()}
+        print("STAGE " + json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        torch._dynamo.reset()
+
+
+if __name__ == "__main__":
+    main()
