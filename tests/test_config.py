@@ -81,3 +81,11 @@ def test_missing_section(tmp_path):
     path.write_text(json.dumps({"train_batch_size": 8}))
     with pytest.raises(ConfigError, match="no \"ds_async\" section"):
         config.load(str(path))
+
+
+def test_compile_scope_needs_compile_and_no_checkpointing():
+    assert parse(performance={"compile": True, "compile_scope": "stage"}).performance.compile_scope == "stage"
+    with pytest.raises(ConfigError, match=r"compile_scope: 'stage' needs compile: true"):
+        parse(performance={"compile_scope": "stage"})
+    with pytest.raises(ConfigError, match=r"compile_scope: 'stage' needs activation_checkpoint_interval 0"):
+        parse(performance={"compile": True, "compile_scope": "stage", "activation_checkpoint_interval": 1})
