@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 7's levers, one at a time, on one GPU host: each line of the matrix is one bench_pipeline.py run.
-# Usage: bash launch/bench_levers.sh OUT.jsonl [MATRIX]     (MATRIX: levers | compiled | fused | clip | scaling |
+# Usage: bash launch/bench_levers.sh OUT.jsonl [MATRIX]     (MATRIX: levers | compiled | fused | scope | clip | scaling |
 # optimizer | optimizer16;
 # default levers; several: 'compiled scaling')
 # Every row records its flags ("performance", "p2p", ...) and the card; compare rows of one call only.
@@ -35,6 +35,11 @@ case $matrix in
     "--schedule 2bw --micro-batches 4 --compile --adamw fused"
     "--schedule 1f1b --micro-batches 8 --compile --adamw fused"
     "--schedule 2bw --micro-batches 8 --compile --adamw fused") ;;
+  scope) runs+=(  # the fused rows with one compiled region per stage (performance.compile_scope "stage")
+    "--schedule 1f1b --micro-batches 4 --compile --compile-scope stage --adamw fused"
+    "--schedule 2bw --micro-batches 4 --compile --compile-scope stage --adamw fused"
+    "--schedule 1f1b --micro-batches 8 --compile --compile-scope stage --adamw fused"
+    "--schedule 2bw --micro-batches 8 --compile --compile-scope stage --adamw fused") ;;
   clip) runs+=(  # without clipping (no global-norm all-reduce); the clip 1.0 rows are the fused matrix's
     "--schedule 2bw --micro-batches 4 --compile --adamw fused --clip 0"
     "--schedule 1f1b --micro-batches 4 --compile --adamw fused --clip 0") ;;
