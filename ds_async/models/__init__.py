@@ -20,11 +20,11 @@ class StagedPipelineModule(PipelineModule):
         super().__init__(layers, **kwargs)
         self._compiled_stage = None
 
-    def compile_stage(self) -> None:
+    def compile_stage(self, **compile_kwargs) -> None:
         """Run this stage's layers as one compiled region (``performance.compile_scope = "stage"``)."""
         if self.activation_checkpoint_interval or self.seed_layers:
             raise ValueError("a stage compiled as one region cannot checkpoint or seed layer by layer")
-        self._compiled_stage = compiled_stage(self.forward_funcs)
+        self._compiled_stage = compiled_stage(self.forward_funcs, **compile_kwargs)
 
     def forward(self, forward_input):
         if self._compiled_stage is None:
@@ -96,14 +96,15 @@ def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineMod
                                   # needs no gradient: recompute decoder layers only (DeepSpeed matches by name).
                                   checkpointable_layers=[llama.DecoderLayerPipe.__name__,
                                                          mixtral.MoeDecoderLayerPipe.__name__], **kwargs)
-    if perf.compile and perf.compile_scope == "stage":
-        module.compile_stage()
-        module.loss_fn = torch.compile(module.loss_fn)
-    elif perf.compile:  # per layer: DeepSpeed drives the module layer by layer; the loss so it fuses with the softmax
-        for layer in module.forward_funcs:
-            if isinstance(layer, (llama.DecoderLayerPipe, llama.HeadPipe)):
-                layer.compile()
-        module.loss_fn = torch.compile(module.loss_fn)
+    if perf.compile:  # the loss too, so it fuses with the softmax
+        options = {"options": {"cpp_wrapper": True}} if perf.compile_cpp_wrapper else {}
+        if perf.compile_scope == "stage":
+            module.compile_stage(**options)
+        else:  # per layer: DeepSpeed drives the module layer by layer
+            for layer in module.forward_funcs:
+                if isinstance(layer, (llama.DecoderLayerPipe, llama.HeadPipe)):
+                    layer.compile(**options)
+        module.loss_fn = torch.compile(module.loss_fn, **options)
     return module
 
 
