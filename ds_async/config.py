@@ -153,9 +153,6 @@ class PerformanceConfig:
     """What one compiled region covers when ``compile`` is on: ``layer`` (each decoder layer and the head) or
     ``stage`` (all of a stage's layers in one region: one compiled call per pass instead of one per layer, and
     fusion across layer boundaries; not with activation checkpointing)."""
-    compile_cpp_wrapper: bool = False
-    """Compile with Inductor's C++ wrapper (``cpp_wrapper``): the compiled code launches its kernels from C++
-    instead of Python, less host time per pass (which a bubble-free pipeline cannot hide); slower to compile."""
     loss_chunk: int = 0
     """Rows (tokens) per chunk of the cross-entropy (``ds_async.models.loss``): the vocabulary logits are never
     held in fp32 whole. 0: ``F.cross_entropy`` on fp32 logits."""
@@ -276,8 +273,6 @@ def parse(section: dict) -> DsAsyncConfig:
     perf = cfg.performance
     if perf.compile_scope != "layer" and not perf.compile:
         raise ConfigError(f"ds_async.performance.compile_scope: '{perf.compile_scope}' needs compile: true")
-    if perf.compile_cpp_wrapper and not perf.compile:
-        raise ConfigError("ds_async.performance.compile_cpp_wrapper: needs compile: true")
     if perf.compile_scope == "stage" and perf.activation_checkpoint_interval:
         raise ConfigError("ds_async.performance.compile_scope: 'stage' needs activation_checkpoint_interval 0 "
                           "(checkpointing runs layer by layer)")

@@ -145,8 +145,6 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (performance.compile)")
     ap.add_argument("--compile-scope", choices=["layer", "stage"], default="layer",
                     help="with --compile: one compiled region per layer or per stage (performance.compile_scope)")
-    ap.add_argument("--cpp-wrapper", action="store_true",
-                    help="with --compile: Inductor's C++ wrapper (performance.compile_cpp_wrapper)")
     ap.add_argument("--loss-chunk", type=int, default=0,
                     help="chunked cross-entropy with this many tokens per chunk (performance.loss_chunk; 0: off)")
     ap.add_argument("--activation-checkpoint-interval", type=int, default=0,
@@ -183,7 +181,7 @@ def main() -> None:
                         "train": {"steps": a.steps}, "partition": partition, "p2p": a.p2p,
                         "correction": {"type": "ef" if a.optimizer == "muon-ef" else "none"},
                         "performance": {"compile": a.compile, "compile_scope": a.compile_scope,
-                                        "compile_cpp_wrapper": a.cpp_wrapper, "loss_chunk": a.loss_chunk,
+                                        "loss_chunk": a.loss_chunk,
                                         "activation_checkpoint_interval": a.activation_checkpoint_interval}})
     hf = LlamaConfig(**model, tie_word_embeddings=False)
     ds_config = {"train_micro_batch_size_per_gpu": a.micro_batch_size, "gradient_accumulation_steps": a.micro_batches,

@@ -14,7 +14,7 @@ engine does, micro-batches interleaved 1F1B-style with two in flight):
 Scopes: ``eager``; ``layer`` (``torch.compile`` per decoder layer, ``performance.compile``); ``stage`` (one
 compiled region over all the stage's layers, ``performance.compile_scope = "stage"``); ``stage-cudagraphs`` (the
 same region under ``mode="reduce-overhead"``, an upper bound on what CUDA graphs could save; not an engine option);
-``stage-cpp`` (the region with Inductor's C++ wrapper, ``performance.compile_cpp_wrapper``).
+``stage-cpp`` (the region with Inductor's C++ wrapper; failed to compile this backward on torch 2.11).
 """
 from __future__ import annotations
 

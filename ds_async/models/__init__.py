@@ -97,14 +97,13 @@ def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineMod
                                   checkpointable_layers=[llama.DecoderLayerPipe.__name__,
                                                          mixtral.MoeDecoderLayerPipe.__name__], **kwargs)
     if perf.compile:  # the loss too, so it fuses with the softmax
-        options = {"options": {"cpp_wrapper": True}} if perf.compile_cpp_wrapper else {}
         if perf.compile_scope == "stage":
-            module.compile_stage(**options)
+            module.compile_stage()
         else:  # per layer: DeepSpeed drives the module layer by layer
             for layer in module.forward_funcs:
                 if isinstance(layer, (llama.DecoderLayerPipe, llama.HeadPipe)):
-                    layer.compile(**options)
-        module.loss_fn = torch.compile(module.loss_fn, **options)
+                    layer.compile()
+        module.loss_fn = torch.compile(module.loss_fn)
     return module
 
 
