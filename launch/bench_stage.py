@@ -8,7 +8,9 @@ engine does, micro-batches interleaved 1F1B-style with two in flight):
 
 - ``host_ms``: wall time of the host thread inside the pass while the GPU is held busy by a sleep kernel, so the
   host does not wait for the device: issue cost (Python, dispatch, guards, kernel launches). The median over
-  passes; a pass that did wait for the device anyway (a hidden synchronisation) shows in ``*_host_max_ms``.
+  passes. ``*_host_max_ms`` shows a pass that waited for the device anyway: measured, one pass per repeat waits
+  out the whole sleep while ``synchronising_calls`` (torch's sync debug mode) names none, i.e. the launch queue
+  filled up (a repeat issues ~1,000 kernels), not a synchronisation.
 - ``gpu_ms``: CUDA-event time of the same passes, issued back to back.
 
 Scopes: ``eager``; ``layer`` (``torch.compile`` per decoder layer, ``performance.compile``); ``stage`` (one
