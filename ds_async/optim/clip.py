@@ -16,7 +16,7 @@ def squared_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     if not grads:
         return torch.zeros((), dtype=torch.float32)
     # One foreach kernel reads every gradient once (no fp32 copies, no per-tensor launches): at the batch
-    # boundary this runs on the compute stream, ahead of the next batch's forwards.
+    # boundary this shares the GPU with the next batch's passes (on the engine's side stream).
     norms = torch._foreach_norm([g.detach() for g in grads], 2, dtype=torch.float32)
     return torch.stack(norms).square().sum()
 
