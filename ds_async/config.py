@@ -147,8 +147,9 @@ class PerformanceConfig:
     """Speed levers; each is off by default and changes no result beyond floating-point rounding."""
 
     compile: bool = False
-    """``torch.compile`` each decoder layer, the head and the loss (not the whole pipeline module, whose forward
-    DeepSpeed drives layer by layer). The first steps pay the compilation."""
+    """``torch.compile`` the model's layers (each decoder layer and the head, or the stage's layers as one region:
+    ``compile_scope``) and the loss; never DeepSpeed's pipeline machinery around them. The first steps pay the
+    compilation."""
     compile_scope: Literal["layer", "stage"] = "layer"
     """What one compiled region covers when ``compile`` is on: ``layer`` (each decoder layer and the head) or
     ``stage`` (all of a stage's layers in one region: one compiled call per pass instead of one per layer, and

@@ -92,6 +92,17 @@ def test_speed_levers_keep_the_update_rule(tmp_path, schedule):
     assert_params_close(stage_params(tmp_path, 2), want, rel=1e-6)
 
 
+def test_stage_compiled_as_one_region_keeps_the_update_rule(tmp_path):
+    """``compile_scope: "stage"`` replaces DeepSpeed's layer-by-layer forward with one call over the stage's layers
+    (run eagerly here: the test ranks disable dynamo; ``test_compile_scope.py`` covers the compiled region)."""
+    perf = {"compile": True, "compile_scope": "stage"}
+    got = run_job(2, "train", tmp_path, stages=2, steps=STEPS, mbs=MBS, gas=4, seq_len=SEQ, schedule="2bw",
+                  optimizer=SGD_M, performance=perf)
+    losses, want = emulate_run("2bw", 2, STEPS, 4, 1, SGD_M, seq_len=SEQ, mbs=MBS)
+    torch.testing.assert_close(got["losses"], losses, rtol=1e-6, atol=0)
+    assert_params_close(stage_params(tmp_path, 2), want, rel=1e-6)
+
+
 @pytest.mark.parametrize("immediate", [False, True], ids=["default", "immediate_grad_update"])
 def test_2bw_first_bf16_update_equals_stock_deepspeed(tmp_path, immediate):
     """With DeepSpeed's bf16 optimizer the first 2BW update (gradients at W(0), as 1F1B's) equals stock
