@@ -44,18 +44,10 @@ def build(args, scope: str):
     if scope == "layer":
         for layer in layers:
             layer.compile()
-    run = None
+    forward = torch.nn.Sequential(*layers)  # layer by layer, as DeepSpeed's PipelineModule runs them
     if scope.startswith("stage"):
         extra = {"stage-cudagraphs": {"mode": "reduce-overhead"}, "stage-cpp": {"options": {"cpp_wrapper": True}}}
-        run = compiled_stage(layers, **extra.get(scope, {}))
-
-    def forward(x):
-        if run is not None:
-            return run(x)
-        for layer in layers:
-            x = layer(x)
-        return x
-
+        forward = compiled_stage(layers, **extra.get(scope, {}))
     versions = WeightVersions(stage, 2)
     versions.publish(1, needed_from=0)
     return forward, versions
