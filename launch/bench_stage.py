@@ -21,6 +21,7 @@ same region under ``mode="reduce-overhead"``, an upper bound on what CUDA graphs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -69,6 +70,35 @@ def passes(forward, versions, x, grad, n: int):
             yield "B", bwd
 
 
+def sdpa_choice(args) -> str:
+    """The SDPA backend torch picks for this stage's attention shapes (under the active backend restriction)."""
+    from torch.nn.attention import SDPBackend
+
+    hd = args.hidden // args.heads
+    q = torch.randn(args.micro_batch_size, args.heads, args.seq_len, hd, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=True)
+    return SDPBackend(torch._fused_sdp_choice(q, q, q, is_causal=True)).name
+
+
+def host_profile(forward, versions, x, grad, args) -> dict:
+    """Host-side op table of one repeat of passes (GPU held busy), heaviest self CPU time first, and the number of
+    kernels a micro-batch (forward + backward) launches."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda._sleep(int(args.sleep_cycles))
+        for _, thunk in passes(forward, versions, x, grad, args.micro_batches):
+            thunk()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    n = args.micro_batches
+    top = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: -e.self_cpu_time_total)[:25]
+    return {"kernels_per_mb": round(sum(e.count for e in events if e.device_type == DeviceType.CUDA) / n, 1),
+            "ops": [{"op": e.key[:80], "calls_per_mb": round(e.count / n, 1),
+                     "self_ms_per_mb": round(e.self_cpu_time_total / 1000 / n, 3)} for e in top]}
+
+
 def measure(args, scope: str) -> dict:
     torch.manual_seed(0)
     forward, versions = build(args, scope)
@@ -104,12 +134,14 @@ def measure(args, scope: str) -> dict:
             gpu[kind].append((start, end))
     torch.cuda.synchronize()
     n = args.repeats * args.micro_batches
-    row = {"scope": scope, "first_passes_s": round(warm_s, 2),
+    row = {"scope": scope, "sdpa": sdpa_choice(args), "first_passes_s": round(warm_s, 2),
            "synchronising_calls": sorted({str(w.message)[:200] for w in syncs})[:5]}
     for kind, name in (("F", "forward"), ("B", "backward")):
         row[f"{name}_host_ms"] = round(1000 * statistics.median(host[kind]), 3)
         row[f"{name}_host_max_ms"] = round(1000 * max(host[kind]), 3)
         row[f"{name}_gpu_ms"] = round(sum(s.elapsed_time(e) for s, e in gpu[kind]) / n, 3)
+    if args.host_profile:
+        row["host_ops"] = host_profile(forward, versions, x, grad, args)
     return row
 
 
@@ -125,17 +157,27 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--sleep-cycles", type=float, default=2e9, help="GPU clock cycles the host measurement hides")
+    ap.add_argument("--sdpa", default="auto",
+                    help="comma list of SDPA backends to restrict attention to, each a run: auto (torch's choice), "
+                         "flash, cudnn, efficient")
+    ap.add_argument("--host-profile", action="store_true", help="add the host's op table (torch.profiler, CPU)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     from ds_async.metrics import code_version
 
-    for scope in args.scopes.split(","):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    for scope, sdpa in ((s, b) for s in args.scopes.split(",") for b in args.sdpa.split(",")):
         try:
-            result = measure(args, scope)
+            with sdpa_kernel(backends[sdpa]) if sdpa != "auto" else contextlib.nullcontext():
+                result = measure(args, scope)
         except Exception as e:  # an exploratory scope may not run at all: say so in the row
             result = {"scope": scope, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-        row = {"bench": "stage_passes", **result, "layers": args.layers, "seq_len": args.seq_len,
+        row = {"bench": "stage_passes", **result, "sdpa_restricted_to": sdpa, "layers": args.layers,
+               "seq_len": args.seq_len,
                "micro_batch_size": args.micro_batch_size, "device": torch.cuda.get_device_name(),
                "torch": torch.__version__, "code": code_version()}
         print("STAGE " + json.dumps(row), flush=True)
