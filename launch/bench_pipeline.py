@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import time
@@ -66,6 +67,24 @@ class ComputeTimer:
     def busy_seconds(self) -> float:
         torch.cuda.synchronize()
         return sum(s.elapsed_time(e) for s, e in self.pairs) / 1000
+
+
+class GcPauses:
+    """Wall time the host spends in Python's garbage collector while open (``gc.callbacks``)."""
+
+    def __init__(self):
+        self.seconds, self._start = 0.0, None
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self._start = None
+
+    def close(self):
+        gc.callbacks.remove(self._on)
 
 
 def param_digest(engine) -> str:
@@ -151,6 +170,8 @@ def main() -> None:
                     help="recompute every this many decoder layers in backward (0: off)")
     ap.add_argument("--adamw", choices=["foreach", "fused"], default="foreach",
                     help="torch AdamW implementation (DeepSpeed passes the flag through to torch.optim.AdamW)")
+    ap.add_argument("--gc-every", type=int, default=0,
+                    help="performance.gc_every: automatic garbage collection off, young generations every N steps")
     ap.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off, no global-norm all-reduce)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
@@ -164,6 +185,7 @@ def main() -> None:
     from transformers import LlamaConfig
 
     from ds_async import config as cfgmod
+    from ds_async.collector import StepCollector
     from ds_async.initialize import init_distributed, initialize
     from ds_async.metrics import code_version
     from ds_async.models import build_pipeline
@@ -182,7 +204,8 @@ def main() -> None:
                         "correction": {"type": "ef" if a.optimizer == "muon-ef" else "none"},
                         "performance": {"compile": a.compile, "compile_scope": a.compile_scope,
                                         "loss_chunk": a.loss_chunk,
-                                        "activation_checkpoint_interval": a.activation_checkpoint_interval}})
+                                        "activation_checkpoint_interval": a.activation_checkpoint_interval,
+                                        "gc_every": a.gc_every}})
     hf = LlamaConfig(**model, tie_word_embeddings=False)
     ds_config = {"train_micro_batch_size_per_gpu": a.micro_batch_size, "gradient_accumulation_steps": a.micro_batches,
                  "steps_per_print": 10 ** 9, "gradient_clipping": a.clip, "wall_clock_breakdown": False,
@@ -214,18 +237,23 @@ def main() -> None:
     it = batches()
     total = a.warmup + a.steps + (2 if a.profile else 0)
     engine.drain_after(total - 1)
-    for _ in range(a.warmup):
+    collector = StepCollector(cfg.performance.gc_every)
+    for step in range(a.warmup):
         engine.train_batch(it)
+        collector.step(step + 1)
     torch.cuda.synchronize()
     dist.barrier()
     torch.cuda.reset_peak_memory_stats()
     timer.on = True
+    pauses = GcPauses()
     t0 = time.perf_counter()
-    for _ in range(a.steps - 1):
+    for step in range(a.warmup, a.warmup + a.steps - 1):
         engine.train_batch(it)
+        collector.step(step + 1)
     torch.cuda.synchronize()
     dist.barrier()
     elapsed = time.perf_counter() - t0  # steady state: the last step (with the final drain) is timed apart
+    pauses.close()
     timer.on = False
     busy = timer.busy_seconds()
     step_ms = [s.elapsed_time(e) for s, e in engine.step_events[a.warmup:]]
@@ -236,6 +264,9 @@ def main() -> None:
     peak = torch.cuda.max_memory_allocated() / 2 ** 30
     peaks = [None] * world
     host_ms = {k: round(v * 1e3 / (a.steps - 1), 2) for k, v in sorted(timer.host.items(), key=lambda kv: -kv[1])}
+    # Host time per step outside every instruction (schedule, loop, train_batch itself) and in GC pauses.
+    host_ms["(outside instructions)"] = round((elapsed - sum(timer.host.values())) * 1e3 / (a.steps - 1), 2)
+    host_ms["(gc pauses, anywhere)"] = round(pauses.seconds * 1e3 / (a.steps - 1), 2)
     dist.all_gather_object(peaks, (engine.stage_id, engine.grid.data_parallel_id, round(peak, 2),
                                    round(1 - busy / elapsed, 4),
                                    round(sum(step_ms) / len(step_ms), 2) if step_ms else None, host_ms,

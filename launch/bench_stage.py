@@ -160,6 +160,8 @@ def main() -> None:
     ap.add_argument("--sdpa", default="auto",
                     help="comma list of SDPA backends to restrict attention to, each a run: auto (torch's choice), "
                          "flash, cudnn, efficient")
+    ap.add_argument("--blas", default="default",
+                    help="comma list of torch.backends.cuda.preferred_blas_library values, each a run")
     ap.add_argument("--host-profile", action="store_true", help="add the host's op table (torch.profiler, CPU)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -170,13 +172,17 @@ def main() -> None:
 
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
-    for scope, sdpa in ((s, b) for s in args.scopes.split(",") for b in args.sdpa.split(",")):
+    runs = [(s, b, lib) for s in args.scopes.split(",") for b in args.sdpa.split(",") for lib in args.blas.split(",")]
+    for scope, sdpa, blas in runs:
+        if blas != "default":
+            torch.backends.cuda.preferred_blas_library(blas)
         try:
             with sdpa_kernel(backends[sdpa]) if sdpa != "auto" else contextlib.nullcontext():
                 result = measure(args, scope)
         except Exception as e:  # an exploratory scope may not run at all: say so in the row
             result = {"scope": scope, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-        row = {"bench": "stage_passes", **result, "sdpa_restricted_to": sdpa, "layers": args.layers,
+        row = {"bench": "stage_passes", **result, "sdpa_restricted_to": sdpa,
+               "blas": str(torch.backends.cuda.preferred_blas_library()), "layers": args.layers,
                "seq_len": args.seq_len,
                "micro_batch_size": args.micro_batch_size, "device": torch.cuda.get_device_name(),
                "torch": torch.__version__, "code": code_version()}
