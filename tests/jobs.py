@@ -86,10 +86,17 @@ def job_logits(out: Path, hf_dir: str, stages: int, input_ids: list, partition: 
 
 def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: int = 32, data_seed: int = 0,
               schedule: str = "1f1b", optimizer: dict | None = None, clip: float = 1.0, export: bool = False,
-              stock: bool = False, correction: dict | None = None, stats: bool = False, **ds_extra) -> None:
-    """Train ``steps`` steps on fixed data; save per-step losses and final parameters."""
+              stock: bool = False, correction: dict | None = None, stats: bool = False,
+              deepspeed_bf16_step: bool = False, **ds_extra) -> None:
+    """Train ``steps`` steps on fixed data; save per-step losses and final parameters.
+
+    ``deepspeed_bf16_step``: undo the engine's swap of DeepSpeed's bf16 optimizer class, so DeepSpeed's own step
+    (and its zeroing of the fp32 gradients after every step) runs: the reference for ds_async's."""
     engine, hf_config = _engine(stages, mbs, gas, schedule=schedule, optimizer=optimizer, clip=clip, stock=stock,
                                 correction=correction, **ds_extra)
+    if deepspeed_bf16_step:
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+        engine.optimizer.__class__ = BF16_Optimizer
     dp_rank, dp_world = engine.grid.data_parallel_id, engine.grid.data_parallel_size
     batches = global_micro_batches(data_seed, seq_len, mbs, steps * gas * dp_world)
     it = rank_stream(batches, steps, gas, dp_rank, dp_world)

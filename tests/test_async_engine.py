@@ -117,3 +117,17 @@ def test_2bw_first_bf16_update_equals_stock_deepspeed(tmp_path, immediate):
     for s in range(2):
         ours, stock = (torch.load(tmp_path / d / f"master_stage{s}.pt") for d in ("ours", "stock"))
         torch.testing.assert_close(ours, stock, rtol=0, atol=0)
+
+
+def test_2bw_bf16_steps_equal_deepspeeds_bf16_optimizer(tmp_path):
+    """Over several 2BW steps, ds_async's bf16 step (norm computed ahead, fp32 gradients overwritten by each hand-over
+    instead of zeroed twice per step) leaves the fp32 master bit-equal to DeepSpeed's own ``BF16_Optimizer`` step,
+    which adds each hand-over to buffers it zeroes. A gradient left over from an earlier batch would add a whole
+    extra update."""
+    kw = dict(stages=2, steps=4, mbs=MBS, gas=4, seq_len=SEQ, optimizer=ADAMW, clip=0.0, schedule="2bw",
+              p2p="deepspeed", bf16={"enabled": True})
+    run_job(2, "train", tmp_path / "ours", **kw)
+    run_job(2, "train", tmp_path / "deepspeed", deepspeed_bf16_step=True, **kw)
+    for s in range(2):
+        ours, ref = (torch.load(tmp_path / d / f"master_stage{s}.pt") for d in ("ours", "deepspeed"))
+        torch.testing.assert_close(ours, ref, rtol=0, atol=0)

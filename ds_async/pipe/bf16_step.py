@@ -25,6 +25,7 @@ class PrecomputedNormBF16Optimizer(BF16_Optimizer):
     """
 
     squared_norm: torch.Tensor | None = None
+    written_hp_grads: frozenset | set = frozenset()  # (group, index) of the fp32 gradients the engine last wrote
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -49,4 +50,10 @@ class PrecomputedNormBF16Optimizer(BF16_Optimizer):
                 param_partition.grad = None
         self._lazy_init_hp_params_optimizer_state()
         self.update_lp_params()
-        self.clear_hp_grads()
+        # No clear_hp_grads(): the engine's next hand-over overwrites the fp32 gradients (see
+        # AsyncPipelineEngine._hand_grads_to_bf16_optimizer), so zeroing them would be a wasted pass.
+
+    def zero_grad(self, set_to_none=True):
+        """The bf16 gradients only; the fp32 ones are overwritten by the next hand-over (DeepSpeed's engine calls
+        this after every step, which would zero the fp32 buffers a second time)."""
+        self.clear_lp_grads(set_to_none)

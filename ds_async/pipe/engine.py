@@ -8,6 +8,7 @@ that involves only the last stage's replicas.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from types import MethodType
 
 import torch
@@ -56,6 +57,9 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
         # with blocking p2p, work on the compute stream would stall every neighbour, once per stage per batch.
         # Forwards never read the master, so only the first forward on the version a step publishes waits for it.
         self._step_stream = torch.cuda.Stream() if self.is_async and self.device.type == "cuda" else None
+        # The passes and the p2p run on a high-priority stream, so the side stream's kernels take only the SMs the
+        # passes leave free (their tails, the waits for neighbours) instead of slowing the passes down.
+        self._compute_stream = torch.cuda.Stream(priority=-1) if self._step_stream is not None else None
         if self.is_async:
             slots = fs.FlushFreeSchedule(self.micro_batches, self.num_stages, self.stage_id, schedule).num_versions()
             self.versions = WeightVersions(self.module, slots, first_version=self.global_steps)
@@ -111,19 +115,35 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
         flush = sched.end_batch == batch + 1
         self.fwd_outputs, self.total_loss, self._compute_loss = [], None, True  # DeepSpeed's per-call state
         self._stepped = False
-        for cmds in steps:
-            for cmd in cmds:
-                MethodType(self._ASYNC_INSTRUCTIONS[type(cmd)], self)(**cmd.kwargs)
-            if self._stepped and not flush:
-                break
-        if flush:
-            self._segment = None
-            self._complete_sends()
-            if self._step_stream is not None:
-                torch.cuda.current_stream().wait_stream(self._step_stream)
-                self._version_ready.clear()
-            self.versions.restore_master()
-        return self._batch_loss(batch)
+        with self._on_compute_stream():
+            for cmds in steps:
+                for cmd in cmds:
+                    MethodType(self._ASYNC_INSTRUCTIONS[type(cmd)], self)(**cmd.kwargs)
+                if self._stepped and not flush:
+                    break
+            if flush:
+                self._segment = None
+                self._complete_sends()
+                if self._step_stream is not None:
+                    torch.cuda.current_stream().wait_stream(self._step_stream)
+                    self._version_ready.clear()
+                self.versions.restore_master()
+            return self._batch_loss(batch)
+
+    @contextmanager
+    def _on_compute_stream(self):
+        """Run on the compute stream, ordered after the caller's stream on entry and before it on exit (GPU-side
+        waits only), so what the caller does between calls (a loss ``.item()``, a checkpoint) sees finished work."""
+        if self._compute_stream is None:
+            yield
+            return
+        caller = torch.cuda.current_stream()
+        self._compute_stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(self._compute_stream):
+                yield
+        finally:
+            caller.wait_stream(self._compute_stream)
 
     def _complete_sends(self):
         # A drained pipeline may still have a non-blocking send in flight: complete it now, not at interpreter
@@ -235,13 +255,15 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
 
     def _hand_grads_to_bf16_optimizer(self):
         # DeepSpeed's BF16_Optimizer collects gradients into its fp32 buffers from hooks on the bf16 parameters;
-        # forwards ran on version slots, so those hooks never fired: hand the gathered gradients over here.
-        # Same sums as DeepSpeed's per-parameter ``_update_hp_grad`` (fp32 += exact fp32 copy of a bf16 gradient),
-        # without materialising that copy: one read of each gradient instead of three passes and a temporary.
+        # forwards ran on version slots, so those hooks never fired: hand the gathered gradients over here, in one
+        # foreach call, as exact fp32 copies of the bf16 sums (DeepSpeed's per-parameter ``_update_hp_grad`` adds
+        # the same copies to zeroed buffers). ``PrecomputedNormBF16Optimizer`` does not zero the buffers after its
+        # step (DeepSpeed zeroes them twice per step, 8 bytes a parameter): the copy overwrites them, and only a
+        # buffer written last batch but not this one is zeroed here. Other optimizers get DeepSpeed's addition.
         opt = self.optimizer
         if opt.autoep_folding_tp_group is not None:
             raise NotImplementedError("flush-free schedules do not support DeepSpeed's AutoEP gradient folding")
-        hp_grads, lp_grads = [], []
+        hp_grads, lp_grads, written = [], [], set()
         for i, group in enumerate(opt.bf16_groups):
             for j, lp in enumerate(group):
                 if lp.grad is not None:
@@ -250,9 +272,20 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
                     lp_grads.append(lp.grad.view(hp.shape))
                     lp._hp_grad = hp
                     opt.fp32_groups_has_gradients[i][j] = True
+                    written.add((i, j))
                     lp.grad = None
+        if not isinstance(opt, PrecomputedNormBF16Optimizer):
+            if hp_grads:
+                torch._foreach_add_(hp_grads, lp_grads)
+            return
+        stale = [opt.fp32_groups_gradients[i][j] for i, j in opt.written_hp_grads - written]
+        for i, j in opt.written_hp_grads - written:
+            opt.fp32_groups_has_gradients[i][j] = False
+        opt.written_hp_grads = written
         if hp_grads:
-            torch._foreach_add_(hp_grads, lp_grads)
+            torch._foreach_copy_(hp_grads, lp_grads)
+        if stale:
+            torch._foreach_zero_(stale)
 
     def _exec_batch_step(self, batch: int):
         needed = weight_version(self.schedule_name, self._next_forward, self.stage_id, self.num_stages,
