@@ -161,10 +161,6 @@ class PerformanceConfig:
     """Recompute the activations of every this many layers in backward instead of storing them (DeepSpeed's
     ``PipelineModule`` checkpointing; under flush-free schedules the recompute runs on the micro-batch's own
     weight version). 0: store all activations."""
-    gc_every: int = 0
-    """Turn Python's automatic garbage collector off and collect its young generations every this many steps on
-    every rank instead (:mod:`ds_async.collector`), so no collection pauses a stage's host mid-step and idles its
-    neighbours. 0: Python's automatic collector."""
 
 
 @dataclass
@@ -272,8 +268,7 @@ def parse(section: dict) -> DsAsyncConfig:
                        ("ds_async.checkpoint.keep", cfg.checkpoint.keep),
                        ("ds_async.performance.loss_chunk", cfg.performance.loss_chunk),
                        ("ds_async.performance.activation_checkpoint_interval",
-                        cfg.performance.activation_checkpoint_interval),
-                       ("ds_async.performance.gc_every", cfg.performance.gc_every)):
+                        cfg.performance.activation_checkpoint_interval)):
         if value < 0:
             raise ConfigError(f"{key}: must be >= 0, got {value}")
     perf = cfg.performance

@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from . import config as cfgmod
-from .collector import StepCollector
 from .config import ConfigError, DsAsyncConfig
 
 
@@ -215,7 +214,6 @@ def train(config_path: str, max_steps: int | None = None, run_name: str | None =
 
     evaluating = bool(cfg.data.validation and cfg.eval.every)
     every = cfg.checkpoint.every
-    collector = StepCollector(cfg.performance.gc_every)
     for step in range(start + 1, total_steps + 1):
         # Flush-free schedules drain only where the pipeline must be empty: before an evaluation, a checkpoint
         # and at the end.
@@ -233,8 +231,6 @@ def train(config_path: str, max_steps: int | None = None, run_name: str | None =
             log.validation(step, validate())
         if every and step % every == 0 and step != total_steps:
             save(step)
-        collector.step(step)
-    collector.close()
     stop_if_nonfinite(upto=total_steps)
     if cfg.data.validation:
         log.validation(total_steps, validate())

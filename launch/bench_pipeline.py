@@ -170,8 +170,6 @@ def main() -> None:
                     help="recompute every this many decoder layers in backward (0: off)")
     ap.add_argument("--adamw", choices=["foreach", "fused"], default="foreach",
                     help="torch AdamW implementation (DeepSpeed passes the flag through to torch.optim.AdamW)")
-    ap.add_argument("--gc-every", type=int, default=0,
-                    help="performance.gc_every: automatic garbage collection off, young generations every N steps")
     ap.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off, no global-norm all-reduce)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
@@ -185,7 +183,6 @@ def main() -> None:
     from transformers import LlamaConfig
 
     from ds_async import config as cfgmod
-    from ds_async.collector import StepCollector
     from ds_async.initialize import init_distributed, initialize
     from ds_async.metrics import code_version
     from ds_async.models import build_pipeline
@@ -204,8 +201,7 @@ def main() -> None:
                         "correction": {"type": "ef" if a.optimizer == "muon-ef" else "none"},
                         "performance": {"compile": a.compile, "compile_scope": a.compile_scope,
                                         "loss_chunk": a.loss_chunk,
-                                        "activation_checkpoint_interval": a.activation_checkpoint_interval,
-                                        "gc_every": a.gc_every}})
+                                        "activation_checkpoint_interval": a.activation_checkpoint_interval}})
     hf = LlamaConfig(**model, tie_word_embeddings=False)
     ds_config = {"train_micro_batch_size_per_gpu": a.micro_batch_size, "gradient_accumulation_steps": a.micro_batches,
                  "steps_per_print": 10 ** 9, "gradient_clipping": a.clip, "wall_clock_breakdown": False,
@@ -237,19 +233,16 @@ def main() -> None:
     it = batches()
     total = a.warmup + a.steps + (2 if a.profile else 0)
     engine.drain_after(total - 1)
-    collector = StepCollector(cfg.performance.gc_every)
-    for step in range(a.warmup):
+    for _ in range(a.warmup):
         engine.train_batch(it)
-        collector.step(step + 1)
     torch.cuda.synchronize()
     dist.barrier()
     torch.cuda.reset_peak_memory_stats()
     timer.on = True
     pauses = GcPauses()
     t0 = time.perf_counter()
-    for step in range(a.warmup, a.warmup + a.steps - 1):
+    for _ in range(a.steps - 1):
         engine.train_batch(it)
-        collector.step(step + 1)
     torch.cuda.synchronize()
     dist.barrier()
     elapsed = time.perf_counter() - t0  # steady state: the last step (with the final drain) is timed apart
