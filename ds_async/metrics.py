@@ -40,6 +40,34 @@ def code_version() -> dict:
             "transformers": transformers.__version__, "python": platform.python_version()}
 
 
+class HostValue:
+    """A device scalar on its way to the host without stopping the host.
+
+    ``float(t)`` on a GPU tensor waits for everything queued on the stream before it. Here the copy into pinned
+    memory is queued behind the work that makes the value, and ``float(HostValue)`` waits for that copy alone:
+    read a step later, it has long landed, and the host never loses its lead over the GPU (which a flush-free
+    pipeline turns straight into idle time). On CPU it is the value itself.
+    """
+
+    def __init__(self, t):
+        t = t.detach()
+        self._event = None
+        if t.device.type == "cuda":
+            import torch
+
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            t = host
+        self._value = t
+
+    def __float__(self) -> float:
+        if self._event is not None:
+            self._event.synchronize()
+        return float(self._value)
+
+
 class RunLogger:
     """Scalars to tensorboard, a tqdm bar with tokens/s, a manifest, a summary line and ``loss.png``."""
 

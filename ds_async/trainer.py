@@ -214,6 +214,18 @@ def train(config_path: str, max_steps: int | None = None, run_name: str | None =
 
     evaluating = bool(cfg.data.validation and cfg.eval.every)
     every = cfg.checkpoint.every
+    # (step, loss on its way to the host, lr). Under flush-free schedules a step's loss is read after the next
+    # step is queued (a drain reads at once), so the last stage's host never waits for its GPU to empty.
+    in_flight: list[tuple[int, metrics.HostValue | None, float]] = []
+
+    def report(upto: int) -> None:
+        while in_flight and in_flight[0][0] <= upto:
+            s, value, lr = in_flight.pop(0)
+            loss = None if value is None else float(value)
+            if monitor is not None:
+                monitor.submit(s, loss)
+            log.train_step(s, float("nan") if loss is None else loss, lr)
+
     for step in range(start + 1, total_steps + 1):
         # Flush-free schedules drain only where the pipeline must be empty: before an evaluation, a checkpoint
         # and at the end.
@@ -221,10 +233,11 @@ def train(config_path: str, max_steps: int | None = None, run_name: str | None =
                                            if k])
         engine.drain_after(next_drain - 1)
         loss = engine.train_batch(train_iter)  # None off the last stage under async schedules
+        in_flight.append((step, None if loss is None else metrics.HostValue(loss), engine.get_lr()[0]))
+        drained = next_drain == step or not engine.is_async
+        report(step if drained else step - 1)
         if monitor is not None:
-            monitor.submit(step, loss)
-            stop_if_nonfinite(upto=step if next_drain == step else None)
-        log.train_step(step, float("nan") if loss is None else loss.item(), engine.get_lr()[0])
+            stop_if_nonfinite(upto=step if drained else None)
         if cfg.logging.optimizer_every and step % cfg.logging.optimizer_every == 0:
             log.scalars(step, {f"optimizer/{k}": v for k, v in engine.optimizer_stats().items()})
         if evaluating and step % cfg.eval.every == 0 and step != total_steps:

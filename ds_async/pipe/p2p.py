@@ -79,8 +79,8 @@ class NeighbourLinks:
 
 
 class NonBlockingP2P:
-    """PipelineEngine mixin: DeepSpeed's four p2p instructions (and its micro-batch loading) over
-    :class:`NeighbourLinks` when the engine has ``self.links``; DeepSpeed's own when ``links`` is None."""
+    """PipelineEngine mixin: DeepSpeed's four p2p instructions over :class:`NeighbourLinks` when the engine has
+    ``self.links``; DeepSpeed's own when ``links`` is None."""
 
     links: NeighbourLinks | None = None
 
@@ -118,20 +118,6 @@ class NonBlockingP2P:
         grads = self.links.recv_gradients([t for t in outputs if t.is_floating_point()])
         self.grad_layer = grads[0] if torch.is_tensor(self.pipe_buffers["outputs"][buffer_id]) else grads
 
-    def _next_batch(self):
-        # DeepSpeed's ``.to(device)`` from pageable memory makes the host wait for the GPU on the first and last
-        # stage every micro-batch, which would stop the host from running ahead of the data.
-        batch = super()._next_batch()
-        if self.links is None or self.device.type != "cuda" or batch is None:
-            return batch
-        return _to_device(batch, self.device)
-
 
 def _as_tuple(x) -> tuple:
     return (x,) if torch.is_tensor(x) else tuple(x)
-
-
-def _to_device(x, device):
-    if torch.is_tensor(x):
-        return x if x.device == device else x.pin_memory().to(device, non_blocking=True)
-    return type(x)(_to_device(y, device) for y in x)
