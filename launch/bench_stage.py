@@ -172,6 +172,10 @@ def main() -> None:
 
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    if args.sdpa != "auto":
+        # The compile caches do not key on the SDPA restriction: a cached graph would keep the first backend.
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
     runs = [(s, b, lib) for s in args.scopes.split(",") for b in args.sdpa.split(",") for lib in args.blas.split(",")]
     for scope, sdpa, blas in runs:
         if blas != "default":
