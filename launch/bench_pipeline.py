@@ -170,6 +170,8 @@ def main() -> None:
                     help="recompute every this many decoder layers in backward (0: off)")
     ap.add_argument("--adamw", choices=["foreach", "fused"], default="foreach",
                     help="torch AdamW implementation (DeepSpeed passes the flag through to torch.optim.AdamW)")
+    ap.add_argument("--host-batches", action="store_true",
+                    help="feed micro-batches from CPU memory (as the trainer does) instead of a pool on the GPU")
     ap.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off, no global-norm all-reduce)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
@@ -221,9 +223,11 @@ def main() -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device="cpu").manual_seed(0)
 
-    # A pool of micro-batches already on the GPU: host-to-device copies are not what is measured, and a pageable
-    # copy per micro-batch would make the host wait for the GPU in either p2p mode.
-    pool = [torch.randint(0, a.vocab, (a.micro_batch_size, a.seq_len + 1), generator=gen).to(dev) for _ in range(8)]
+    # A pool of micro-batches, by default already on the GPU (host-to-device copies are not what is measured);
+    # --host-batches keeps them in CPU memory as a data loader hands them over, so the engine copies each one in.
+    pool = [torch.randint(0, a.vocab, (a.micro_batch_size, a.seq_len + 1), generator=gen) for _ in range(8)]
+    if not a.host_batches:
+        pool = [ids.to(dev) for ids in pool]
 
     def batches():
         while True:
@@ -272,11 +276,13 @@ def main() -> None:
     flops = model_flops_per_token(hf, a.seq_len) * tokens / step_time
     mfu = flops / (world * PEAK_BF16[card]) if card else None
     p, m = stages, a.micro_batches
-    row = {"schedule": a.schedule, "p2p": a.p2p, "stages": p, "partition": a.partition, "data_parallel": world // p, "micro_batches": m,
+    row = {"schedule": a.schedule, "p2p": a.p2p, "stages": p, "partition": a.partition, "data_parallel": world // p,
+           "micro_batches": m,
            "micro_batch_size": a.micro_batch_size, "seq_len": a.seq_len, "precision": a.precision,
            "step_time_s": round(step_time, 4), "tokens_per_s": round(tokens / step_time, 1),
            "mfu": None if mfu is None else round(mfu, 4), "ideal_1f1b_bubble": round((p - 1) / (m + p - 1), 4),
-           "optimizer": a.optimizer, "adamw": a.adamw, "clip": a.clip, "performance": dataclasses.asdict(cfg.performance),
+           "optimizer": a.optimizer, "adamw": a.adamw, "clip": a.clip, "host_batches": a.host_batches,
+           "performance": dataclasses.asdict(cfg.performance),
            "peak_mem_GiB_by_stage": {f"s{s}": g for s, d, g, *_ in sorted(peaks) if d == 0},
            "measured_idle_by_stage": {f"s{s}": b for s, d, _, b, *_ in sorted(peaks) if d == 0},
            "optimizer_step_ms_by_stage": {f"s{s}": o for s, d, _, _, o, *_ in sorted(peaks) if d == 0},

@@ -16,7 +16,9 @@ engine does, micro-batches interleaved 1F1B-style with two in flight):
 Scopes: ``eager``; ``layer`` (``torch.compile`` per decoder layer, ``performance.compile``); ``stage`` (one
 compiled region over all the stage's layers, ``performance.compile_scope = "stage"``); ``stage-cudagraphs`` (the
 same region under ``mode="reduce-overhead"``, an upper bound on what CUDA graphs could save; not an engine option);
-``stage-cpp`` (the region with Inductor's C++ wrapper; failed to compile this backward on torch 2.11).
+``stage-cpp`` (the region with Inductor's C++ wrapper; failed to compile this backward on torch 2.11);
+``stage-triton-gemm`` (the region with autotuned Triton GEMMs instead of cuBLAS calls, whose host cost is 16-23 us a
+call; not yet run).
 """
 from __future__ import annotations
 
@@ -47,7 +49,8 @@ def build(args, scope: str):
             layer.compile()
     forward = torch.nn.Sequential(*layers)  # layer by layer, as DeepSpeed's PipelineModule runs them
     if scope.startswith("stage"):
-        extra = {"stage-cudagraphs": {"mode": "reduce-overhead"}, "stage-cpp": {"options": {"cpp_wrapper": True}}}
+        extra = {"stage-cudagraphs": {"mode": "reduce-overhead"}, "stage-cpp": {"options": {"cpp_wrapper": True}},
+                 "stage-triton-gemm": {"options": {"max_autotune_gemm": True, "max_autotune_gemm_backends": "TRITON"}}}
         forward = compiled_stage(layers, **extra.get(scope, {}))
     versions = WeightVersions(stage, 2)
     versions.publish(1, needed_from=0)
