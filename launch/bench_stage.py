@@ -18,7 +18,8 @@ compiled region over all the stage's layers, ``performance.compile_scope = "stag
 same region under ``mode="reduce-overhead"``, an upper bound on what CUDA graphs could save; not an engine option);
 ``stage-cpp`` (the region with Inductor's C++ wrapper; failed to compile this backward on torch 2.11);
 ``stage-triton-gemm`` (the region with autotuned Triton GEMMs instead of cuBLAS calls, whose host cost is 16-23 us a
-call; not yet run).
+call; not yet run); ``stage-fused`` (the region over prototype layers with fused q/k/v and gate/up weights: fewer
+GEMM calls; not yet run).
 """
 from __future__ import annotations
 
@@ -32,6 +33,42 @@ import warnings
 import torch
 
 
+class FusedProjectionsLayer(torch.nn.Module):
+    """Prototype, speed only: a LLaMA decoder layer whose q/k/v and gate/up projections are one weight each, so a
+    micro-batch issues 48 GEMMs per 4 layers instead of 84 (each cuBLAS call costs the host 16-23 us). Randomly
+    initialised; ds_async's layer is HF's (``llama.DecoderLayerPipe``)."""
+
+    def __init__(self, cfg, layer_idx: int):
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.intermediate_size
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = h // self.heads
+        self.qkv = torch.nn.Linear(h, (self.heads + 2 * self.kv_heads) * self.head_dim, bias=False)
+        self.o = torch.nn.Linear(self.heads * self.head_dim, h, bias=False)
+        self.gate_up = torch.nn.Linear(h, 2 * f, bias=False)
+        self.down = torch.nn.Linear(f, h, bias=False)
+        self.norm1, self.norm2 = LlamaRMSNorm(h, cfg.rms_norm_eps), LlamaRMSNorm(h, cfg.rms_norm_eps)
+        self.rotary = LlamaRotaryEmbedding(cfg)
+        for lin in (self.qkv, self.o, self.gate_up, self.down):
+            torch.nn.init.normal_(lin.weight, std=cfg.initializer_range)
+
+    def forward(self, x):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        b, s, _ = x.shape
+        cos, sin = self.rotary(x, torch.arange(s, device=x.device).unsqueeze(0))
+        qkv = self.qkv(self.norm1(x)).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                             enable_gqa=self.kv_heads != self.heads)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
+        gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.down(torch.nn.functional.silu(gate) * up)
+
+
 def build(args, scope: str):
     from transformers import LlamaConfig
 
@@ -42,7 +79,8 @@ def build(args, scope: str):
                       num_key_value_heads=args.heads, num_hidden_layers=args.layers, vocab_size=32000,
                       max_position_embeddings=args.seq_len, tie_word_embeddings=False)
     llama.check_supported(cfg)
-    layers = [llama.DecoderLayerPipe(cfg, i) for i in range(args.layers)]
+    layer_cls = FusedProjectionsLayer if scope == "stage-fused" else llama.DecoderLayerPipe
+    layers = [layer_cls(cfg, i) for i in range(args.layers)]
     stage = torch.nn.ModuleList(layers).to("cuda", torch.bfloat16)
     if scope == "layer":
         for layer in layers:
