@@ -25,7 +25,6 @@ class PrecomputedNormBF16Optimizer(BF16_Optimizer):
     """
 
     squared_norm: torch.Tensor | None = None
-    written_hp_grads: frozenset | set = frozenset()  # (group, index) of the fp32 gradients the engine last wrote
 
     @torch.no_grad()
     def step(self, closure=None):

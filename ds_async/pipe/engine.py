@@ -272,27 +272,22 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
         opt = self.optimizer
         if opt.autoep_folding_tp_group is not None:
             raise NotImplementedError("flush-free schedules do not support DeepSpeed's AutoEP gradient folding")
-        hp_grads, lp_grads, written = [], [], set()
+        overwrite = isinstance(opt, PrecomputedNormBF16Optimizer)
+        hp_grads, lp_grads, stale = [], [], []
         for i, group in enumerate(opt.bf16_groups):
             for j, lp in enumerate(group):
+                hp = opt.fp32_groups_gradients[i][j]
                 if lp.grad is not None:
-                    hp = opt.fp32_groups_gradients[i][j]
                     hp_grads.append(hp)
                     lp_grads.append(lp.grad.view(hp.shape))
                     lp._hp_grad = hp
                     opt.fp32_groups_has_gradients[i][j] = True
-                    written.add((i, j))
                     lp.grad = None
-        if not isinstance(opt, PrecomputedNormBF16Optimizer):
-            if hp_grads:
-                torch._foreach_add_(hp_grads, lp_grads)
-            return
-        stale = [opt.fp32_groups_gradients[i][j] for i, j in opt.written_hp_grads - written]
-        for i, j in opt.written_hp_grads - written:
-            opt.fp32_groups_has_gradients[i][j] = False
-        opt.written_hp_grads = written
+                elif overwrite and opt.fp32_groups_has_gradients[i][j]:  # written last batch, not this one
+                    stale.append(hp)
+                    opt.fp32_groups_has_gradients[i][j] = False
         if hp_grads:
-            torch._foreach_copy_(hp_grads, lp_grads)
+            (torch._foreach_copy_ if overwrite else torch._foreach_add_)(hp_grads, lp_grads)
         if stale:
             torch._foreach_zero_(stale)
 
