@@ -247,6 +247,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for _ in range(a.steps - 1):
         engine.train_batch(it)
+    issued = time.perf_counter() - t0
     torch.cuda.synchronize()
     dist.barrier()
     elapsed = time.perf_counter() - t0  # steady state: the last step (with the final drain) is timed apart
@@ -261,8 +262,10 @@ def main() -> None:
     peak = torch.cuda.max_memory_allocated() / 2 ** 30
     peaks = [None] * world
     host_ms = {k: round(v * 1e3 / (a.steps - 1), 2) for k, v in sorted(timer.host.items(), key=lambda kv: -kv[1])}
-    # Host time per step outside every instruction (schedule, loop, train_batch itself) and in GC pauses.
-    host_ms["(outside instructions)"] = round((elapsed - sum(timer.host.values())) * 1e3 / (a.steps - 1), 2)
+    # Host time per step outside every instruction (schedule, loop, train_batch itself), in GC pauses, and the wait
+    # for the GPU (and the other stages) after the last step was issued: how far the host ran ahead.
+    host_ms["(outside instructions)"] = round((issued - sum(timer.host.values())) * 1e3 / (a.steps - 1), 2)
+    host_ms["(final wait, whole run)"] = round((elapsed - issued) * 1e3, 2)
     host_ms["(gc pauses, anywhere)"] = round(pauses.seconds * 1e3 / (a.steps - 1), 2)
     dist.all_gather_object(peaks, (engine.stage_id, engine.grid.data_parallel_id, round(peak, 2),
                                    round(1 - busy / elapsed, 4),

@@ -87,16 +87,19 @@ def job_logits(out: Path, hf_dir: str, stages: int, input_ids: list, partition: 
 def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: int = 32, data_seed: int = 0,
               schedule: str = "1f1b", optimizer: dict | None = None, clip: float = 1.0, export: bool = False,
               stock: bool = False, correction: dict | None = None, stats: bool = False,
-              deepspeed_bf16_step: bool = False, **ds_extra) -> None:
+              deepspeed_bf16_step: bool = False, clip_at_hand_over: bool | None = None, **ds_extra) -> None:
     """Train ``steps`` steps on fixed data; save per-step losses and final parameters.
 
     ``deepspeed_bf16_step``: undo the engine's swap of DeepSpeed's bf16 optimizer class, so DeepSpeed's own step
-    (and its zeroing of the fp32 gradients after every step) runs: the reference for ds_async's."""
+    (and its zeroing of the fp32 gradients after every step) runs: the reference for ds_async's.
+    ``clip_at_hand_over``: override the engine's choice of clipping bf16 gradients as it hands them over."""
     engine, hf_config = _engine(stages, mbs, gas, schedule=schedule, optimizer=optimizer, clip=clip, stock=stock,
                                 correction=correction, **ds_extra)
     if deepspeed_bf16_step:
         from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
         engine.optimizer.__class__ = BF16_Optimizer
+    if clip_at_hand_over is not None:
+        engine.clip_at_hand_over = clip_at_hand_over
     dp_rank, dp_world = engine.grid.data_parallel_id, engine.grid.data_parallel_size
     batches = global_micro_batches(data_seed, seq_len, mbs, steps * gas * dp_world)
     it = rank_stream(batches, steps, gas, dp_rank, dp_world)
@@ -110,7 +113,8 @@ def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: i
     master = getattr(engine.optimizer, "fp32_groups_flat_partition", None)  # DeepSpeed's bf16 optimizer
     if master is not None and engine.grid.data_parallel_id == 0:
         torch.save(torch.cat([t.detach().float() for t in master]), out / f"master_stage{engine.stage_id}.pt")
-    result = {"losses": torch.tensor([0.0 if x is None else x.item() for x in losses], dtype=torch.float64)}
+    result = {"losses": torch.tensor([0.0 if x is None else x.item() for x in losses], dtype=torch.float64),
+              "clip_at_hand_over": getattr(engine, "clip_at_hand_over", None)}
     if stats:
         result["optimizer_stats"] = optimizer_stats
     if export:

@@ -21,10 +21,33 @@ def squared_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(norms).square().sum()
 
 
+def clip_coefficient(total_squared_norm: torch.Tensor, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the model's gradient norm, the factor that scales it to at most ``max_norm``), on the device."""
+    norm = total_squared_norm.sqrt()
+    return norm, torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
 def clip_(grads: Sequence[torch.Tensor], total_squared_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """Scale ``grads`` in place so the model's gradient norm is at most ``max_norm``; returns the norm."""
-    norm = total_squared_norm.sqrt()
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    norm, coef = clip_coefficient(total_squared_norm, max_norm)
     if grads:
         torch._foreach_mul_(list(grads), coef.to(grads[0].dtype))
     return norm
+
+
+def copy_scaled_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
+    """``dst = src * scale`` in ``dst``'s dtype (fp32): bit-equal to copying ``src`` into ``dst`` and then scaling
+    ``dst`` in place (one rounding either way), but on GPUs one compiled pass that reads ``src`` (bf16) once and
+    writes ``dst`` once, instead of a copy and a read-modify-write of ``dst``: 6 bytes a parameter instead of 14."""
+    if dst and dst[0].is_cuda:
+        _copy_scaled_fused(list(dst), list(src), scale)
+    else:
+        torch._foreach_copy_(list(dst), list(src))
+        torch._foreach_mul_(list(dst), scale.to(dst[0].dtype) if dst else scale)
+
+
+def _copy_scaled(dst: list[torch.Tensor], src: list[torch.Tensor], scale: torch.Tensor) -> None:
+    torch._foreach_copy_(dst, torch._foreach_mul([s.to(d.dtype) for d, s in zip(dst, src)], scale.to(dst[0].dtype)))
+
+
+_copy_scaled_fused = torch.compile(_copy_scaled, dynamic=False)

@@ -25,18 +25,24 @@ class PrecomputedNormBF16Optimizer(BF16_Optimizer):
     """
 
     squared_norm: torch.Tensor | None = None
+    clipped_norm: torch.Tensor | None = None
+    """Set instead of ``squared_norm`` when the engine scaled the gradients by the clip factor as it handed them
+    over (:meth:`AsyncPipelineEngine._hand_grads_to_bf16_optimizer`): the norm, for the step's report only."""
 
     @torch.no_grad()
     def step(self, closure=None):
         sq, self.squared_norm = self.squared_norm, None
+        clipped, self.clipped_norm = self.clipped_norm, None
         # Without clipping no norm is needed; DeepSpeed's step would still all-reduce one over the pipeline at step
         # time (measured on 4x H200: 2BW 25% slower with gradient_clipping 0 than with 1.0 before this).
-        if (sq is None and self.clip_grad > 0.0) or self.has_moe_layers:
+        if (sq is None and clipped is None and self.clip_grad > 0.0) or self.has_moe_layers:
             return super().step(closure)
         if closure is not None:
             raise NotImplementedError(f"{type(self).__name__} does not support closure")
         self.overflow = False
-        if self.clip_grad > 0.0:
+        if clipped is not None:
+            self._global_grad_norm = clipped
+        elif self.clip_grad > 0.0:
             self._global_grad_norm = clip_(self.get_grads_for_norm(for_clipping=True), sq, self.clip_grad)
         for param_partition, grad_partition in zip(self.fp32_groups_flat_partition,
                                                    self.fp32_groups_gradient_flat_partition):

@@ -17,7 +17,7 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..config import SCHEDULES
-from ..optim.clip import clip_, squared_norm
+from ..optim.clip import clip_, clip_coefficient, copy_scaled_, squared_norm
 from . import schedule as fs
 from .bf16_step import PrecomputedNormBF16Optimizer
 from .delay import weight_version
@@ -65,6 +65,13 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
             self.versions = WeightVersions(self.module, slots, first_version=self.global_steps)
             if self.using_bf16_optimizer and type(self.optimizer) is BF16_Optimizer:
                 self.optimizer.__class__ = PrecomputedNormBF16Optimizer
+        # With one replica and no ZeRO nothing reads the fp32 gradients between the batch boundary and the step, so
+        # the bf16 gradients can wait there and be handed over already clipped: the norm is summed from them, and
+        # the hand-over writes fp32(g) * clip factor in one pass instead of a copy, an fp32 read for the norm and
+        # an fp32 read-modify-write to clip (see copy_scaled_).
+        self.clip_at_hand_over = (isinstance(self.optimizer, PrecomputedNormBF16Optimizer) and self.dp_world_size == 1
+                                  and not self.zero_optimization() and self.gradient_clipping() > 0.0
+                                  and not self.optimizer.has_moe_layers)
 
     @property
     def is_reporting_rank(self) -> bool:
@@ -203,6 +210,8 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
 
     def _reduce_batch_grads(self):
         self.versions.gather_grads()
+        if self.clip_at_hand_over:
+            return self._start_global_norm()
         if self.using_bf16_optimizer:
             self._hand_grads_to_bf16_optimizer()
         if self.dp_world_size == 1 and not self.zero_optimization():
@@ -245,7 +254,10 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
         if self.using_bf16_optimizer:
             if not isinstance(self.optimizer, PrecomputedNormBF16Optimizer):
                 return
-            grads = self.optimizer.get_grads_for_norm(for_clipping=True)
+            if self.clip_at_hand_over:  # still the bf16 gradients: same values, half the bytes to read
+                grads = [lp.grad for group in self.optimizer.bf16_groups for lp in group if lp.grad is not None]
+            else:
+                grads = self.optimizer.get_grads_for_norm(for_clipping=True)
         elif self.zero_optimization() or self.fp16_enabled():
             return  # DeepSpeed's ZeRO optimizers compute their own norm at step time (a barrier, but correct)
         else:
@@ -257,18 +269,27 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
         if self._pending_norm is not None:
             sq, work = self._pending_norm
             work.wait()  # NCCL: only the current (step) stream waits
-            if isinstance(self.optimizer, PrecomputedNormBF16Optimizer):
+            if self.clip_at_hand_over:
+                norm, coef = clip_coefficient(sq, self.gradient_clipping())
+                self._hand_grads_to_bf16_optimizer(scale=coef)
+                self.optimizer.clipped_norm = norm
+                self._pending_norm = None
+            elif isinstance(self.optimizer, PrecomputedNormBF16Optimizer):
                 self.optimizer.squared_norm = sq
                 self._pending_norm = None
+        elif self.clip_at_hand_over:
+            raise RuntimeError("optimizer step without this batch's gradient norm: its gradients were never handed "
+                               "over (every step must follow its batch's ReduceGrads)")
         return super()._take_model_step(lr_kwargs)
 
-    def _hand_grads_to_bf16_optimizer(self):
+    def _hand_grads_to_bf16_optimizer(self, scale: torch.Tensor | None = None):
         # DeepSpeed's BF16_Optimizer collects gradients into its fp32 buffers from hooks on the bf16 parameters;
         # forwards ran on version slots, so those hooks never fired: hand the gathered gradients over here, in one
         # foreach call, as exact fp32 copies of the bf16 sums (DeepSpeed's per-parameter ``_update_hp_grad`` adds
-        # the same copies to zeroed buffers). ``PrecomputedNormBF16Optimizer`` does not zero the buffers after its
-        # step (DeepSpeed zeroes them twice per step, 8 bytes a parameter): the copy overwrites them, and only a
-        # buffer written last batch but not this one is zeroed here. Other optimizers get DeepSpeed's addition.
+        # the same copies to zeroed buffers), or with ``scale`` (the clip factor) as fp32(g) * scale, which equals
+        # the copy clipped afterwards bit for bit. ``PrecomputedNormBF16Optimizer`` does not zero the buffers after
+        # its step (DeepSpeed zeroes them twice per step, 8 bytes a parameter): the copy overwrites them, and only
+        # a buffer written last batch but not this one is zeroed here. Other optimizers get DeepSpeed's addition.
         opt = self.optimizer
         if opt.autoep_folding_tp_group is not None:
             raise NotImplementedError("flush-free schedules do not support DeepSpeed's AutoEP gradient folding")
@@ -286,7 +307,9 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
                 elif overwrite and opt.fp32_groups_has_gradients[i][j]:  # written last batch, not this one
                     stale.append(hp)
                     opt.fp32_groups_has_gradients[i][j] = False
-        if hp_grads:
+        if hp_grads and scale is not None:
+            copy_scaled_(hp_grads, lp_grads, scale)
+        elif hp_grads:
             (torch._foreach_copy_ if overwrite else torch._foreach_add_)(hp_grads, lp_grads)
         if stale:
             torch._foreach_zero_(stale)

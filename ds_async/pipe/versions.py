@@ -90,6 +90,5 @@ class WeightVersions:
                                f"in flight {dict(self.in_flight)}")
         i = min(free, key=lambda j: -1 if self.version_of_slot[j] is None else self.version_of_slot[j])
         with torch.no_grad():
-            for tensor, (_, _, master) in zip(self.slots[i], self.entries):
-                tensor.copy_(master)
+            torch._foreach_copy_(self.slots[i], [master for _, _, master in self.entries])
         self.version_of_slot[i] = version
