@@ -4,8 +4,8 @@ One schedule object drives a stage through a *segment* of consecutive batches wi
 between them: the stage warms up once, runs steady 1F1B across batch boundaries and drains only when the segment
 ends (end of training, or before an evaluation or checkpoint that needs an empty pipeline). Each optimizer step
 happens on the stage right after the backward of its batch's last micro-batch (emitted with the next step's
-communication, so the gradient send to the previous stage is not held up by it, and after that step's forward
-when the forward does not need the new weights), while the next batch's forwards already run.
+communication, so the gradient send to the previous stage is not held up by it), while the next batch's forwards
+already run.
 
 Which weights each micro-batch uses is :mod:`ds_async.pipe.delay`'s rule; every forward and backward instruction
 carries its global micro-batch index and that version, so the engine, the simulator and the tests all read the
@@ -115,23 +115,18 @@ class FlushFreeSchedule(ds.TrainSchedule):
                     cmds.append(ds.RecvGrad(buf))
                 if prev_valid and self._valid_stage(self.next_stage):
                     cmds.append(ds.SendActivation(prev_buf))
-            boundary = []
             if pending_step is not None:
-                boundary = [ds.ReduceTiedGrads(), ReduceGrads(pending_step), OptimizerStep(pending_step)]
-            if valid and is_forward:
-                forward = [ds.LoadMicroBatch(buf)] if self.is_first_stage or self.is_last_stage else []
-                forward.append(ForwardPass(buf, self._global(local), self._version(local)))
-                # The host takes milliseconds to issue the batch boundary; issued after a forward that does not
-                # need the step's weights, it overlaps that forward on the GPU instead of leaving the GPU idle.
-                overlap = pending_step is not None and self._version(local) <= pending_step
-                cmds += forward + boundary if overlap else boundary + forward
-            else:
-                cmds += boundary
-            if valid and not is_forward:
-                cmds.append(BackwardPass(buf, self._global(local), self._version(local)))
-            pending_step = None
-            if valid and not is_forward and self._is_last_of_batch(local):
-                pending_step = self._global(local) // self.m
+                cmds += [ds.ReduceTiedGrads(), ReduceGrads(pending_step), OptimizerStep(pending_step)]
+                pending_step = None
+            if valid:
+                if is_forward:
+                    if self.is_first_stage or self.is_last_stage:
+                        cmds.append(ds.LoadMicroBatch(buf))
+                    cmds.append(ForwardPass(buf, self._global(local), self._version(local)))
+                else:
+                    cmds.append(BackwardPass(buf, self._global(local), self._version(local)))
+                    if self._is_last_of_batch(local):
+                        pending_step = self._global(local) // self.m
             prev = local
             step_id += 1
             if pending_step is not None and self._finished(step_id):
