@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from .optim.clip import clip_, squared_norm
+from .optim.clip import clip_, squared_norm, sum_in_stage_order
 from .pipe.delay import max_versions, weight_version
 
 
@@ -119,9 +119,9 @@ class DelayedTrainer:
                     q.grad.mul_(1.0 / self.dp)
         self._restore_newest()
         if self.clip:
-            # Per-stage partial sums added in stage order: what the engine's all-reduce over the pipeline does.
+            # Per-stage partial sums added in stage order, as the engine adds the norms it gathers over the pipeline.
             per_stage = [[q.grad for q in group if q.grad is not None] for group in self.stage_params]
-            sq = sum((squared_norm(g) for g in per_stage[1:]), squared_norm(per_stage[0]))
+            sq = sum_in_stage_order([squared_norm(g) for g in per_stage])
             clip_([g for group in per_stage for g in group], sq, self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -21,6 +21,16 @@ def squared_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(norms).square().sum()
 
 
+def sum_in_stage_order(partials: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``((s0 + s1) + s2) + ...``: the model's squared norm from the stages' shares, added in one fixed order on
+    every rank and in the emulation (an all-reduce adds in its backend's order: gloo, 4 ranks, s0 + (s1 + (s2 + s3))),
+    so the clip factor is bit-equal between them."""
+    total = partials[0]
+    for s in partials[1:]:
+        total = total + s
+    return total
+
+
 def clip_coefficient(total_squared_norm: torch.Tensor, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(the model's gradient norm, the factor that scales it to at most ``max_norm``), on the device."""
     norm = total_squared_norm.sqrt()

@@ -17,7 +17,7 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..config import SCHEDULES
-from ..optim.clip import clip_, clip_coefficient, copy_scaled_, squared_norm
+from ..optim.clip import clip_, clip_coefficient, copy_scaled_, squared_norm, sum_in_stage_order
 from . import schedule as fs
 from .bf16_step import PrecomputedNormBF16Optimizer
 from .delay import weight_version
@@ -49,7 +49,9 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
         self._drain_at: int | None = None  # last batch of the current segment, when known in advance
         self._version_ready: dict[int, torch.cuda.Event] = {}  # published on the side stream, not yet waited for
         self.versions = None
-        self._pending_norm = None  # (squared gradient norm, its all-reduce) between a batch's reduce and its step
+        # From a batch's reduce to its step: (the stages' squared gradient norms, their all-gather); (their sum, the
+        # all-gather) once the step has waited for it.
+        self._pending_norm = None
         self.stats_every = 0  # compute the staleness of the weights at every this many steps (0: never)
         self.step_events: list | None = None  # benchmarks: (start, end) CUDA events around each optimizer step
         self._staleness_sq = None
@@ -262,13 +264,21 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
             return  # DeepSpeed's ZeRO optimizers compute their own norm at step time (a barrier, but correct)
         else:
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        sq = squared_norm(grads)
-        self._pending_norm = sq, dist.all_reduce(sq, group=self.grid.get_pipe_parallel_group(), async_op=True)
+        self._pending_norm = self._gather_stage_norms(squared_norm(grads), async_op=True)
+
+    def _gather_stage_norms(self, sq: torch.Tensor, async_op: bool):
+        """Every stage's squared norm, on every stage: (list in stage order, the all-gather's work). An all-reduce
+        would add them in its backend's order (gloo, 4 ranks: s0 + (s1 + (s2 + s3))), which the emulation cannot
+        know; ``sum_in_stage_order`` adds them in one order everywhere."""
+        parts = [torch.empty_like(sq) for _ in range(self.num_stages)]
+        return parts, dist.all_gather(parts, sq, group=self.grid.get_pipe_parallel_group(), async_op=async_op)
 
     def _take_model_step(self, lr_kwargs=None):
         if self._pending_norm is not None:
-            sq, work = self._pending_norm
+            parts, work = self._pending_norm
             work.wait()  # NCCL: only the current (step) stream waits
+            sq = sum_in_stage_order(parts)
+            self._pending_norm = sq, work
             if self.clip_at_hand_over:
                 norm, coef = clip_coefficient(sq, self.gradient_clipping())
                 self._hand_grads_to_bf16_optimizer(scale=coef)
@@ -412,8 +422,7 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
         if self._pending_norm is not None:
             (sq, _), self._pending_norm = self._pending_norm, None  # reduced already, see _start_global_norm
         else:
-            sq = squared_norm(grads)
-            dist.all_reduce(sq, group=self.grid.get_pipe_parallel_group())
+            sq = sum_in_stage_order(self._gather_stage_norms(squared_norm(grads), async_op=False)[0])
         clip_(grads, sq, self.gradient_clipping())
 
 
