@@ -87,12 +87,14 @@ def job_logits(out: Path, hf_dir: str, stages: int, input_ids: list, partition: 
 def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: int = 32, data_seed: int = 0,
               schedule: str = "1f1b", optimizer: dict | None = None, clip: float = 1.0, export: bool = False,
               stock: bool = False, correction: dict | None = None, stats: bool = False,
-              deepspeed_bf16_step: bool = False, clip_at_hand_over: bool | None = None, **ds_extra) -> None:
+              deepspeed_bf16_step: bool = False, clip_at_hand_over: bool | None = None,
+              drop_grad_at: int | None = None, **ds_extra) -> None:
     """Train ``steps`` steps on fixed data; save per-step losses and final parameters.
 
     ``deepspeed_bf16_step``: undo the engine's swap of DeepSpeed's bf16 optimizer class, so DeepSpeed's own step
     (and its zeroing of the fp32 gradients after every step) runs: the reference for ds_async's.
-    ``clip_at_hand_over``: override the engine's choice of clipping bf16 gradients as it hands them over."""
+    ``clip_at_hand_over``: override the engine's choice of clipping bf16 gradients as it hands them over.
+    ``drop_grad_at``: in that batch, the stage's first parameter gets no gradient (as if unused in the batch)."""
     engine, hf_config = _engine(stages, mbs, gas, schedule=schedule, optimizer=optimizer, clip=clip, stock=stock,
                                 correction=correction, **ds_extra)
     if deepspeed_bf16_step:
@@ -100,6 +102,14 @@ def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: i
         engine.optimizer.__class__ = BF16_Optimizer
     if clip_at_hand_over is not None:
         engine.clip_at_hand_over = clip_at_hand_over
+    if drop_grad_at is not None:
+        gather = engine.versions.gather_grads
+
+        def gather_then_drop():
+            gather()
+            if engine.global_steps == drop_grad_at:  # the batch being reduced: its step has not run yet
+                engine.versions.entries[0][2].grad = None
+        engine.versions.gather_grads = gather_then_drop
     dp_rank, dp_world = engine.grid.data_parallel_id, engine.grid.data_parallel_size
     batches = global_micro_batches(data_seed, seq_len, mbs, steps * gas * dp_world)
     it = rank_stream(batches, steps, gas, dp_rank, dp_world)

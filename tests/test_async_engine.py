@@ -137,13 +137,14 @@ def test_2bw_bf16_clipping_at_the_hand_over_equals_clipping_in_the_step(tmp_path
         assert not torch.equal(got, unclipped)
 
 
-def test_2bw_bf16_steps_equal_deepspeeds_bf16_optimizer(tmp_path):
+@pytest.mark.parametrize("drop_grad_at", [None, 2], ids=["every-grad", "one-grad-missing-in-batch-2"])
+def test_2bw_bf16_steps_equal_deepspeeds_bf16_optimizer(tmp_path, drop_grad_at):
     """Over several 2BW steps, ds_async's bf16 step (norm computed ahead, fp32 gradients overwritten by each hand-over
     instead of zeroed twice per step) leaves the fp32 master bit-equal to DeepSpeed's own ``BF16_Optimizer`` step,
     which adds each hand-over to buffers it zeroes. A gradient left over from an earlier batch would add a whole
-    extra update."""
+    extra update: with one parameter's gradient missing in a batch, its buffer must hold zeros, not batch 1's."""
     kw = dict(stages=2, steps=4, mbs=MBS, gas=4, seq_len=SEQ, optimizer=ADAMW, clip=0.0, schedule="2bw",
-              p2p="deepspeed", bf16={"enabled": True})
+              p2p="deepspeed", bf16={"enabled": True}, drop_grad_at=drop_grad_at)
     run_job(2, "train", tmp_path / "ours", **kw)
     run_job(2, "train", tmp_path / "deepspeed", deepspeed_bf16_step=True, **kw)
     for s in range(2):
