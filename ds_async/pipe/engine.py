@@ -420,7 +420,7 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
         """Clip by the whole model's gradient norm (DeepSpeed's pipeline averages per-stage norms instead)."""
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         if self._pending_norm is not None:
-            (sq, _), self._pending_norm = self._pending_norm, None  # reduced already, see _start_global_norm
+            (sq, _), self._pending_norm = self._pending_norm, None  # gathered and summed in _take_model_step
         else:
             sq = sum_in_stage_order(self._gather_stage_norms(squared_norm(grads), async_op=False)[0])
         clip_(grads, sq, self.gradient_clipping())
