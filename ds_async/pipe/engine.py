@@ -49,9 +49,7 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
         self._drain_at: int | None = None  # last batch of the current segment, when known in advance
         self._version_ready: dict[int, torch.cuda.Event] = {}  # published on the side stream, not yet waited for
         self.versions = None
-        # From a batch's reduce to its step: (the stages' squared gradient norms, their all-gather); (their sum, the
-        # all-gather) once the step has waited for it.
-        self._pending_norm = None
+        self._pending_norm = None  # (the stages' squared gradient norms, their all-gather) from a reduce to its step
         self.stats_every = 0  # compute the staleness of the weights at every this many steps (0: never)
         self.step_events: list | None = None  # benchmarks: (start, end) CUDA events around each optimizer step
         self._staleness_sq = None
@@ -278,7 +276,6 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
             parts, work = self._pending_norm
             work.wait()  # NCCL: only the current (step) stream waits
             sq = sum_in_stage_order(parts)
-            self._pending_norm = sq, work
             if self.clip_at_hand_over:
                 norm, coef = clip_coefficient(sq, self.gradient_clipping())
                 self._hand_grads_to_bf16_optimizer(scale=coef)
@@ -420,10 +417,10 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
         """Clip by the whole model's gradient norm (DeepSpeed's pipeline averages per-stage norms instead)."""
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         if self._pending_norm is not None:
-            (sq, _), self._pending_norm = self._pending_norm, None  # gathered and summed in _take_model_step
+            (parts, _), self._pending_norm = self._pending_norm, None  # gathered already, see _take_model_step
         else:
-            sq = sum_in_stage_order(self._gather_stage_norms(squared_norm(grads), async_op=False)[0])
-        clip_(grads, sq, self.gradient_clipping())
+            parts, _ = self._gather_stage_norms(squared_norm(grads), async_op=False)
+        clip_(grads, sum_in_stage_order(parts), self.gradient_clipping())
 
 
 # DeepSpeed's instruction table holds PipelineEngine's own functions, so overriding a method (the p2p ones in
