@@ -140,6 +140,27 @@ def profile_steps(engine, it, folder: str) -> None:
         json.dump({"stage": engine.stage_id, "schedule": engine.schedule_name, **report}, f, indent=1)
 
 
+def skip_optimizer_step(engine) -> None:
+    """``--skip-step``: the batch boundary keeps its bookkeeping (gradient gather, norm, version labels) but does no
+    optimizer work and copies no weights. Benchmark-only; the weights never change."""
+    if not engine.is_async:
+        raise SystemExit("--skip-step applies to 2bw only")
+    params = [p for _, _, p in engine.versions.entries]
+
+    def drop_grads():
+        engine._pending_norm = None
+        for p in params:
+            p.grad = None
+    versions = engine.versions
+
+    def relabel(version, needed_from):
+        free = [i for i, v in enumerate(versions.version_of_slot)
+                if v is None or (v not in versions.in_flight and v < needed_from)]
+        versions.version_of_slot[min(free, key=lambda j: -1 if versions.version_of_slot[j] is None else versions.version_of_slot[j])] = version
+    engine._exec_optimizer_step = drop_grads
+    versions.publish = relabel
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--schedule", choices=["1f1b", "2bw"], required=True)
@@ -173,6 +194,10 @@ def main() -> None:
     ap.add_argument("--host-batches", action="store_true",
                     help="feed micro-batches from CPU memory (as the trainer does) instead of a pool on the GPU")
     ap.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off, no global-norm all-reduce)")
+    ap.add_argument("--skip-step", action="store_true",
+                    help="ablation (2bw only, wrong results): drop each batch's gradients instead of stepping, and "
+                         "relabel the free slot instead of copying the weights into it; what any faster step could "
+                         "gain at most")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--profile", default=None,
@@ -220,6 +245,8 @@ def main() -> None:
     engine = initialize(build_pipeline(cfg, hf), ds_config, schedule=a.schedule, p2p=a.p2p,
                         correction=cfg.correction)
     engine.step_events = []
+    if a.skip_step:
+        skip_optimizer_step(engine)
     dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device="cpu").manual_seed(0)
 
@@ -284,7 +311,8 @@ def main() -> None:
            "micro_batch_size": a.micro_batch_size, "seq_len": a.seq_len, "precision": a.precision,
            "step_time_s": round(step_time, 4), "tokens_per_s": round(tokens / step_time, 1),
            "mfu": None if mfu is None else round(mfu, 4), "ideal_1f1b_bubble": round((p - 1) / (m + p - 1), 4),
-           "optimizer": a.optimizer, "adamw": a.adamw, "clip": a.clip, "host_batches": a.host_batches,
+           "optimizer": a.optimizer, "adamw": a.adamw, "clip": a.clip, "skip_step": a.skip_step,
+           "host_batches": a.host_batches,
            "performance": dataclasses.asdict(cfg.performance),
            "peak_mem_GiB_by_stage": {f"s{s}": g for s, d, g, *_ in sorted(peaks) if d == 0},
            "measured_idle_by_stage": {f"s{s}": b for s, d, _, b, *_ in sorted(peaks) if d == 0},
