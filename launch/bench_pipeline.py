@@ -151,12 +151,15 @@ def skip_optimizer_step(engine) -> None:
         engine._pending_norm = None
         for p in params:
             p.grad = None
+        engine.global_steps += 1  # what DeepSpeed's step counts, which the engine reads as the batch index
+        engine.global_samples += engine.train_batch_size()
     versions = engine.versions
 
     def relabel(version, needed_from):
         free = [i for i, v in enumerate(versions.version_of_slot)
                 if v is None or (v not in versions.in_flight and v < needed_from)]
-        versions.version_of_slot[min(free, key=lambda j: -1 if versions.version_of_slot[j] is None else versions.version_of_slot[j])] = version
+        oldest = min(free, key=lambda j: -1 if versions.version_of_slot[j] is None else versions.version_of_slot[j])
+        versions.version_of_slot[oldest] = version
     engine._exec_optimizer_step = drop_grads
     versions.publish = relabel
 
