@@ -139,7 +139,8 @@ def train(config_path: str, max_steps: int | None = None, run_name: str | None =
     hf_config = model_config(cfg)
     check_vocab(tok, hf_config, cfg.tokenizer)
     module = build_pipeline(cfg, hf_config)
-    engine = initialize(module, ds_config, schedule=cfg.schedule, p2p=cfg.p2p, correction=cfg.correction)
+    engine = initialize(module, ds_config, schedule=cfg.schedule, p2p=cfg.p2p, correction=cfg.correction,
+                        fused_optimizer_step=cfg.performance.fused_optimizer_step)
     engine.stats_every = cfg.logging.optimizer_every
     monitor = None
     if cfg.train.on_nonfinite == "skip":

@@ -148,20 +148,13 @@ def skip_optimizer_step(engine) -> None:
     params = [p for _, _, p in engine.versions.entries]
 
     def drop_grads():
-        engine._pending_norm = None
+        engine._global_sq = None
         for p in params:
             p.grad = None
         engine.global_steps += 1  # what DeepSpeed's step counts, which the engine reads as the batch index
         engine.global_samples += engine.train_batch_size()
-    versions = engine.versions
-
-    def relabel(version, needed_from):
-        free = [i for i, v in enumerate(versions.version_of_slot)
-                if v is None or (v not in versions.in_flight and v < needed_from)]
-        oldest = min(free, key=lambda j: -1 if versions.version_of_slot[j] is None else versions.version_of_slot[j])
-        versions.version_of_slot[oldest] = version
+    engine.versions.publish = engine.versions.claim
     engine._exec_optimizer_step = drop_grads
-    versions.publish = relabel
 
 
 def main() -> None:
@@ -196,6 +189,8 @@ def main() -> None:
                     help="torch AdamW implementation (DeepSpeed passes the flag through to torch.optim.AdamW)")
     ap.add_argument("--host-batches", action="store_true",
                     help="feed micro-batches from CPU memory (as the trainer does) instead of a pool on the GPU")
+    ap.add_argument("--fused-step", action="store_true",
+                    help="the bf16 AdamW step in one pass per tensor (performance.fused_optimizer_step; 2bw, bf16)")
     ap.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off, no global-norm all-reduce)")
     ap.add_argument("--skip-step", action="store_true",
                     help="ablation (2bw only, wrong results): drop each batch's gradients instead of stepping, and "
@@ -231,7 +226,8 @@ def main() -> None:
                         "correction": {"type": "ef" if a.optimizer == "muon-ef" else "none"},
                         "performance": {"compile": a.compile, "compile_scope": a.compile_scope,
                                         "loss_chunk": a.loss_chunk,
-                                        "activation_checkpoint_interval": a.activation_checkpoint_interval}})
+                                        "activation_checkpoint_interval": a.activation_checkpoint_interval,
+                                        "fused_optimizer_step": a.fused_step}})
     hf = LlamaConfig(**model, tie_word_embeddings=False)
     ds_config = {"train_micro_batch_size_per_gpu": a.micro_batch_size, "gradient_accumulation_steps": a.micro_batches,
                  "steps_per_print": 10 ** 9, "gradient_clipping": a.clip, "wall_clock_breakdown": False,
@@ -246,7 +242,7 @@ def main() -> None:
     from ds_async.pipe.engine import AsyncPipelineEngine
     timer = ComputeTimer(AsyncPipelineEngine)
     engine = initialize(build_pipeline(cfg, hf), ds_config, schedule=a.schedule, p2p=a.p2p,
-                        correction=cfg.correction)
+                        correction=cfg.correction, fused_optimizer_step=cfg.performance.fused_optimizer_step)
     engine.step_events = []
     if a.skip_step:
         skip_optimizer_step(engine)

@@ -66,7 +66,8 @@ def _engine(stages: int, mbs: int, gas: int, schedule: str = "1f1b", model: dict
                                       model_parameters=[p for p in module.parameters() if p.requires_grad])[0]
         engine.is_reporting_rank = engine.is_last_stage() and engine.grid.data_parallel_id == 0
         return engine, hf_config
-    return initialize(module, config, schedule=schedule, p2p=cfg.p2p, correction=cfg.correction), hf_config
+    return initialize(module, config, schedule=schedule, p2p=cfg.p2p, correction=cfg.correction,
+                      fused_optimizer_step=cfg.performance.fused_optimizer_step), hf_config
 
 
 def _save_params(engine, out: Path) -> None:

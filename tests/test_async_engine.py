@@ -150,3 +150,28 @@ def test_2bw_bf16_steps_equal_deepspeeds_bf16_optimizer(tmp_path, drop_grad_at):
     for s in range(2):
         ours, ref = (torch.load(tmp_path / d / f"master_stage{s}.pt") for d in ("ours", "deepspeed"))
         torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("clip, drop_grad_at", [(1e-3, None), (0.0, 2)],
+                         ids=["clipped", "unclipped-one-grad-missing-in-batch-2"])
+def test_2bw_fused_optimizer_step_equals_the_unfused_step(tmp_path, clip, drop_grad_at):
+    """``performance.fused_optimizer_step`` goes from the bf16 gradients to the master, the moments, the bf16
+    weights and the next weight version in one pass per tensor. Over several 2BW steps the fp32 master, the bf16
+    weights and every loss (computed on the published versions) are bit-equal to the unfused step: with clipping,
+    ds_async's clip at the hand-over; without, DeepSpeed's own ``BF16_Optimizer`` step, including a parameter that
+    gets no gradient in one batch."""
+    kw = dict(stages=2, steps=4, mbs=MBS, gas=4, seq_len=SEQ, optimizer=ADAMW, clip=clip, schedule="2bw",
+              p2p="deepspeed", bf16={"enabled": True}, drop_grad_at=drop_grad_at)
+    fused = run_job(2, "train", tmp_path / "fused", performance={"fused_optimizer_step": True}, **kw)
+    ref = run_job(2, "train", tmp_path / "ref", deepspeed_bf16_step=clip == 0.0, **kw)
+    torch.testing.assert_close(fused["losses"], ref["losses"], rtol=0, atol=0)
+    assert_params_close(stage_params(tmp_path / "fused", 2), stage_params(tmp_path / "ref", 2), rel=0)
+    for s in range(2):
+        got, want = (torch.load(tmp_path / d / f"master_stage{s}.pt") for d in ("fused", "ref"))
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_fused_optimizer_step_is_refused_where_it_does_not_apply(tmp_path):
+    with pytest.raises(AssertionError, match="fused_optimizer_step needs"):
+        run_job(2, "train", tmp_path, stages=2, steps=1, mbs=MBS, gas=2, seq_len=SEQ, optimizer=ADAMW,
+                schedule="2bw", performance={"fused_optimizer_step": True})  # fp32: no bf16 optimizer

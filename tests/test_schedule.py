@@ -22,6 +22,29 @@ def test_2bw_invariants(p, m, batches):
     assert r.idle_steps == [2 * (p - 1)] * p
 
 
+def _steps_at(delay, p, m, s, batches, kind):
+    """{batch: step id} of the ``kind`` instructions (ReduceGrads / OptimizerStep) on stage ``s``."""
+    sched = fs.FlushFreeSchedule(m, p, s, delay, end_batch=batches)
+    return {c.batch: k for k, cmds in enumerate(sched.steps()) for c in cmds if isinstance(c, kind)}
+
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_2bw_steps_when_stage_0_has_reduced(p, m):
+    """Each stage's update waits for the pipeline's gradient norm, which stage 0 completes last: it is issued at
+    the step where stage 0 reduces the batch (or, for the last batch, at the drain), never before."""
+    batches = 3
+    first_stage = _steps_at("2bw", p, m, 0, batches, fs.ReduceGrads)
+    for s in range(p):
+        reduce, step = _steps_at("2bw", p, m, s, batches, fs.ReduceGrads), _steps_at("2bw", p, m, s, batches,
+                                                                                    fs.OptimizerStep)
+        assert sorted(step) == list(range(batches))
+        for t in range(batches - 1):
+            assert reduce[t] == first_stage[t] - s and step[t] == first_stage[t], (s, t)
+        assert step[batches - 1] >= reduce[batches - 1]
+    assert _steps_at("pipedream", p, m, p - 1, batches, fs.OptimizerStep) == \
+        _steps_at("pipedream", p, m, p - 1, batches, fs.ReduceGrads)  # its slack may be nil: no wait
+
+
 @pytest.mark.parametrize("p,m", [(2, 1), (4, 1), (4, 2), (3, 5), (8, 1)])
 def test_pipedream_variable_delay(p, m):
     batches = 3 * p

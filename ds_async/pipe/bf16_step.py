@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
+from ..optim.adamw_pass import adamw_hyper, adamw_pass_
 from ..optim.clip import clip_
 
 
@@ -29,8 +30,23 @@ class PrecomputedNormBF16Optimizer(BF16_Optimizer):
     """Set instead of ``squared_norm`` when the engine scaled the gradients by the clip factor as it handed them
     over (:meth:`AsyncPipelineEngine._hand_grads_to_bf16_optimizer`): the norm, for the step's report only."""
 
+    one_pass: tuple[list[list[torch.Tensor]], torch.Tensor, list[list[torch.Tensor]]] | None = None
+    """Set instead of handing the gradients over, for :meth:`step_in_one_pass`: (the bf16 gradients and) the
+    extra bf16 outputs, each as one list per parameter group in the group's order, and the clip factor."""
+
+    @staticmethod
+    def supports_one_pass(optimizer) -> bool:
+        """Whether :meth:`step_in_one_pass` reproduces ``optimizer``'s update (torch's AdamW as DeepSpeed builds it
+        for ``"torch_adam": true``)."""
+        return type(optimizer) is torch.optim.AdamW and all(
+            not g["amsgrad"] and not g["maximize"] and not g["differentiable"] and not torch.is_tensor(g["lr"])
+            for g in optimizer.param_groups)
+
     @torch.no_grad()
     def step(self, closure=None):
+        if self.one_pass is not None:
+            (grads, scale, outs), self.one_pass = self.one_pass, None
+            return self.step_in_one_pass(grads, scale, outs)
         sq, self.squared_norm = self.squared_norm, None
         clipped, self.clipped_norm = self.clipped_norm, None
         # Without clipping no norm is needed; DeepSpeed's step would still all-reduce one over the pipeline at step
@@ -57,6 +73,50 @@ class PrecomputedNormBF16Optimizer(BF16_Optimizer):
         self.update_lp_params()
         # No clear_hp_grads(): the engine's next hand-over overwrites the fp32 gradients (see
         # AsyncPipelineEngine._hand_grads_to_bf16_optimizer), so zeroing them would be a wasted pass.
+
+    def step_in_one_pass(self, grads, scale: torch.Tensor, outs) -> None:
+        """The AdamW step straight from the bf16 gradients (times ``scale``) to the fp32 master, the moments, the
+        module's bf16 weights and ``outs``, in one pass per tensor (:mod:`ds_async.optim.adamw_pass`): the same
+        update as the hand-over, torch's AdamW and ``update_lp_params``, without DeepSpeed's gradient buffers (the
+        scaled gradient is rounded to their dtype all the same).
+        One replica, so this rank's partition is the whole group; the padding DeepSpeed appends to a group is
+        zero in every buffer and would stay zero, so it is skipped."""
+        if self.clipped_norm is not None:
+            self._global_grad_norm, self.clipped_norm = self.clipped_norm, None
+        for i, group in enumerate(self.optimizer.param_groups):
+            flat = self.fp32_groups_flat_partition[i]
+            state = self.optimizer.state[flat]
+            if not state:  # as torch's AdamW initialises it
+                on_device = group["capturable"] or group["fused"]
+                state["step"] = torch.zeros((), dtype=torch.float32, device=flat.device if on_device else "cpu")
+                state["exp_avg"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+            views = self._views(i, flat, state)
+            hyper = adamw_hyper(group, self._count_step(state["step"]), flat.device)
+            adamw_pass_(views[0], grads[i], views[1], views[2], [self.bf16_groups[i], *(o[i] for o in outs)],
+                        hyper, scale, self.grad_acc_dtype)
+        self._lazy_init_hp_params_optimizer_state()
+
+    def _views(self, i: int, flat: torch.Tensor, state: dict) -> tuple[list[torch.Tensor], ...]:
+        """Per-parameter views of group ``i``'s fp32 master and moments (cached: they are the same every step)."""
+        cache = self.__dict__.setdefault("_one_pass_views", {})
+        key = (flat.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr())
+        if cache.get(i, (None,))[0] != key:
+            base = self.bf16_groups_flat[i].storage_offset()
+            spans = [(lp.storage_offset() - base, lp) for lp in self.bf16_groups[i]]
+            cache[i] = (key, tuple([t.narrow(0, off, lp.numel()).view_as(lp) for off, lp in spans]
+                                   for t in (flat, state["exp_avg"], state["exp_avg_sq"])))
+        return cache[i][1]
+
+    def _count_step(self, step: torch.Tensor) -> int:
+        """Increment torch's step count and return it, reading it from the GPU (fused or capturable AdamW keep it
+        there) only the first time: afterwards the host mirrors it, so the step never waits for the GPU."""
+        mirror = self.__dict__.setdefault("_one_pass_steps", {})
+        known = mirror.get(id(step))
+        step += 1
+        count = known[1] + 1 if known is not None and known[0] is step else int(step.item())
+        mirror[id(step)] = (step, count)
+        return count
 
     def zero_grad(self, set_to_none=True):
         """The bf16 gradients only; the fp32 ones are overwritten by the next hand-over (DeepSpeed's engine calls

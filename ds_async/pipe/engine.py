@@ -28,7 +28,8 @@ P2P_MODES = ("overlap", "deepspeed")
 
 
 class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
-    def __init__(self, *args, schedule: str = "1f1b", p2p: str = "deepspeed", **kwargs):
+    def __init__(self, *args, schedule: str = "1f1b", p2p: str = "deepspeed", fused_optimizer_step: bool = False,
+                 **kwargs):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if p2p not in P2P_MODES:
@@ -49,7 +50,10 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
         self._drain_at: int | None = None  # last batch of the current segment, when known in advance
         self._version_ready: dict[int, torch.cuda.Event] = {}  # published on the side stream, not yet waited for
         self.versions = None
-        self._pending_norm = None  # (the stages' squared gradient norms, their all-gather) from a reduce to its step
+        # The squared gradient norm from a batch's reduce to its step: this stage's, then the pipeline's (gathered
+        # by the step, which the schedule issues once every stage has reduced the batch).
+        self._stage_sq: torch.Tensor | None = None
+        self._global_sq: torch.Tensor | None = None
         self.stats_every = 0  # compute the staleness of the weights at every this many steps (0: never)
         self.step_events: list | None = None  # benchmarks: (start, end) CUDA events around each optimizer step
         self._staleness_sq = None
@@ -69,9 +73,19 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
         # the bf16 gradients can wait there and be handed over already clipped: the norm is summed from them, and
         # the hand-over writes fp32(g) * clip factor in one pass instead of a copy, an fp32 read for the norm and
         # an fp32 read-modify-write to clip (see copy_scaled_).
-        self.clip_at_hand_over = (isinstance(self.optimizer, PrecomputedNormBF16Optimizer) and self.dp_world_size == 1
-                                  and not self.zero_optimization() and self.gradient_clipping() > 0.0
-                                  and not self.optimizer.has_moe_layers)
+        bf16_waits = (isinstance(self.optimizer, PrecomputedNormBF16Optimizer) and self.dp_world_size == 1
+                      and not self.zero_optimization() and not self.optimizer.has_moe_layers)
+        self.clip_at_hand_over = bf16_waits and self.gradient_clipping() > 0.0
+        # Further, the whole AdamW step can go from the waiting bf16 gradients to the weights in one pass per tensor.
+        self.fused_optimizer_step = fused_optimizer_step
+        if fused_optimizer_step:
+            if not (bf16_waits and PrecomputedNormBF16Optimizer.supports_one_pass(self.optimizer.optimizer)):
+                raise ValueError("performance.fused_optimizer_step needs a flush-free schedule, DeepSpeed's bf16 "
+                                 "optimizer (bf16 enabled, ZeRO off) over torch's AdamW (\"torch_adam\": true, no "
+                                 "amsgrad), one data-parallel replica and no MoE layers")
+            slot_of = {id(master): k for k, (_, _, master) in enumerate(self.versions.entries)}
+            self._slot_order = [[slot_of[id(lp)] for lp in group] for group in self.optimizer.bf16_groups]
+        self._claimed_slot = None  # the slot the fused step writes the new version into
 
     @property
     def is_reporting_rank(self) -> bool:
@@ -210,15 +224,15 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
 
     def _reduce_batch_grads(self):
         self.versions.gather_grads()
-        if self.clip_at_hand_over:
-            return self._start_global_norm()
+        if self.clip_at_hand_over or self.fused_optimizer_step:
+            return self._start_stage_norm()
         if self.using_bf16_optimizer:
             self._hand_grads_to_bf16_optimizer()
         if self.dp_world_size == 1 and not self.zero_optimization():
             self._reduce_over_one_replica()
         else:
             self._exec_reduce_grads()
-        self._start_global_norm()
+        self._start_stage_norm()
 
     def _reduce_over_one_replica(self):
         """What DeepSpeed's gradient all-reduce does with a single replica, minus its copies.
@@ -243,18 +257,14 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
                 if g.dtype != dtype:
                     g.copy_(g.to(dtype))
 
-    def _start_global_norm(self):
-        """Start summing the squared gradient norm over the pipeline, without waiting for the other stages.
-
-        Only the optimizer step waits for it (on the side stream on GPUs), and the step has a whole batch of
-        slack before the version it publishes is first needed.
-        """
+    def _start_stage_norm(self):
+        """This stage's squared gradient norm; the optimizer step gathers the other stages' (see _step_and_publish)."""
         if self.gradient_clipping() <= 0.0:
             return
         if self.using_bf16_optimizer:
             if not isinstance(self.optimizer, PrecomputedNormBF16Optimizer):
                 return
-            if self.clip_at_hand_over:  # still the bf16 gradients: same values, half the bytes to read
+            if self.clip_at_hand_over or self.fused_optimizer_step:  # still the bf16 gradients: half the bytes
                 grads = [lp.grad for group in self.optimizer.bf16_groups for lp in group if lp.grad is not None]
             else:
                 grads = self.optimizer.get_grads_for_norm(for_clipping=True)
@@ -262,31 +272,36 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
             return  # DeepSpeed's ZeRO optimizers compute their own norm at step time (a barrier, but correct)
         else:
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        self._pending_norm = self._gather_stage_norms(squared_norm(grads), async_op=True)
+        self._stage_sq = squared_norm(grads)
 
-    def _gather_stage_norms(self, sq: torch.Tensor, async_op: bool):
-        """Every stage's squared norm, on every stage: (list in stage order, the all-gather's work). An all-reduce
-        would add them in its backend's order (gloo, 4 ranks: s0 + (s1 + (s2 + s3))), which the emulation cannot
-        know; ``sum_in_stage_order`` adds them in one order everywhere."""
+    def _global_norm_sq(self, sq: torch.Tensor) -> torch.Tensor:
+        """The pipeline's squared norm from this stage's ``sq``. An all-reduce would add the stages in its backend's
+        order (gloo, 4 ranks: s0 + (s1 + (s2 + s3))), which the emulation cannot know; the stages are gathered and
+        added in stage order instead. On NCCL only the current stream waits for the other stages."""
         parts = [torch.empty_like(sq) for _ in range(self.num_stages)]
-        return parts, dist.all_gather(parts, sq, group=self.grid.get_pipe_parallel_group(), async_op=async_op)
+        dist.all_gather(parts, sq, group=self.grid.get_pipe_parallel_group())
+        return sum_in_stage_order(parts)
 
     def _take_model_step(self, lr_kwargs=None):
-        if self._pending_norm is not None:
-            parts, work = self._pending_norm
-            work.wait()  # NCCL: only the current (step) stream waits
-            sq = sum_in_stage_order(parts)
-            if self.clip_at_hand_over:
+        sq, self._global_sq = self._global_sq, None
+        if self.clip_at_hand_over or self.fused_optimizer_step:
+            norm = coef = None
+            if self.gradient_clipping() > 0.0:
+                if sq is None:
+                    raise RuntimeError("optimizer step without this batch's gradient norm: its gradients were never "
+                                       "handed over (every step must follow its batch's ReduceGrads)")
                 norm, coef = clip_coefficient(sq, self.gradient_clipping())
+            self.optimizer.clipped_norm = norm
+            if self.fused_optimizer_step:
+                slot, self._claimed_slot = self._claimed_slot, None
+                outs = [[slot[k] for k in order] for order in self._slot_order]
+                self.optimizer.one_pass = (self._take_bf16_grads(), torch.ones((), device=self.device) if coef is None else coef, [outs])
+            else:
                 self._hand_grads_to_bf16_optimizer(scale=coef)
-                self.optimizer.clipped_norm = norm
-                self._pending_norm = None
-            elif isinstance(self.optimizer, PrecomputedNormBF16Optimizer):
-                self.optimizer.squared_norm = sq
-                self._pending_norm = None
-        elif self.clip_at_hand_over:
-            raise RuntimeError("optimizer step without this batch's gradient norm: its gradients were never handed "
-                               "over (every step must follow its batch's ReduceGrads)")
+        elif isinstance(self.optimizer, PrecomputedNormBF16Optimizer):
+            self.optimizer.squared_norm = sq
+        else:
+            self._global_sq = sq  # for clip_fp32_gradients, which DeepSpeed's step calls
         return super()._take_model_step(lr_kwargs)
 
     def _hand_grads_to_bf16_optimizer(self, scale: torch.Tensor | None = None):
@@ -321,12 +336,28 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
         if stale:
             torch._foreach_zero_(stale)
 
+    def _take_bf16_grads(self) -> list[list[torch.Tensor]]:
+        """The bf16 gradients by parameter group, taken off the parameters (zeros where a parameter got none: the
+        fp32 gradient DeepSpeed's step would read there)."""
+        grads = []
+        for group in self.optimizer.bf16_groups:
+            grads.append([torch.zeros_like(lp) if lp.grad is None else lp.grad for lp in group])
+            for lp in group:
+                lp.grad = None
+        return grads
+
     def _exec_batch_step(self, batch: int):
+        self.versions.restore_master()  # DeepSpeed's step reads the module's parameters (fp32 clipping)
         needed = weight_version(self.schedule_name, self._next_forward, self.stage_id, self.num_stages,
                                 self.micro_batches)
         if self._step_stream is None:
             self._step_and_publish(batch, needed)
         else:
+            if self._stage_sq is not None:
+                # The norm's all-gather holds SMs on every stage until the last one joins; the schedule issues this
+                # step when stage 0 finishes the batch, and the side stream starts it only when this stage's passes
+                # have got as far (measured on 4x H200: started at the reduce, it spun there for up to 1.5 passes).
+                self._step_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._step_stream):  # behind this batch's reduce, see _exec_batch_reduce
                 self._step_and_publish(batch, needed)
                 self._version_ready[batch + 1] = torch.cuda.Event()
@@ -338,14 +369,18 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
             used = weight_version(self.schedule_name, batch * self.micro_batches, self.stage_id, self.num_stages,
                                   self.micro_batches)
             self._staleness_sq = self.versions.distance_sq(used)
+        if self._stage_sq is not None:
+            self._global_sq, self._stage_sq = self._global_norm_sq(self._stage_sq), None
         timed = self.step_events is not None and self.device.type == "cuda"
-        if timed and self._pending_norm is not None:
-            self._pending_norm[1].wait()  # time the step, not the wait for the other stages' norms
-        if timed:
+        if timed:  # after the norm's all-gather: the step, not the wait for the other stages
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        self._exec_optimizer_step()
-        self.versions.publish(batch + 1, needed_from=needed)
+        if self.fused_optimizer_step:
+            self._claimed_slot = self.versions.claim(batch + 1, needed_from=needed)
+            self._exec_optimizer_step()
+        else:
+            self._exec_optimizer_step()
+            self.versions.publish(batch + 1, needed_from=needed)
         if timed:
             end.record()
             self.step_events.append((start, end))
@@ -416,11 +451,8 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
     def clip_fp32_gradients(self):
         """Clip by the whole model's gradient norm (DeepSpeed's pipeline averages per-stage norms instead)."""
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        if self._pending_norm is not None:
-            (parts, _), self._pending_norm = self._pending_norm, None  # gathered already, see _take_model_step
-        else:
-            parts, _ = self._gather_stage_norms(squared_norm(grads), async_op=False)
-        clip_(grads, sum_in_stage_order(parts), self.gradient_clipping())
+        sq, self._global_sq = self._global_sq, None  # gathered by _step_and_publish under flush-free schedules
+        clip_(grads, self._global_norm_sq(squared_norm(grads)) if sq is None else sq, self.gradient_clipping())
 
 
 # DeepSpeed's instruction table holds PipelineEngine's own functions, so overriding a method (the p2p ones in

@@ -3,9 +3,12 @@
 One schedule object drives a stage through a *segment* of consecutive batches without draining the pipeline
 between them: the stage warms up once, runs steady 1F1B across batch boundaries and drains only when the segment
 ends (end of training, or before an evaluation or checkpoint that needs an empty pipeline). Each optimizer step
-happens on the stage right after the backward of its batch's last micro-batch (emitted with the next step's
-communication, so the gradient send to the previous stage is not held up by it), while the next batch's forwards
-already run.
+reads the stage's gradients right after the backward of its batch's last micro-batch (``ReduceGrads``, emitted with
+the next step's communication, so the gradient send to the previous stage is not held up by it), while the next
+batch's forwards already run. Under 2BW the update itself (``OptimizerStep``) waits for the whole pipeline's
+gradient norm, which exists only once stage 0 has finished the batch, ``stage_id`` steps later: it is emitted then,
+so that the norm exchange it starts finds every stage ready instead of spinning on the GPU meanwhile. 2BW leaves it
+the slack: the version it publishes is first read a whole batch later.
 
 Which weights each micro-batch uses is :mod:`ds_async.pipe.delay`'s rule; every forward and backward instruction
 carries its global micro-batch index and that version, so the engine, the simulator and the tests all read the
@@ -95,9 +98,14 @@ class FlushFreeSchedule(ds.TrainSchedule):
         total = (self.end_batch - self.first_batch) * self.m
         return step_id >= 2 * (total + self.stages - 1)
 
+    def step_delay(self) -> int:
+        """Steps from a batch's ``ReduceGrads`` to its ``OptimizerStep`` on this stage: until stage 0 reduces it."""
+        return self.stage_id if self.delay == "2bw" else 0
+
     def steps(self):
         prev = -1
-        pending_step = None  # batch whose optimizer step is due at the next step
+        pending_reduce = None  # batch whose gradients are reduced at the next step
+        steps_due: list[tuple[int, int]] = []  # (step id, batch) of optimizer steps not emitted yet
         step_id = 0
         while not self._finished(step_id):
             local, is_forward = self._step_to_micro_batch(step_id)
@@ -115,9 +123,12 @@ class FlushFreeSchedule(ds.TrainSchedule):
                     cmds.append(ds.RecvGrad(buf))
                 if prev_valid and self._valid_stage(self.next_stage):
                     cmds.append(ds.SendActivation(prev_buf))
-            if pending_step is not None:
-                cmds += [ds.ReduceTiedGrads(), ReduceGrads(pending_step), OptimizerStep(pending_step)]
-                pending_step = None
+            if pending_reduce is not None:
+                cmds += [ds.ReduceTiedGrads(), ReduceGrads(pending_reduce)]
+                steps_due.append((step_id + self.step_delay(), pending_reduce))
+                pending_reduce = None
+            while steps_due and steps_due[0][0] <= step_id:
+                cmds.append(OptimizerStep(steps_due.pop(0)[1]))
             if valid:
                 if is_forward:
                     if self.is_first_stage or self.is_last_stage:
@@ -126,10 +137,12 @@ class FlushFreeSchedule(ds.TrainSchedule):
                 else:
                     cmds.append(BackwardPass(buf, self._global(local), self._version(local)))
                     if self._is_last_of_batch(local):
-                        pending_step = self._global(local) // self.m
+                        pending_reduce = self._global(local) // self.m
             prev = local
             step_id += 1
-            if pending_step is not None and self._finished(step_id):
-                cmds += [ds.ReduceTiedGrads(), ReduceGrads(pending_step), OptimizerStep(pending_step)]
-                pending_step = None
+            if self._finished(step_id):  # the drain: nothing follows, so nothing is left to wait for
+                if pending_reduce is not None:
+                    cmds += [ds.ReduceTiedGrads(), ReduceGrads(pending_reduce)]
+                    steps_due.append((step_id, pending_reduce))
+                cmds += [OptimizerStep(batch) for _, batch in steps_due]
             yield cmds

@@ -83,12 +83,18 @@ class WeightVersions:
     def publish(self, version: int, needed_from: int) -> None:
         """Copy the master (now ``W(version)``) into a slot that neither an in-flight micro-batch nor a future
         forward (whose versions are all ``>= needed_from``) will use."""
+        slot = self.claim(version, needed_from)
+        with torch.no_grad():
+            torch._foreach_copy_(slot, [master for _, _, master in self.entries])
+
+    def claim(self, version: int, needed_from: int) -> list[nn.Parameter]:
+        """The slot :meth:`publish` would copy ``W(version)`` into, labelled ``version``, for the caller to fill
+        (in entry order) before any forward on ``version`` runs."""
         free = [i for i, v in enumerate(self.version_of_slot)
                 if v is None or (v not in self.in_flight and v < needed_from)]
         if not free:
             raise RuntimeError(f"no free weight slot for version {version}: held {self.version_of_slot}, "
                                f"in flight {dict(self.in_flight)}")
         i = min(free, key=lambda j: -1 if self.version_of_slot[j] is None else self.version_of_slot[j])
-        with torch.no_grad():
-            torch._foreach_copy_(self.slots[i], [master for _, _, master in self.entries])
         self.version_of_slot[i] = version
+        return self.slots[i]
