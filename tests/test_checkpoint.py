@@ -42,11 +42,15 @@ MUON = {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95, "weight_decay":
                                    "adam_weight_decay": 0.1}}
 EF = {"type": "ef", "lambda": 1.0}
 STEPS, EVERY, STALL = 10, 2, 6  # killed inside step 6: checkpoints 2 and 4 exist, step 5 is lost and redone
-CASES = {  # name: (schedule, optimizer, correction)
-    "1f1b-adamw": ("1f1b", ADAMW, None),
-    "2bw-adamw": ("2bw", ADAMW, None),
-    "1f1b-muon-ef": ("1f1b", MUON, EF),
-    "2bw-muon-ef": ("2bw", MUON, EF),
+# bf16 weights with DeepSpeed's bf16 optimizer, whose AdamW step runs in one pass per tensor (its step count and
+# moments live in torch's AdamW state all the same, and a resume must pick them up).
+BF16_FUSED = {"bf16": {"enabled": True}, "performance": {"fused_optimizer_step": True}}
+CASES = {  # name: (schedule, optimizer, correction, extra keys: DeepSpeed's, and "performance" for ds_async's)
+    "1f1b-adamw": ("1f1b", ADAMW, None, {}),
+    "2bw-adamw": ("2bw", ADAMW, None, {}),
+    "1f1b-muon-ef": ("1f1b", MUON, EF, {}),
+    "2bw-muon-ef": ("2bw", MUON, EF, {}),
+    "2bw-adamw-bf16-fused": ("2bw", ADAMW, None, BF16_FUSED),
 }
 _port = [29400 + os.getpid() % 500 * 2]
 
@@ -64,7 +68,7 @@ def work(tmp_path_factory) -> Path:
     return path
 
 
-def write_config(work: Path, name: str, schedule="1f1b", optimizer=ADAMW, correction=None, steps=STEPS,
+def write_config(work: Path, name: str, schedule="1f1b", optimizer=ADAMW, correction=None, extra=None, steps=STEPS,
                  every=0, final=True, family="llama", data="gensim:lee", **section) -> Path:
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 9,
           "gradient_clipping": 1.0, "optimizer": optimizer,
@@ -77,6 +81,8 @@ def write_config(work: Path, name: str, schedule="1f1b", optimizer=ADAMW, correc
                        "logging": {"dir": str(work / "runs"), "run_name": name, "progress": False, "plot": False},
                        "checkpoint": {"every": every, "keep": 2, "final": final},
                        "correction": correction or {"type": "none"}, **section}}
+    for key, value in (extra or {}).items():
+        (ds["ds_async"] if key == "performance" else ds)[key] = value
     path = work / f"{name}.json"
     path.write_text(json.dumps(ds))
     return path
@@ -155,8 +161,8 @@ def assert_bit_equal(have: dict, want: dict, what: str) -> None:
 def references(work) -> dict:
     """Uninterrupted runs of every case (no checkpoint before the final one, so 2BW never drains) and a Mixtral
     run for the export, all in one job."""
-    runs = [{"name": f"ref-{case}", "config": str(write_config(work, f"ref-{case}", s, o, c))}
-            for case, (s, o, c) in CASES.items()]
+    runs = [{"name": f"ref-{case}", "config": str(write_config(work, f"ref-{case}", s, o, c, x))}
+            for case, (s, o, c, x) in CASES.items()]
     runs.append({"name": "ref-mixtral", "config": str(write_config(work, "ref-mixtral", "2bw", steps=3,
                                                                    family="mixtral"))})
     results = launch(work, "references", runs)
@@ -168,9 +174,9 @@ def references(work) -> dict:
 
 def test_sigkill_and_resume_equals_uninterrupted(work, references):
     resumes = []
-    for case, (schedule, optimizer, correction) in CASES.items():
+    for case, (schedule, optimizer, correction, extra) in CASES.items():
         name = f"killed-{case}"
-        config = write_config(work, name, schedule, optimizer, correction, every=EVERY)
+        config = write_config(work, name, schedule, optimizer, correction, extra, every=EVERY)
         proc = launch(work, name, [{"name": name, "config": str(config), "stall_at": STALL}], wait=False)
         try:
             deadline = time.time() + 300
