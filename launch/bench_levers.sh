@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 7's levers, one at a time, on one GPU host: each line of the matrix is one bench_pipeline.py run.
-# Usage: bash launch/bench_levers.sh OUT.jsonl [MATRIX]     (MATRIX: levers | compiled | fused | scope | clip | scaling |
-# optimizer | optimizer16;
+# Usage: bash launch/bench_levers.sh OUT.jsonl [MATRIX]     (MATRIX: levers | compiled | fused | scope | fusedstep | clip |
+# scaling | optimizer | optimizer16;
 # default levers; several: 'compiled scaling')
 # Every row records its flags ("performance", "p2p", ...) and the card; compare rows of one call only.
 # REPEAT=n runs the whole list n times in order (1F1B and 2BW rows interleave): runs of the same code on one
@@ -40,6 +40,9 @@ case $matrix in
     "--schedule 2bw --micro-batches 4 --compile --compile-scope stage --adamw fused"
     "--schedule 1f1b --micro-batches 8 --compile --compile-scope stage --adamw fused"
     "--schedule 2bw --micro-batches 8 --compile --compile-scope stage --adamw fused") ;;
+  fusedstep) runs+=(  # the scope rows' 2BW with the bf16 AdamW step in one pass (performance.fused_optimizer_step)
+    "--schedule 2bw --micro-batches 4 --compile --compile-scope stage --adamw fused --fused-step"
+    "--schedule 2bw --micro-batches 8 --compile --compile-scope stage --adamw fused --fused-step") ;;
   clip) runs+=(  # without clipping (no global-norm all-reduce); the clip 1.0 rows are the fused matrix's
     "--schedule 2bw --micro-batches 4 --compile --adamw fused --clip 0"
     "--schedule 1f1b --micro-batches 4 --compile --adamw fused --clip 0") ;;

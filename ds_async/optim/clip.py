@@ -46,9 +46,9 @@ def clip_(grads: Sequence[torch.Tensor], total_squared_norm: torch.Tensor, max_n
 
 
 def copy_scaled_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
-    """``dst = src * scale`` in ``dst``'s dtype (fp32): bit-equal to copying ``src`` into ``dst`` and then scaling
-    ``dst`` in place (one rounding either way), but on GPUs one compiled pass that reads ``src`` (bf16) once and
-    writes ``dst`` once, instead of a copy and a read-modify-write of ``dst``: 6 bytes a parameter instead of 14."""
+    """``dst = src * scale`` in ``dst``'s dtype: bit-equal to copying ``src`` into ``dst`` and then scaling ``dst``
+    in place (one rounding either way), but on GPUs one compiled pass that reads ``src`` (bf16) once and writes
+    ``dst`` once, instead of a copy and a read-modify-write of ``dst`` (fp32 ``dst``: 6 bytes a parameter, not 14)."""
     if dst:
         (_copy_scaled_fused if dst[0].is_cuda else _copy_scaled)(list(dst), list(src), scale)
 

@@ -69,10 +69,10 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
             self.versions = WeightVersions(self.module, slots, first_version=self.global_steps)
             if self.using_bf16_optimizer and type(self.optimizer) is BF16_Optimizer:
                 self.optimizer.__class__ = PrecomputedNormBF16Optimizer
-        # With one replica and no ZeRO nothing reads the fp32 gradients between the batch boundary and the step, so
-        # the bf16 gradients can wait there and be handed over already clipped: the norm is summed from them, and
-        # the hand-over writes fp32(g) * clip factor in one pass instead of a copy, an fp32 read for the norm and
-        # an fp32 read-modify-write to clip (see copy_scaled_).
+        # With one replica and no ZeRO nothing reads DeepSpeed's gradient buffers (its grad_accum_dtype: bf16 by
+        # default, or fp32) between the batch boundary and the step, so the bf16 gradients can wait there and be
+        # handed over already clipped: the norm is summed from them, and the hand-over writes g * clip factor in one
+        # pass instead of a copy, a read for the norm and a read-modify-write to clip (see copy_scaled_).
         bf16_waits = (isinstance(self.optimizer, PrecomputedNormBF16Optimizer) and self.dp_world_size == 1
                       and not self.zero_optimization() and not self.optimizer.has_moe_layers)
         self.clip_at_hand_over = bf16_waits and self.gradient_clipping() > 0.0
@@ -305,10 +305,10 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
         return super()._take_model_step(lr_kwargs)
 
     def _hand_grads_to_bf16_optimizer(self, scale: torch.Tensor | None = None):
-        # DeepSpeed's BF16_Optimizer collects gradients into its fp32 buffers from hooks on the bf16 parameters;
-        # forwards ran on version slots, so those hooks never fired: hand the gathered gradients over here, in one
-        # foreach call, as exact fp32 copies of the bf16 sums (DeepSpeed's per-parameter ``_update_hp_grad`` adds
-        # the same copies to zeroed buffers), or with ``scale`` (the clip factor) as fp32(g) * scale, which equals
+        # DeepSpeed's BF16_Optimizer collects gradients into its buffers (grad_accum_dtype) from hooks on the bf16
+        # parameters; forwards ran on version slots, so those hooks never fired: hand the gathered gradients over
+        # here, in one foreach call, as exact copies of the bf16 sums (DeepSpeed's per-parameter ``_update_hp_grad``
+        # adds the same copies to zeroed buffers), or with ``scale`` (the clip factor) as g * scale, which equals
         # the copy clipped afterwards bit for bit. ``PrecomputedNormBF16Optimizer`` does not zero the buffers after
         # its step (DeepSpeed zeroes them twice per step, 8 bytes a parameter): the copy overwrites them, and only
         # a buffer written last batch but not this one is zeroed here. Other optimizers get DeepSpeed's addition.
