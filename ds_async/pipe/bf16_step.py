@@ -30,9 +30,9 @@ class PrecomputedNormBF16Optimizer(BF16_Optimizer):
     """Set instead of ``squared_norm`` when the engine scaled the gradients by the clip factor as it handed them
     over (:meth:`AsyncPipelineEngine._hand_grads_to_bf16_optimizer`): the norm, for the step's report only."""
 
-    one_pass: tuple[list[list[torch.Tensor]], torch.Tensor, list[list[torch.Tensor]]] | None = None
-    """Set instead of handing the gradients over, for :meth:`step_in_one_pass`: (the bf16 gradients and) the
-    extra bf16 outputs, each as one list per parameter group in the group's order, and the clip factor."""
+    one_pass: tuple[list[list[torch.Tensor]], torch.Tensor, list[list[list[torch.Tensor]]]] | None = None
+    """Set by the engine instead of handing the gradients over, for :meth:`step_in_one_pass`'s next call: (the bf16
+    gradients, the clip factor, the extra bf16 outputs), the tensors as one list per parameter group, in order."""
 
     @staticmethod
     def supports_one_pass(optimizer) -> bool:

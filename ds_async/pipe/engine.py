@@ -295,7 +295,8 @@ class AsyncPipelineEngine(NonBlockingP2P, PipelineEngine):
             if self.fused_optimizer_step:
                 slot, self._claimed_slot = self._claimed_slot, None
                 outs = [[slot[k] for k in order] for order in self._slot_order]
-                self.optimizer.one_pass = (self._take_bf16_grads(), torch.ones((), device=self.device) if coef is None else coef, [outs])
+                scale = torch.ones((), device=self.device) if coef is None else coef
+                self.optimizer.one_pass = (self._take_bf16_grads(), scale, [outs])
             else:
                 self._hand_grads_to_bf16_optimizer(scale=coef)
         elif isinstance(self.optimizer, PrecomputedNormBF16Optimizer):
