@@ -121,18 +121,18 @@ def test_2bw_first_bf16_update_equals_stock_deepspeed(tmp_path, immediate):
 
 def test_2bw_bf16_clipping_at_the_hand_over_equals_clipping_in_the_step(tmp_path):
     """With one replica the engine clips bf16 gradients as it hands them over (norm summed from the bf16 gradients,
-    fp32(g) * factor in one pass); with replicas it copies them at the batch boundary, sums the norm from the fp32
-    copies and clips those in the step. Over several steps with clipping active both leave the fp32 master
-    bit-equal, and differ from not clipping."""
+    g * factor written into DeepSpeed's gradient buffers in one pass); with replicas it copies them at the batch
+    boundary, sums the norm from the copies and clips those in the step. Over several steps with clipping active
+    both leave the fp32 master bit-equal, and differ from not clipping."""
     kw = dict(stages=2, steps=4, mbs=MBS, gas=4, seq_len=SEQ, optimizer=ADAMW, schedule="2bw", p2p="deepspeed",
               bf16={"enabled": True})
-    fused = run_job(2, "train", tmp_path / "fused", clip=1e-3, **kw)
-    after = run_job(2, "train", tmp_path / "after", clip=1e-3, clip_at_hand_over=False, **kw)
+    at_hand_over = run_job(2, "train", tmp_path / "at_hand_over", clip=1e-3, **kw)
+    in_step = run_job(2, "train", tmp_path / "in_step", clip=1e-3, clip_at_hand_over=False, **kw)
     run_job(2, "train", tmp_path / "unclipped", clip=0.0, **kw)
-    assert fused["clip_at_hand_over"] is True and after["clip_at_hand_over"] is False
+    assert at_hand_over["clip_at_hand_over"] is True and in_step["clip_at_hand_over"] is False
     for s in range(2):
-        got, want, unclipped = (torch.load(tmp_path / d / f"master_stage{s}.pt") for d in ("fused", "after",
-                                                                                             "unclipped"))
+        got, want, unclipped = (torch.load(tmp_path / d / f"master_stage{s}.pt")
+                                for d in ("at_hand_over", "in_step", "unclipped"))
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert not torch.equal(got, unclipped)
 

@@ -35,8 +35,8 @@ def test_2bw_steps_when_stage_0_has_reduced(p, m):
     batches = 3
     first_stage = _steps_at("2bw", p, m, 0, batches, fs.ReduceGrads)
     for s in range(p):
-        reduce, step = _steps_at("2bw", p, m, s, batches, fs.ReduceGrads), _steps_at("2bw", p, m, s, batches,
-                                                                                    fs.OptimizerStep)
+        reduce = _steps_at("2bw", p, m, s, batches, fs.ReduceGrads)
+        step = _steps_at("2bw", p, m, s, batches, fs.OptimizerStep)
         assert sorted(step) == list(range(batches))
         for t in range(batches - 1):
             assert reduce[t] == first_stage[t] - s and step[t] == first_stage[t], (s, t)

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .compiled import compiled_on_gpus
+
 
 def adamw_hyper(group: dict, step: int, device: torch.device) -> torch.Tensor:
     """The step's scalars in fp32 on ``device``, computed as torch's AdamW computes them (in double, from the step
@@ -29,6 +31,7 @@ def adamw_hyper(group: dict, step: int, device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+@compiled_on_gpus
 def _adamw_pass(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                 exp_avg_sqs: list[torch.Tensor], outs: list[list[torch.Tensor]], hyper: torch.Tensor,
                 grad_scale: torch.Tensor, grad_dtype: torch.dtype) -> None:
@@ -46,9 +49,6 @@ def _adamw_pass(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
             out[k].copy_(p)
 
 
-_adamw_pass_compiled = torch.compile(_adamw_pass, dynamic=False)
-
-
 @torch.no_grad()
 def adamw_pass_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
                 exp_avg_sqs: Sequence[torch.Tensor], outs: Sequence[Sequence[torch.Tensor]], hyper: torch.Tensor,
@@ -58,6 +58,5 @@ def adamw_pass_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], e
     weights) receives the new params, tensor by tensor. The scaled gradient is computed and rounded in
     ``grad_dtype``, as DeepSpeed's gradient buffers of that dtype (its ``grad_accum_dtype``) would hold it."""
     if params:
-        fn = _adamw_pass_compiled if params[0].is_cuda else _adamw_pass
-        fn(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [list(o) for o in outs], hyper,
-           grad_scale.to(grad_dtype), grad_dtype)
+        _adamw_pass(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [list(o) for o in outs], hyper,
+                    grad_scale.to(grad_dtype), grad_dtype)

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .compiled import compiled_on_gpus
+
 
 def squared_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """Sum of squares of ``grads`` (fp32), this rank's share of the model's squared gradient norm."""
@@ -50,11 +52,9 @@ def copy_scaled_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], scale
     in place (one rounding either way), but on GPUs one compiled pass that reads ``src`` (bf16) once and writes
     ``dst`` once, instead of a copy and a read-modify-write of ``dst`` (fp32 ``dst``: 6 bytes a parameter, not 14)."""
     if dst:
-        (_copy_scaled_fused if dst[0].is_cuda else _copy_scaled)(list(dst), list(src), scale)
+        _copy_scaled(list(dst), list(src), scale)
 
 
+@compiled_on_gpus
 def _copy_scaled(dst: list[torch.Tensor], src: list[torch.Tensor], scale: torch.Tensor) -> None:
     torch._foreach_copy_(dst, torch._foreach_mul([s.to(d.dtype) for d, s in zip(dst, src)], scale.to(dst[0].dtype)))
-
-
-_copy_scaled_fused = torch.compile(_copy_scaled, dynamic=False)

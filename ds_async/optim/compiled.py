@@ -1,0 +1,19 @@
+"""Pointwise passes over lists of tensors: compiled on GPUs, eager torch ops elsewhere."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def compiled_on_gpus(fn):
+    """``fn`` compiled by Inductor (one kernel per tensor) when its first argument, a list of tensors, is on a GPU;
+    the eager ops elsewhere, so CPU runs round exactly as the torch ops the tests compare against. ``.compiled`` is
+    the compiled function, for tests that check it on CPU."""
+    compiled = torch.compile(fn, dynamic=False)
+
+    @functools.wraps(fn)
+    def run(tensors, *args):
+        return (compiled if tensors[0].is_cuda else fn)(tensors, *args)
+    run.compiled = compiled
+    return run
