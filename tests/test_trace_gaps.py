@@ -1,11 +1,11 @@
-"""``launch/trace_gaps.py`` on a hand-written chrome trace: every gap charged to the right instruction and cause."""
+"""``launch/bench/trace_gaps.py`` on a hand-written chrome trace: every gap charged to the right instruction and cause."""
 import importlib.util
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("trace_gaps", ROOT / "launch" / "trace_gaps.py")
+spec = importlib.util.spec_from_file_location("trace_gaps", ROOT / "launch" / "bench" / "trace_gaps.py")
 trace_gaps = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(trace_gaps)
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue 7's levers, one at a time, on one GPU host: each line of the matrix is one bench_pipeline.py run.
-# Usage: bash launch/bench_levers.sh OUT.jsonl [MATRIX]     (MATRIX: levers | compiled | fused | scope | fusedstep | clip |
-# scaling | optimizer | optimizer16;
-# default levers; several: 'compiled scaling')
-# Every row records its flags ("performance", "p2p", ...) and the card; compare rows of one call only.
+# Usage: bash launch/bench/bench_levers.sh OUT.jsonl [MATRIX]
+# MATRIX: headline | levers | compiled | fused | scope | fusedstep | clip | scaling | optimizer | optimizer16;
+# default levers; several: 'compiled scaling'.
+# Every row records its flags ("performance", "adamw", ...) and the card; compare rows of one call only.
 # REPEAT=n runs the whole list n times in order (1F1B and 2BW rows interleave): runs of the same code on one
 # machine spread by up to 7% (measured on 4x H200), as much as some targets' margins.
 set -uo pipefail
@@ -15,6 +15,11 @@ part=${PARTITION:-0,5,9,13,17}  # compute-balanced 4 stages of the 15-layer 0.9B
 runs=()
 for matrix in $matrices; do
 case $matrix in
+  headline) runs+=(  # launch/bench/RESULTS.md's first table: stock 1F1B and 2BW, each with every lever it takes
+    "--schedule 1f1b --micro-batches 4 --compile --compile-scope stage --adamw fused"
+    "--schedule 2bw --micro-batches 4 --compile --compile-scope stage --adamw fused --fused-step"
+    "--schedule 1f1b --micro-batches 8 --compile --compile-scope stage --adamw fused"
+    "--schedule 2bw --micro-batches 8 --compile --compile-scope stage --adamw fused --fused-step") ;;
   levers) runs+=(
     "--schedule 1f1b --micro-batches 4"
     "--schedule 2bw --micro-batches 4"
@@ -63,7 +68,7 @@ for r in "${all[@]}"; do
   n=$ngpu; [[ $r == NPROC=* ]] && { n=${r%% *}; n=${n#NPROC=}; r=${r#* }; }
   flags=$r; [[ $r == *--stages* ]] || flags="$r --partition $part"
   t0=$(date +%s)
-  timeout ${RUN_TIMEOUT:-170} torchrun --nproc_per_node "$n" launch/bench_pipeline.py $flags --out "$out" \
+  timeout ${RUN_TIMEOUT:-170} torchrun --nproc_per_node "$n" launch/bench/bench_pipeline.py $flags --out "$out" \
     --warmup ${WARMUP:-3} --steps ${STEPS:-8} > /tmp/bench_run.log 2>&1
   rc=$?
   echo "[$(( $(date +%s) - t0 ))s rc=$rc] n=$n $flags"

@@ -1,6 +1,6 @@
 """Point-to-point transfer time of one activation between neighbouring pipeline stages (NCCL send/recv).
 
-    torchrun --nproc_per_node 2 launch/bench_p2p.py --out p2p.jsonl
+    torchrun --nproc_per_node 2 launch/bench/bench_p2p.py --out rows.jsonl
 
 With m = p micro-batches a flush-free 1F1B pipeline has no slack: each stage's cycle waits for the round trip of
 a micro-batch through the later stages, so every transfer's latency adds to the step (stage 0: 2(p-1) transfers
@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--micro-batch-size", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=2048)
@@ -29,6 +29,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    from ds_async.metrics import code_version
+
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -53,7 +55,8 @@ def main() -> None:
     row = {"bench": "p2p", "bytes": x.numel() * x.element_size(), "ms_per_transfer": round(ms, 4),
            "GB_per_s": round(x.numel() * x.element_size() / ms / 1e6, 1), "pair": [peer, rank],
            "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
-           "nccl": ".".join(map(str, torch.cuda.nccl.version())), "card": torch.cuda.get_device_name()}
+           "nccl": ".".join(map(str, torch.cuda.nccl.version())), "card": torch.cuda.get_device_name(),
+           "code": code_version()}
     if rank % 2 == 1:
         print("P2P " + json.dumps(row), flush=True)
         if a.out and rank == 1:

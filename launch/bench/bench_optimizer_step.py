@@ -1,6 +1,6 @@
 """Optimizer step of one pipeline stage, alone on one GPU: where Muon+EF's time goes.
 
-    python launch/bench_optimizer_step.py --out launch/results/bench_optimizer_step.jsonl
+    python launch/bench/bench_optimizer_step.py --out rows.jsonl
 
 A stage of the ~0.9B LLaMA (``--layers`` decoder layers of hidden 2048, ffn 5632, fp32 weights as under
 autocast) gets random gradients; each optimizer steps it ``--steps`` times. Per optimizer one JSON row: the GPU
@@ -15,15 +15,6 @@ import statistics
 import time
 
 import torch
-
-
-def newton_schulz_flops(shapes: list[torch.Size], steps: int) -> float:
-    """Per matrix of n x k (n <= k after orientation) and iteration: X X^T (2n^2k), A A (2n^3), B X (2n^2k)."""
-    total = 0.0
-    for shape in shapes:
-        n, k = sorted(shape[-2:])
-        total += steps * (4 * n * n * k + 2 * n ** 3)
-    return total
 
 
 def median_ms(fn, steps: int, warmup: int) -> tuple[float, float]:
@@ -80,6 +71,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
+    from ds_async.flops import newton_schulz_flops
     from ds_async.metrics import code_version
     from ds_async.optim.muon import momentum_directions, orthogonalise_batched
 

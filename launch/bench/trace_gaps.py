@@ -1,6 +1,6 @@
 """Where a pipeline stage's GPU waits: the gaps on its compute stream in a torch.profiler chrome trace.
 
-    python launch/trace_gaps.py PROFILE_DIR/trace_rank*.json
+    python launch/bench/trace_gaps.py PROFILE_DIR/trace_rank*.json
 
 ``bench_pipeline.py --profile DIR`` writes one trace per rank with every pipeline instruction marked
 (``pipe:ForwardPass``, ``pipe:RecvGrad``, ...). For each rank this reports the compute stream's kernel time and its

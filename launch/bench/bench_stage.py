@@ -1,6 +1,6 @@
 """One pipeline stage's passes on one GPU: host issue time vs GPU time, per compile scope.
 
-    python launch/bench_stage.py --layers 4 --out stage.jsonl
+    python launch/bench/bench_stage.py --layers 4 --out rows.jsonl
 
 A flush-free pipeline keeps the GPU busy only if the host issues each forward and backward faster than the GPU
 runs it. This times both for one stage of the benchmark LLaMA (bf16, two weight versions swapped in as the 2BW
@@ -14,13 +14,9 @@ engine does, micro-batches interleaved 1F1B-style with two in flight):
 - ``gpu_ms``: CUDA-event time of the same passes, issued back to back.
 
 Scopes: ``eager``; ``layer`` (``torch.compile`` per decoder layer, ``performance.compile``); ``stage`` (one
-compiled region over all the stage's layers, ``performance.compile_scope = "stage"``); ``stage-cudagraphs`` (the
-same region under ``mode="reduce-overhead"``, an upper bound on what CUDA graphs could save; not an engine option);
-``stage-cpp`` (the region with Inductor's C++ wrapper; failed to compile this backward on torch 2.11);
-``stage-triton-gemm`` (the region with autotuned Triton GEMMs instead of cuBLAS calls, whose host cost is 16-23 us a
-call; measured slower on the GPU); ``stage-fused`` (the region over prototype layers with fused q/k/v and gate/up
-weights: fewer GEMM calls, 0.9 ms less host time a micro-batch but a slower backward on the GPU; see
-``launch/results/README.md``, session 16).
+compiled region over all the stage's layers, ``performance.compile_scope = "stage"``). Results:
+``launch/bench/RESULTS.md``; scopes tried and dropped (C++ wrapper, CUDA graphs, Triton GEMMs, fused projections):
+``CHANGELOG.md``.
 """
 from __future__ import annotations
 
@@ -34,42 +30,6 @@ import warnings
 import torch
 
 
-class FusedProjectionsLayer(torch.nn.Module):
-    """Prototype, speed only: a LLaMA decoder layer whose q/k/v and gate/up projections are one weight each, so a
-    micro-batch issues 48 GEMMs per 4 layers instead of 84 (each cuBLAS call costs the host 16-23 us). Randomly
-    initialised; ds_async's layer is HF's (``llama.DecoderLayerPipe``)."""
-
-    def __init__(self, cfg, layer_idx: int):
-        from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
-
-        super().__init__()
-        h, f = cfg.hidden_size, cfg.intermediate_size
-        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = h // self.heads
-        self.qkv = torch.nn.Linear(h, (self.heads + 2 * self.kv_heads) * self.head_dim, bias=False)
-        self.o = torch.nn.Linear(self.heads * self.head_dim, h, bias=False)
-        self.gate_up = torch.nn.Linear(h, 2 * f, bias=False)
-        self.down = torch.nn.Linear(f, h, bias=False)
-        self.norm1, self.norm2 = LlamaRMSNorm(h, cfg.rms_norm_eps), LlamaRMSNorm(h, cfg.rms_norm_eps)
-        self.rotary = LlamaRotaryEmbedding(cfg)
-        for lin in (self.qkv, self.o, self.gate_up, self.down):
-            torch.nn.init.normal_(lin.weight, std=cfg.initializer_range)
-
-    def forward(self, x):
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        b, s, _ = x.shape
-        cos, sin = self.rotary(x, torch.arange(s, device=x.device).unsqueeze(0))
-        qkv = self.qkv(self.norm1(x)).view(b, s, -1, self.head_dim).transpose(1, 2)
-        q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                             enable_gqa=self.kv_heads != self.heads)
-        x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
-        gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
-        return x + self.down(torch.nn.functional.silu(gate) * up)
-
-
 def build(args, scope: str):
     from transformers import LlamaConfig
 
@@ -80,17 +40,14 @@ def build(args, scope: str):
                       num_key_value_heads=args.heads, num_hidden_layers=args.layers, vocab_size=32000,
                       max_position_embeddings=args.seq_len, tie_word_embeddings=False)
     llama.check_supported(cfg)
-    layer_cls = FusedProjectionsLayer if scope == "stage-fused" else llama.DecoderLayerPipe
-    layers = [layer_cls(cfg, i) for i in range(args.layers)]
+    layers = [llama.DecoderLayerPipe(cfg, i) for i in range(args.layers)]
     stage = torch.nn.ModuleList(layers).to("cuda", torch.bfloat16)
     if scope == "layer":
         for layer in layers:
             layer.compile()
     forward = torch.nn.Sequential(*layers)  # layer by layer, as DeepSpeed's PipelineModule runs them
-    if scope.startswith("stage"):
-        extra = {"stage-cudagraphs": {"mode": "reduce-overhead"}, "stage-cpp": {"options": {"cpp_wrapper": True}},
-                 "stage-triton-gemm": {"options": {"max_autotune_gemm": True, "max_autotune_gemm_backends": "TRITON"}}}
-        forward = compiled_stage(layers, **extra.get(scope, {}))
+    if scope == "stage":
+        forward = compiled_stage(layers)
     versions = WeightVersions(stage, 2)
     versions.publish(1, needed_from=0)
     return forward, versions
@@ -189,7 +146,7 @@ def measure(args, scope: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scopes", default="eager,layer,stage")
+    ap.add_argument("--scopes", default="eager,layer,stage", help="comma list of eager, layer, stage")
     ap.add_argument("--layers", type=int, default=4, help="decoder layers in the stage")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=5632)
@@ -218,6 +175,9 @@ def main() -> None:
         # The compile caches do not key on the SDPA restriction: a cached graph would keep the first backend.
         torch._inductor.config.fx_graph_cache = False
         torch._functorch.config.enable_autograd_cache = False
+    unknown = set(args.scopes.split(",")) - {"eager", "layer", "stage"}
+    if unknown:
+        ap.error(f"unknown scopes {sorted(unknown)}")
     runs = [(s, b, lib) for s in args.scopes.split(",") for b in args.sdpa.split(",") for lib in args.blas.split(",")]
     for scope, sdpa, blas in runs:
         if blas != "default":
@@ -225,7 +185,7 @@ def main() -> None:
         try:
             with sdpa_kernel(backends[sdpa]) if sdpa != "auto" else contextlib.nullcontext():
                 result = measure(args, scope)
-        except Exception as e:  # an exploratory scope may not run at all: say so in the row
+        except Exception as e:  # a restricted SDPA backend may not support these shapes: say so in the row
             result = {"scope": scope, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         row = {"bench": "stage_passes", **result, "sdpa_restricted_to": sdpa,
                "blas": str(torch.backends.cuda.preferred_blas_library()), "layers": args.layers,

@@ -1,12 +1,13 @@
 """Pipeline throughput benchmark: stock-equivalent 1F1B vs flush-free 2BW on the same model and machine.
 
-    deepspeed --num_gpus 4 launch/bench_pipeline.py --schedule 1f1b --micro-batches 4 --out bench.json
-    deepspeed --num_gpus 4 launch/bench_pipeline.py --schedule 2bw  --micro-batches 4 --out bench.json
+    torchrun --nproc_per_node 4 launch/bench/bench_pipeline.py --schedule 1f1b --micro-batches 4 --out rows.jsonl
+    torchrun --nproc_per_node 4 launch/bench/bench_pipeline.py --schedule 2bw  --micro-batches 4 --out rows.jsonl
 
 Prints and appends one JSON row per run: step time, tokens/s, MFU (model FLOPs over the card's dense bf16 peak),
 peak memory per stage, and the measured idle fraction per stage (1 - time inside forward/backward passes, timed
 with CUDA events, over the wall time of the timed steps). Data are random tokens (speed only);
-the model is a LLaMA built exactly as in training (``ds_async.models``).
+the model is a LLaMA built exactly as in training (``ds_async.models``); FLOPs are ``ds_async.flops``'s.
+Current numbers and the command behind each: ``launch/bench/RESULTS.md``.
 """
 from __future__ import annotations
 
@@ -20,14 +21,6 @@ import time
 import torch
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
-
-
-def model_flops_per_token(cfg, seq_len: int) -> float:
-    """6 N (matmul parameters, forward + backward) + attention scores: 12 L h s (causal not halved)."""
-    h, L, v, ffn = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.intermediate_size
-    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * ffn
-    return 6 * (L * per_layer + h * v) + 12 * L * h * seq_len
 
 
 class ComputeTimer:
@@ -102,7 +95,7 @@ def param_digest(engine) -> str:
 
 def profile_steps(engine, it, folder: str) -> None:
     """Two steady steps on this rank under torch.profiler, every pipeline instruction marked: a kernel and
-    host-op table, a chrome trace, and its compute-stream gaps (``launch/trace_gaps.py``)."""
+    host-op table, a chrome trace, and its compute-stream gaps (``trace_gaps.py``, next to this file)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from trace_gaps import PREFIX, gap_report
@@ -171,8 +164,6 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--optimizer", choices=["adamw", "muon", "muon-ef"], default="adamw",
                     help="muon / muon-ef (ds_async's hybrid Muon, with error feedback) need --precision autocast")
-    ap.add_argument("--p2p", choices=["overlap", "deepspeed"], default="deepspeed",
-                    help="stage-to-stage transfers: ds_async's non-blocking channels or DeepSpeed's blocking p2p")
     ap.add_argument("--precision", choices=["bf16", "autocast"], default="bf16",
                     help="bf16: DeepSpeed's bf16 weights + fp32 master; autocast: fp32 weights, bf16 compute")
     ap.add_argument("--partition", default="parameters",
@@ -208,6 +199,7 @@ def main() -> None:
     from transformers import LlamaConfig
 
     from ds_async import config as cfgmod
+    from ds_async.flops import model_flops_per_token
     from ds_async.initialize import init_distributed, initialize
     from ds_async.metrics import code_version
     from ds_async.models import build_pipeline
@@ -222,7 +214,7 @@ def main() -> None:
     partition = ({"method": "explicit", "boundaries": [int(x) for x in a.partition.split(",")]}
                  if "," in a.partition else {"method": a.partition})
     cfg = cfgmod.parse({"model": {"config": model}, "pipeline_stages": stages, "schedule": a.schedule,
-                        "train": {"steps": a.steps}, "partition": partition, "p2p": a.p2p,
+                        "train": {"steps": a.steps}, "partition": partition,
                         "correction": {"type": "ef" if a.optimizer == "muon-ef" else "none"},
                         "performance": {"compile": a.compile, "compile_scope": a.compile_scope,
                                         "loss_chunk": a.loss_chunk,
@@ -241,8 +233,8 @@ def main() -> None:
         ds_config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     from ds_async.pipe.engine import AsyncPipelineEngine
     timer = ComputeTimer(AsyncPipelineEngine)
-    engine = initialize(build_pipeline(cfg, hf), ds_config, schedule=a.schedule, p2p=a.p2p,
-                        correction=cfg.correction, fused_optimizer_step=cfg.performance.fused_optimizer_step)
+    engine = initialize(build_pipeline(cfg, hf), ds_config, schedule=a.schedule, correction=cfg.correction,
+                        fused_optimizer_step=cfg.performance.fused_optimizer_step)
     engine.step_events = []
     if a.skip_step:
         skip_optimizer_step(engine)
@@ -305,7 +297,7 @@ def main() -> None:
     flops = model_flops_per_token(hf, a.seq_len) * tokens / step_time
     mfu = flops / (world * PEAK_BF16[card]) if card else None
     p, m = stages, a.micro_batches
-    row = {"schedule": a.schedule, "p2p": a.p2p, "stages": p, "partition": a.partition, "data_parallel": world // p,
+    row = {"schedule": a.schedule, "stages": p, "partition": a.partition, "data_parallel": world // p,
            "micro_batches": m,
            "micro_batch_size": a.micro_batch_size, "seq_len": a.seq_len, "precision": a.precision,
            "step_time_s": round(step_time, 4), "tokens_per_s": round(tokens / step_time, 1),
