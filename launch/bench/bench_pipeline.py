@@ -93,7 +93,7 @@ def param_digest(engine) -> str:
     return h.hexdigest()[:12]
 
 
-def profile_steps(engine, it, folder: str) -> None:
+def profile_steps(engine, it, folder: str, schedule: str) -> None:
     """Two steady steps on this rank under torch.profiler, every pipeline instruction marked: a kernel and
     host-op table, a chrome trace, and its compute-stream gaps (``trace_gaps.py``, next to this file)."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -130,7 +130,7 @@ def profile_steps(engine, it, folder: str) -> None:
     with open(trace) as f:
         report = gap_report(json.load(f))
     with open(os.path.join(folder, f"gaps_rank{rank}.json"), "w") as f:
-        json.dump({"stage": engine.stage_id, "schedule": engine.schedule_name, **report}, f, indent=1)
+        json.dump({"stage": engine.stage_id, "schedule": schedule, **report}, f, indent=1)
 
 
 def skip_optimizer_step(engine) -> None:
@@ -274,7 +274,7 @@ def main() -> None:
     busy = timer.busy_seconds()
     step_ms = [s.elapsed_time(e) for s, e in engine.step_events[a.warmup:]]
     if a.profile:
-        profile_steps(engine, it, a.profile)
+        profile_steps(engine, it, a.profile, a.schedule)
     engine.train_batch(it)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2 ** 30
