@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-SCHEDULES = ("1f1b", "2bw", "pipedream")
+from .pipe.version_rule import RULES, SCHEDULES
 
 
 class ConfigError(ValueError):
@@ -180,13 +180,10 @@ class DsAsyncConfig:
     """Pipeline depth p; the remaining ranks become data-parallel replicas (world = p x dp)."""
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     """Layer-to-stage split."""
-    schedule: Literal["1f1b", "2bw", "pipedream"] = "1f1b"
-    """``1f1b``: DeepSpeed's synchronous TrainSchedule (flush every step). ``2bw``: PipeDream-2BW, flush-free with
-    a constant one-step weight delay. ``pipedream``: per-stage variable delay (original PipeDream)."""
-    p2p: Literal["overlap", "deepspeed"] = "deepspeed"
-    """Stage-to-stage transfers. ``deepspeed``: DeepSpeed's blocking send/recv, exactly the stock engine.
-    ``overlap``: non-blocking, one channel per direction, the host runs ahead (:mod:`ds_async.pipe.p2p`); on
-    4x H200 it measured no faster than ``deepspeed`` (1-3% slower, ``launch/results``), hence not the default."""
+    schedule: Literal[SCHEDULES] = "1f1b"
+    """The version rule (:mod:`ds_async.pipe.version_rule`). ``1f1b``: DeepSpeed's synchronous TrainSchedule
+    (flush every step). ``2bw``: PipeDream-2BW, flush-free with a constant one-step weight delay. ``pipedream``:
+    per-stage variable delay (original PipeDream)."""
     data: DataConfig = field(default_factory=DataConfig)
     """Training and validation text streams."""
     train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=100))
@@ -326,9 +323,10 @@ def check_batch(ds_config: dict, cfg: DsAsyncConfig, world_size: int) -> tuple[i
     if tbs != mbs * gas * dp:
         raise ConfigError(f"train_batch_size: {tbs} != train_micro_batch_size_per_gpu ({mbs}) x "
                           f"gradient_accumulation_steps ({gas}) x data-parallel degree ({dp}) = {mbs * gas * dp}")
-    if cfg.schedule == "2bw" and gas < p:
-        raise ConfigError(f"gradient_accumulation_steps: schedule '{cfg.schedule}' needs at least as many "
-                          f"micro-batches as stages (m={gas} < p={p})")
+    try:
+        RULES[cfg.schedule].check(p, gas)
+    except ValueError as e:
+        raise ConfigError(f"gradient_accumulation_steps: {e}") from None
     return tbs, mbs, gas
 
 

@@ -19,12 +19,12 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
 
 
-def initialize(model: PipelineModule, config: dict, schedule: str = "1f1b", p2p: str = "deepspeed", correction=None,
-               optimizer=None, lr_scheduler=None, model_parameters=None,
-               fused_optimizer_step: bool = False) -> AsyncPipelineEngine:
+def initialize(model: PipelineModule, config: dict, schedule: str = "1f1b", correction=None, optimizer=None,
+               lr_scheduler=None, model_parameters=None, fused_optimizer_step: bool = False) -> AsyncPipelineEngine:
     """Build the engine for ``model`` from a DeepSpeed config dict (without its ``ds_async`` section).
 
-    ``schedule``, ``p2p`` and ``correction`` are the ``ds_async`` section's keys of the same names,
+    ``schedule`` (a name or :class:`~ds_async.pipe.version_rule.VersionRule`) and ``correction`` are the
+    ``ds_async`` section's keys of the same names,
     ``fused_optimizer_step`` its ``performance`` key. ds_async's
     optimizers (``Muon``, ``Lion``, or any type with a correction) are built here from the JSON block and handed
     to DeepSpeed as client optimizers (:mod:`ds_async.optim.client`); combinations they cannot honour are refused.
@@ -40,7 +40,7 @@ def initialize(model: PipelineModule, config: dict, schedule: str = "1f1b", p2p:
     deepspeed.set_optimizer_flags(config_class, model)
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
-    engine = AsyncPipelineEngine(schedule=schedule, p2p=p2p, fused_optimizer_step=fused_optimizer_step, args=None,
+    engine = AsyncPipelineEngine(schedule=schedule, fused_optimizer_step=fused_optimizer_step, args=None,
                                  model=model, optimizer=optimizer, model_parameters=model_parameters,
                                  lr_scheduler=lr_scheduler, mpu=mpu, config=config, config_class=config_class)
     engine._configure_python_gc()

@@ -1,7 +1,10 @@
 """The training job: config -> tokenizer -> pipeline model -> engine -> train/eval/save loop -> logs.
 
-``launch/train.py`` is a thin command-line wrapper around :func:`train`. Checkpoints (``ds_async.checkpoint``)
-are saved on drained pipelines, like evaluations, and ``resume`` continues a run exactly where one stopped.
+:class:`Trainer` holds one job's parts and runs it in small steps (``setup``, ``train_step``, ``validate``,
+``save``, ``close``); when to evaluate, save and drain is :class:`~ds_async.cadence.Cadence`'s plan, which the
+emulation shares. ``launch/train.py`` is a thin command-line wrapper around :func:`train`. Checkpoints
+(:mod:`ds_async.checkpoint`) are saved on drained pipelines, like evaluations, and ``resume`` continues a run
+exactly where one stopped.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import numpy as np
 import torch
 
 from . import config as cfgmod
+from .cadence import Cadence
 from .config import ConfigError, DsAsyncConfig
 
 
@@ -99,82 +103,122 @@ def train(config_path: str, max_steps: int | None = None, run_name: str | None =
     ``resume``: ``"latest"`` continues from the newest complete checkpoint in the run's checkpoint folder (or
     starts afresh if there is none); a path names a checkpoint or a folder of them.
     """
-    import torch.distributed as tdist
-    from deepspeed import comm as dist
+    trainer = Trainer(config_path, max_steps=max_steps, run_name=run_name)
+    trainer.setup(resume)
+    return trainer.run()
 
-    from . import checkpoint, data, metrics
-    from .initialize import init_distributed, initialize
-    from .models import build_pipeline, model_config
-    from .nonfinite import LossMonitor, NonFiniteLoss, SkipNonFinite, check_skip_supported
 
-    ds_config, cfg = cfgmod.load(config_path)
-    if run_name is not None:
-        cfg = replace(cfg, logging=replace(cfg.logging, run_name=run_name))
-    init_distributed()
-    _, mbs, gas = cfgmod.check_batch(ds_config, cfg, dist.get_world_size())
-    seed_everything(cfg.seed)
-    group = tdist.new_group(backend="gloo")  # host-side agreement: checkpoint files, loss flags
+class Trainer:
+    """One training job. ``setup`` builds everything (every rank), ``run`` trains to the end and returns the summary
+    on the reporting rank (``None`` elsewhere)."""
 
-    name = _agree(cfg.logging.run_name or f"{cfg.schedule}-{ds_config.get('optimizer', {}).get('type', 'none')}-"
-                                          f"{time.strftime('%Y%m%d-%H%M%S')}", group)
-    run_dir = Path(cfg.logging.dir) / name
-    ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    resume_from = None
-    if resume is not None:
-        try:
-            found = _resume_from(resume, cfg, ckpt_root) if dist.get_rank() == 0 else None
-        except (ConfigError, checkpoint.CheckpointError) as e:
-            found = e
-        resume_from = _agree(found, group)
-        if resume_from is None and dist.get_rank() == 0:
-            print(f"ds_async: no complete checkpoint in {ckpt_root}; starting from step 0", flush=True)
-    if dist.get_rank() == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+    def __init__(self, config_path: str, max_steps: int | None = None, run_name: str | None = None):
+        from deepspeed import comm as dist
 
-    if resume_from is not None and cfg.tokenizer.startswith("train:"):
-        tok = data.load_tokenizer(str(resume_from / "tokenizer.json"))  # the one the saved run trained
-    else:
-        tok = resolve_tokenizer(cfg, run_dir, dist)
-    hf_config = model_config(cfg)
-    check_vocab(tok, hf_config, cfg.tokenizer)
-    module = build_pipeline(cfg, hf_config)
-    engine = initialize(module, ds_config, schedule=cfg.schedule, p2p=cfg.p2p, correction=cfg.correction,
-                        fused_optimizer_step=cfg.performance.fused_optimizer_step)
-    engine.stats_every = cfg.logging.optimizer_every
-    monitor = None
-    if cfg.train.on_nonfinite == "skip":
-        check_skip_supported(engine.optimizer)
-        engine.optimizer = SkipNonFinite(engine.optimizer, group)
-    else:
-        monitor = LossMonitor(group, lag=engine.is_async)
+        from .initialize import init_distributed
 
-    dp_rank, dp_world = engine.grid.data_parallel_id, engine.grid.data_parallel_size
-    seq_len = cfg.data.seq_len
-    tokens_per_step = engine.train_batch_size() * seq_len
-    total_steps = steps_for(cfg, tokens_per_step)
-    if max_steps is not None:
-        total_steps = min(total_steps, max_steps)
+        self.config_path = config_path
+        self.ds_config, cfg = cfgmod.load(config_path)
+        self.cfg = cfg if run_name is None else replace(cfg, logging=replace(cfg.logging, run_name=run_name))
+        self.max_steps = max_steps
+        init_distributed()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        _, self.mbs, self.gas = cfgmod.check_batch(self.ds_config, self.cfg, self.world)
 
-    def stream(split: str, source: str, train: bool):
-        return data.PackedBatches(data.load_text_stream(source, split, cfg.data.text_field), tok, seq_len, mbs,
-                                  dp_rank=dp_rank, dp_world_size=dp_world, seed=cfg.seed,
+    # ------------------------------------------------------------------------------------------------ setup
+    def setup(self, resume: str | None = None) -> None:
+        import torch.distributed as tdist
+
+        seed_everything(self.cfg.seed)
+        self.group = tdist.new_group(backend="gloo")  # host-side agreement: checkpoint files, loss flags
+        self._locate_run(resume)
+        self._build_engine()
+        self._build_data()
+        self.start = self._restore() if self.resume_from is not None else 0
+        self.last_saved = self.start if self.resume_from is not None else None
+        self._start_logging()
+
+    def _locate_run(self, resume: str | None) -> None:
+        from deepspeed import comm as dist
+
+        from . import checkpoint
+
+        cfg = self.cfg
+        default = f"{cfg.schedule}-{self.ds_config.get('optimizer', {}).get('type', 'none')}-" \
+                  f"{time.strftime('%Y%m%d-%H%M%S')}"
+        self.run_dir = Path(cfg.logging.dir) / _agree(cfg.logging.run_name or default, self.group)
+        self.ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        self.resume_from = None
+        if resume is not None:
+            try:
+                found = _resume_from(resume, cfg, self.ckpt_root) if self.rank == 0 else None
+            except (ConfigError, checkpoint.CheckpointError) as e:
+                found = e
+            self.resume_from = _agree(found, self.group)
+            if self.resume_from is None and self.rank == 0:
+                print(f"ds_async: no complete checkpoint in {self.ckpt_root}; starting from step 0", flush=True)
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+
+    def _build_engine(self) -> None:
+        from deepspeed import comm as dist
+
+        from . import data
+        from .initialize import initialize
+        from .models import build_pipeline, model_config
+        from .nonfinite import LossMonitor, SkipNonFinite, check_skip_supported
+
+        cfg = self.cfg
+        if self.resume_from is not None and cfg.tokenizer.startswith("train:"):
+            self.tok = data.load_tokenizer(str(self.resume_from / "tokenizer.json"))  # the one the saved run trained
+        else:
+            self.tok = resolve_tokenizer(cfg, self.run_dir, dist)
+        self.hf_config = model_config(cfg)
+        check_vocab(self.tok, self.hf_config, cfg.tokenizer)
+        module = build_pipeline(cfg, self.hf_config)
+        self.engine = engine = initialize(module, self.ds_config, schedule=cfg.schedule, correction=cfg.correction,
+                                          fused_optimizer_step=cfg.performance.fused_optimizer_step)
+        engine.stats_every = cfg.logging.optimizer_every
+        self.monitor = None
+        if cfg.train.on_nonfinite == "skip":
+            check_skip_supported(engine.optimizer)
+            engine.optimizer = SkipNonFinite(engine.optimizer, self.group)
+        else:
+            self.monitor = LossMonitor(self.group, lag=engine.is_async)
+        self.tokens_per_step = engine.train_batch_size() * cfg.data.seq_len
+        self.total_steps = steps_for(cfg, self.tokens_per_step)
+        if self.max_steps is not None:
+            self.total_steps = min(self.total_steps, self.max_steps)
+        self.cadence = Cadence(self.total_steps, eval_every=cfg.eval.every, save_every=cfg.checkpoint.every,
+                               evaluate=bool(cfg.data.validation), final_save=cfg.checkpoint.final)
+
+    def _stream(self, split: str, source: str, train: bool):
+        from . import data
+
+        cfg, engine = self.cfg, self.engine
+        return data.PackedBatches(data.load_text_stream(source, split, cfg.data.text_field), self.tok,
+                                  cfg.data.seq_len, self.mbs, dp_rank=engine.grid.data_parallel_id,
+                                  dp_world_size=engine.grid.data_parallel_size, seed=cfg.seed,
                                   shuffle_buffer=cfg.data.shuffle_buffer if train else 0, repeat=train,
                                   text_field=cfg.data.text_field, min_chars=cfg.data.min_chars, source=source)
 
-    needs_data = engine.is_first_stage() or engine.is_last_stage()
-    train_iter = stream("train", cfg.data.train, True) if needs_data else None
-    fingerprint = tokenizer_fingerprint(tok)
-    start = 0
-    if resume_from is not None:
-        restored = checkpoint.load(engine, resume_from, group=group, check={"tokenizer": fingerprint})
-        if train_iter is not None:
-            train_iter.load_state_dict(restored["data"])
-        start = engine.global_steps
-        if dist.get_rank() == 0:
-            print(f"ds_async: resumed from {resume_from} (step {start})", flush=True)
+    def _build_data(self) -> None:
+        self.needs_data = self.engine.is_first_stage() or self.engine.is_last_stage()
+        self.train_iter = self._stream("train", self.cfg.data.train, True) if self.needs_data else None
+        self.fingerprint = tokenizer_fingerprint(self.tok)
+
+    def _restore(self) -> int:
+        from . import checkpoint
+
+        restored = checkpoint.load(self.engine, self.resume_from, group=self.group,
+                                   check={"tokenizer": self.fingerprint})
+        if self.train_iter is not None:
+            self.train_iter.load_state_dict(restored["data"])
+        if self.rank == 0:
+            print(f"ds_async: resumed from {self.resume_from} (step {self.engine.global_steps})", flush=True)
             saved = restored["manifest"].get("ds_async", {})
-            now = cfgmod.resolved(cfg)
+            now = cfgmod.resolved(self.cfg)
             changed = [f"data.{k}" for k in ("train", "text_field", "seq_len", "shuffle_buffer", "min_chars")
                        if saved.get("data", {}).get(k) != now["data"][k]] + \
                       (["seed"] if saved.get("seed") != now["seed"] else [])
@@ -182,82 +226,107 @@ def train(config_path: str, max_steps: int | None = None, run_name: str | None =
                 print(f"ds_async: warning: changed since the checkpoint: {', '.join(changed)}; the saved position "
                       "in the training stream refers to the old data, so the run does not continue as it would have",
                       flush=True)
-    last_saved = start if resume_from is not None else None
+        return self.engine.global_steps
 
-    def save(step: int) -> None:
-        nonlocal last_saved
-        stop_if_nonfinite(upto=step)
-        checkpoint.save(engine, ckpt_root, hf_config=hf_config, tokenizer=tok, keep=cfg.checkpoint.keep,
-                        data_state=train_iter.state_dict() if train_iter is not None else None, group=group,
-                        meta={"tokenizer": fingerprint, "ds_async": cfgmod.resolved(cfg)})
-        last_saved = step
+    def _start_logging(self) -> None:
+        from . import metrics
 
-    def stop_if_nonfinite(upto: int | None = None) -> None:
-        bad = monitor.check(upto) if monitor is not None else None
+        cfg, engine = self.cfg, self.engine
+        self.log = metrics.RunLogger(self.run_dir, self.total_steps, self.tokens_per_step,
+                                     enabled=engine.is_reporting_rank, progress=cfg.logging.progress,
+                                     every=cfg.logging.every, start_step=self.start)
+        self.log.manifest(config_file=str(self.config_path), ds_async=cfgmod.resolved(cfg), deepspeed=self.ds_config,
+                          world_size=self.world, pipeline_stages=cfg.pipeline_stages,
+                          data_parallel=engine.grid.data_parallel_size, micro_batch_size=self.mbs,
+                          micro_batches=self.gas, tokens_per_step=self.tokens_per_step, total_steps=self.total_steps,
+                          model=self.hf_config.to_dict(),
+                          resumed_from=str(self.resume_from) if self.resume_from else None)
+        # (step, loss on its way to the host, lr). Under flush-free schedules a step's loss is read after the next
+        # step is queued (a drain reads at once), so the last stage's host never waits for its GPU to empty.
+        self.in_flight: list[tuple[int, object, float]] = []
+
+    # ----------------------------------------------------------------------------------------------- the loop
+    def run(self) -> dict | None:
+        for step in range(self.start + 1, self.total_steps + 1):
+            self.train_step(step)
+            if self.cfg.logging.optimizer_every and step % self.cfg.logging.optimizer_every == 0:
+                self.log.scalars(step, {f"optimizer/{k}": v for k, v in self.engine.optimizer_stats().items()})
+            if step != self.total_steps and self.cadence.evaluates(step):
+                self.log.validation(step, self.validate())
+            if step != self.total_steps and self.cadence.saves(step):
+                self.save(step)
+        return self.close()
+
+    def train_step(self, step: int) -> None:
+        """Run batch ``step - 1``; report the losses that have reached the host."""
+        from . import metrics
+
+        engine = self.engine
+        next_drain = self.cadence.next_drain(step)
+        engine.drain_after(next_drain - 1)  # flush-free: drain only where the pipeline must be empty
+        loss = engine.train_batch(self.train_iter)  # None off the last stage under flush-free schedules
+        self.in_flight.append((step, None if loss is None else metrics.HostValue(loss), engine.get_lr()[0]))
+        drained = next_drain == step or not engine.is_async
+        self._report(step if drained else step - 1)
+        if self.monitor is not None:
+            self._stop_if_nonfinite(upto=step if drained else None)
+
+    def _report(self, upto: int) -> None:
+        while self.in_flight and self.in_flight[0][0] <= upto:
+            s, value, lr = self.in_flight.pop(0)
+            loss = None if value is None else float(value)
+            if self.monitor is not None:
+                self.monitor.submit(s, loss)
+            self.log.train_step(s, float("nan") if loss is None else loss, lr)
+
+    def _stop_if_nonfinite(self, upto: int | None = None) -> None:
+        from . import checkpoint
+        from .nonfinite import NonFiniteLoss
+
+        bad = self.monitor.check(upto) if self.monitor is not None else None
         if bad is not None:
             step, kind = bad
-            kept = f"the newest checkpoint is {checkpoint.step_dir(ckpt_root, last_saved)}" \
-                if last_saved is not None else "no checkpoint was saved"
+            kept = f"the newest checkpoint is {checkpoint.step_dir(self.ckpt_root, self.last_saved)}" \
+                if self.last_saved is not None else "no checkpoint was saved"
             raise NonFiniteLoss(f"step {step}: the training loss is {kind}; training stopped there "
                                 f"(ds_async.train.on_nonfinite = 'stop') and saved nothing after it: {kept}")
 
-    def validate() -> float:
-        batches = cfg.eval.batches
-        it = stream("validation", cfg.data.validation, False) if needs_data else None
-        return engine.eval_batch(it, num_micro_batches=batches).item()
+    def validate(self) -> float:
+        """Mean validation loss over ``eval.batches`` micro-batches per replica (the pipeline must be drained)."""
+        it = self._stream("validation", self.cfg.data.validation, False) if self.needs_data else None
+        return self.engine.eval_batch(it, num_micro_batches=self.cfg.eval.batches).item()
 
-    log = metrics.RunLogger(run_dir, total_steps, tokens_per_step, enabled=engine.is_reporting_rank,
-                            progress=cfg.logging.progress, every=cfg.logging.every, start_step=start)
-    log.manifest(config_file=str(config_path), ds_async=cfgmod.resolved(cfg), deepspeed=ds_config,
-                 world_size=dist.get_world_size(), pipeline_stages=cfg.pipeline_stages, data_parallel=dp_world,
-                 micro_batch_size=mbs, micro_batches=gas, tokens_per_step=tokens_per_step, total_steps=total_steps,
-                 model=hf_config.to_dict(), resumed_from=str(resume_from) if resume_from else None)
+    def save(self, step: int) -> None:
+        from . import checkpoint
 
-    evaluating = bool(cfg.data.validation and cfg.eval.every)
-    every = cfg.checkpoint.every
-    # (step, loss on its way to the host, lr). Under flush-free schedules a step's loss is read after the next
-    # step is queued (a drain reads at once), so the last stage's host never waits for its GPU to empty.
-    in_flight: list[tuple[int, metrics.HostValue | None, float]] = []
+        self._stop_if_nonfinite(upto=step)
+        checkpoint.save(self.engine, self.ckpt_root, hf_config=self.hf_config, tokenizer=self.tok,
+                        keep=self.cfg.checkpoint.keep, group=self.group,
+                        data_state=self.train_iter.state_dict() if self.train_iter is not None else None,
+                        meta={"tokenizer": self.fingerprint, "ds_async": cfgmod.resolved(self.cfg)})
+        self.last_saved = step
 
-    def report(upto: int) -> None:
-        while in_flight and in_flight[0][0] <= upto:
-            s, value, lr = in_flight.pop(0)
-            loss = None if value is None else float(value)
-            if monitor is not None:
-                monitor.submit(s, loss)
-            log.train_step(s, float("nan") if loss is None else loss, lr)
+    def close(self) -> dict | None:
+        """The final evaluation and save, and the run summary (on the reporting rank)."""
+        import torch.distributed as tdist
+        from deepspeed import comm as dist
 
-    for step in range(start + 1, total_steps + 1):
-        # Flush-free schedules drain only where the pipeline must be empty: before an evaluation, a checkpoint
-        # and at the end.
-        next_drain = min([total_steps] + [-(-step // k) * k for k in (cfg.eval.every if evaluating else 0, every)
-                                           if k])
-        engine.drain_after(next_drain - 1)
-        loss = engine.train_batch(train_iter)  # None off the last stage under async schedules
-        in_flight.append((step, None if loss is None else metrics.HostValue(loss), engine.get_lr()[0]))
-        drained = next_drain == step or not engine.is_async
-        report(step if drained else step - 1)
-        if monitor is not None:
-            stop_if_nonfinite(upto=step if drained else None)
-        if cfg.logging.optimizer_every and step % cfg.logging.optimizer_every == 0:
-            log.scalars(step, {f"optimizer/{k}": v for k, v in engine.optimizer_stats().items()})
-        if evaluating and step % cfg.eval.every == 0 and step != total_steps:
-            log.validation(step, validate())
-        if every and step % every == 0 and step != total_steps:
-            save(step)
-    stop_if_nonfinite(upto=total_steps)
-    if cfg.data.validation:
-        log.validation(total_steps, validate())
-    if (cfg.checkpoint.final or (every and total_steps % every == 0)) and last_saved != total_steps:
-        save(total_steps)
-    # Documents skipped by the training stream, over the replicas (the last stage's copies of the stream).
-    counts = [None] * dist.get_world_size()
-    tdist.all_gather_object(counts, train_iter.skipped if train_iter is not None and engine.is_last_stage()
-                            else None, group=group)
-    skipped_docs = {k: sum(c[k] for c in counts if c) for k in data.SKIP_REASONS}
-    summary = log.close(total_steps, plot=cfg.logging.plot,
-                        extra={"skipped_docs": skipped_docs, "skipped_steps": int(engine.skipped_steps),
-                               "checkpoint": str(checkpoint.step_dir(ckpt_root, last_saved))
-                               if last_saved is not None else None,
-                               "resumed_from": str(resume_from) if resume_from else None})
-    return summary if engine.is_reporting_rank else None
+        from . import checkpoint, data
+
+        total, engine = self.total_steps, self.engine
+        self._stop_if_nonfinite(upto=total)
+        if self.cadence.evaluates(total):
+            self.log.validation(total, self.validate())
+        if self.cadence.saves(total) and self.last_saved != total:
+            self.save(total)
+        # Documents skipped by the training stream, over the replicas (the last stage's copies of the stream).
+        counts = [None] * dist.get_world_size()
+        tdist.all_gather_object(counts, self.train_iter.skipped if self.train_iter is not None
+                                and engine.is_last_stage() else None, group=self.group)
+        skipped_docs = {k: sum(c[k] for c in counts if c) for k in data.SKIP_REASONS}
+        summary = self.log.close(total, plot=self.cfg.logging.plot, extra={
+            "skipped_docs": skipped_docs, "skipped_steps": int(engine.skipped_steps),
+            "checkpoint": str(checkpoint.step_dir(self.ckpt_root, self.last_saved))
+            if self.last_saved is not None else None,
+            "resumed_from": str(self.resume_from) if self.resume_from else None})
+        return summary if engine.is_reporting_rank else None

@@ -51,11 +51,11 @@ def rank_stream(batches: list, step_count: int, gas: int, dp_rank: int, dp_world
 
 
 def _engine(stages: int, mbs: int, gas: int, schedule: str = "1f1b", model: dict | None = None,
-            partition: dict | None = None, seed: int = 1234, stock: bool = False, p2p: str = "overlap",
+            partition: dict | None = None, seed: int = 1234, stock: bool = False,
             correction: dict | None = None, performance: dict | None = None, **ds_extra):
     """A ds_async engine, or with ``stock=True`` DeepSpeed's own PipelineEngine via ``deepspeed.initialize``."""
     section = {"model": model or {"config": TINY_LLAMA}, "pipeline_stages": stages, "schedule": schedule,
-               "partition": partition or {"method": "uniform"}, "train": {"steps": 1}, "seed": seed, "p2p": p2p,
+               "partition": partition or {"method": "uniform"}, "train": {"steps": 1}, "seed": seed,
                "correction": correction or {"type": "none"}, "performance": performance or {}}
     cfg = cfgmod.parse(section)
     hf_config = model_config(cfg)
@@ -66,7 +66,7 @@ def _engine(stages: int, mbs: int, gas: int, schedule: str = "1f1b", model: dict
                                       model_parameters=[p for p in module.parameters() if p.requires_grad])[0]
         engine.is_reporting_rank = engine.is_last_stage() and engine.grid.data_parallel_id == 0
         return engine, hf_config
-    return initialize(module, config, schedule=schedule, p2p=cfg.p2p, correction=cfg.correction,
+    return initialize(module, config, schedule=schedule, correction=cfg.correction,
                       fused_optimizer_step=cfg.performance.fused_optimizer_step), hf_config
 
 

@@ -12,22 +12,22 @@ SGD_M = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
 ADAMW = {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.1, "torch_adam": True}}
 STEPS, MBS, SEQ = 10, 2, 32
 
-CASES = [  # (id, schedule, nproc, stages, micro-batches per replica, data-parallel, optimizer, p2p)
-    ("2bw-p2-sgdm", "2bw", 2, 2, 4, 1, SGD_M, "overlap"),
-    ("2bw-p2-adamw-dsp2p", "2bw", 2, 2, 4, 1, ADAMW, "deepspeed"),
-    ("2bw-p4-adamw", "2bw", 4, 4, 4, 1, ADAMW, "overlap"),
-    ("2bw-p2xdp2-sgdm", "2bw", 4, 2, 2, 2, SGD_M, "overlap"),
-    ("2bw-p3-m5-adamw", "2bw", 3, 3, 5, 1, ADAMW, "overlap"),
-    ("pipedream-p4-m1-sgdm", "pipedream", 4, 4, 1, 1, SGD_M, "overlap"),
-    ("pipedream-p3-m2-adamw", "pipedream", 3, 3, 2, 1, ADAMW, "overlap"),
+CASES = [  # (id, schedule, nproc, stages, micro-batches per replica, data-parallel, optimizer)
+    ("2bw-p2-sgdm", "2bw", 2, 2, 4, 1, SGD_M),
+    ("2bw-p2-adamw", "2bw", 2, 2, 4, 1, ADAMW),
+    ("2bw-p4-adamw", "2bw", 4, 4, 4, 1, ADAMW),
+    ("2bw-p2xdp2-sgdm", "2bw", 4, 2, 2, 2, SGD_M),
+    ("2bw-p3-m5-adamw", "2bw", 3, 3, 5, 1, ADAMW),
+    ("pipedream-p4-m1-sgdm", "pipedream", 4, 4, 1, 1, SGD_M),
+    ("pipedream-p3-m2-adamw", "pipedream", 3, 3, 2, 1, ADAMW),
 ]
 
 
-@pytest.mark.parametrize("schedule,nproc,stages,m,dp,optimizer,p2p", [c[1:] for c in CASES],
+@pytest.mark.parametrize("schedule,nproc,stages,m,dp,optimizer", [c[1:] for c in CASES],
                          ids=[c[0] for c in CASES])
-def test_engine_equals_emulation(tmp_path, schedule, nproc, stages, m, dp, optimizer, p2p):
+def test_engine_equals_emulation(tmp_path, schedule, nproc, stages, m, dp, optimizer):
     got = run_job(nproc, "train", tmp_path, stages=stages, steps=STEPS, mbs=MBS, gas=m, seq_len=SEQ,
-                  schedule=schedule, optimizer=optimizer, p2p=p2p)
+                  schedule=schedule, optimizer=optimizer)
     losses, want = emulate_run(schedule, stages, STEPS, m, dp, optimizer, seq_len=SEQ, mbs=MBS)
     sync_losses, sync = emulate_run("1f1b", stages, STEPS, m, dp, optimizer, seq_len=SEQ, mbs=MBS)
     have = stage_params(tmp_path, stages)
@@ -41,8 +41,7 @@ def test_engine_equals_emulation(tmp_path, schedule, nproc, stages, m, dp, optim
 
 
 def test_1f1b_equals_stock_deepspeed(tmp_path):
-    """With the synchronous schedule the engine is DeepSpeed's (clipping off: ds_async clips by the global norm),
-    also with ds_async's non-blocking p2p in place of DeepSpeed's."""
+    """With the synchronous schedule the engine is DeepSpeed's (clipping off: ds_async clips by the global norm)."""
     kw = dict(stages=2, steps=STEPS, mbs=MBS, gas=4, seq_len=SEQ, optimizer=ADAMW, clip=0.0)
     ours = run_job(2, "train", tmp_path / "ours", schedule="1f1b", **kw)
     stock = run_job(2, "train", tmp_path / "stock", stock=True, **kw)
@@ -65,19 +64,6 @@ def test_2bw_with_zero1_equals_emulation(tmp_path, clip, rel):
     losses, want = emulate_run("2bw", 2, steps, 2, 2, SGD_M, seq_len=SEQ, mbs=MBS, clip=clip)
     torch.testing.assert_close(got["losses"], losses, rtol=1e-6, atol=0)
     assert_params_close(stage_params(tmp_path, 2), want, rel=rel)
-
-
-def test_engine_dispatches_its_own_instructions():
-    """DeepSpeed's instruction table holds PipelineEngine's functions; ours must dispatch to the overrides, or
-    ``p2p: overlap`` would silently run DeepSpeed's blocking p2p."""
-    from deepspeed.runtime.pipe import schedule as ds
-
-    from ds_async.pipe.engine import AsyncPipelineEngine
-    from ds_async.pipe.p2p import NonBlockingP2P
-
-    for table in (AsyncPipelineEngine._INSTRUCTION_MAP, AsyncPipelineEngine._ASYNC_INSTRUCTIONS):
-        assert table[ds.SendActivation] is NonBlockingP2P._exec_send_activations
-        assert table[ds.RecvGrad] is NonBlockingP2P._exec_recv_grads
 
 
 @pytest.mark.parametrize("schedule", ["2bw", "1f1b"])
@@ -124,7 +110,7 @@ def test_2bw_bf16_clipping_at_the_hand_over_equals_clipping_in_the_step(tmp_path
     g * factor written into DeepSpeed's gradient buffers in one pass); with replicas it copies them at the batch
     boundary, sums the norm from the copies and clips those in the step. Over several steps with clipping active
     both leave the fp32 master bit-equal, and differ from not clipping."""
-    kw = dict(stages=2, steps=4, mbs=MBS, gas=4, seq_len=SEQ, optimizer=ADAMW, schedule="2bw", p2p="deepspeed",
+    kw = dict(stages=2, steps=4, mbs=MBS, gas=4, seq_len=SEQ, optimizer=ADAMW, schedule="2bw",
               bf16={"enabled": True})
     at_hand_over = run_job(2, "train", tmp_path / "at_hand_over", clip=1e-3, **kw)
     in_step = run_job(2, "train", tmp_path / "in_step", clip=1e-3, clip_at_hand_over=False, **kw)
@@ -144,7 +130,7 @@ def test_2bw_bf16_steps_equal_deepspeeds_bf16_optimizer(tmp_path, drop_grad_at):
     which adds each hand-over to buffers it zeroes. A gradient left over from an earlier batch would add a whole
     extra update: with one parameter's gradient missing in a batch, its buffer must hold zeros, not batch 1's."""
     kw = dict(stages=2, steps=4, mbs=MBS, gas=4, seq_len=SEQ, optimizer=ADAMW, clip=0.0, schedule="2bw",
-              p2p="deepspeed", bf16={"enabled": True}, drop_grad_at=drop_grad_at)
+              bf16={"enabled": True}, drop_grad_at=drop_grad_at)
     run_job(2, "train", tmp_path / "ours", **kw)
     run_job(2, "train", tmp_path / "deepspeed", deepspeed_bf16_step=True, **kw)
     for s in range(2):
@@ -161,7 +147,7 @@ def test_2bw_fused_optimizer_step_equals_the_unfused_step(tmp_path, clip, drop_g
     ds_async's clip at the hand-over; without, DeepSpeed's own ``BF16_Optimizer`` step, including a parameter that
     gets no gradient in one batch."""
     kw = dict(stages=2, steps=4, mbs=MBS, gas=4, seq_len=SEQ, optimizer=ADAMW, clip=clip, schedule="2bw",
-              p2p="deepspeed", bf16={"enabled": True}, drop_grad_at=drop_grad_at)
+              bf16={"enabled": True}, drop_grad_at=drop_grad_at)
     fused = run_job(2, "train", tmp_path / "fused", performance={"fused_optimizer_step": True}, **kw)
     ref = run_job(2, "train", tmp_path / "ref", deepspeed_bf16_step=clip == 0.0, **kw)
     torch.testing.assert_close(fused["losses"], ref["losses"], rtol=0, atol=0)

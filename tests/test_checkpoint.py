@@ -372,15 +372,19 @@ def test_weights_only_refuses_pickled_code(tmp_path):
 
 def test_resume_needs_the_same_layout_and_tokenizer(tmp_path):
     """The manifest check of ``checkpoint.load`` (before any file is read), on a stand-in engine."""
-    engine = SimpleNamespace(schedule_name="2bw", num_stages=2, micro_batches=4, stage_id=0,
-                             grid=SimpleNamespace(data_parallel_size=1, data_parallel_id=0),
-                             train_micro_batch_size_per_gpu=lambda: 2, module=SimpleNamespace(parts=[0, 2, 4]))
-    manifest = {**checkpoint.layout(engine), "tokenizer": {"size": 512, "sha256": "a"}}
+    def stand_in(schedule):
+        layout = {"schedule": schedule, "pipeline_stages": 2, "data_parallel": 1, "micro_batches": 4,
+                  "micro_batch_size": 2, "parts": [0, 2, 4]}
+        return SimpleNamespace(num_stages=2, stage_id=0, grid=SimpleNamespace(data_parallel_id=0),
+                               layout=lambda: layout)
+
+    engine = stand_in("2bw")
+    manifest = {**engine.layout(), "tokenizer": {"size": 512, "sha256": "a"}}
     checkpoint.write(tmp_path, 5, lambda tmp: [], manifest)
     folder = checkpoint.step_dir(tmp_path, 5)
     with pytest.raises(CheckpointError, match="saved with tokenizer = .*this run has"):
         checkpoint.load(engine, folder, check={"tokenizer": {"size": 600, "sha256": "b"}})
-    engine.schedule_name = "1f1b"
+    engine = stand_in("1f1b")
     with pytest.raises(CheckpointError, match=f"{folder}: saved with schedule = '2bw', this run has '1f1b'"):
         checkpoint.load(engine, folder)
 

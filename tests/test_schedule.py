@@ -3,7 +3,7 @@ import pytest
 from deepspeed.runtime.pipe import schedule as ds
 
 from ds_async.pipe import schedule as fs
-from ds_async.pipe.delay import max_versions, weight_version
+from ds_async.pipe.version_rule import RULES
 from ds_async.pipe.simulate import ScheduleError, simulate
 
 GRID = [(2, 2), (2, 5), (3, 3), (3, 5), (4, 4), (4, 8), (5, 7), (8, 8), (8, 16)]
@@ -50,13 +50,13 @@ def test_pipedream_variable_delay(p, m):
     batches = 3 * p
     r = simulate("pipedream", p, m, batches)
     for s in range(p):
-        assert r.max_alive[s] <= max_versions("pipedream", s, p, m)
+        assert r.max_alive[s] <= RULES["pipedream"].max_versions(s, p, m)
         for t in range(p, batches):
             if m == 1:  # original PipeDream: stage s lags p - 1 - s updates
                 assert r.delays[(s, t)] == {p - 1 - s}
             else:
                 assert max(r.delays[(s, t)]) == -(-(p - 1 - s) // m)
-    assert r.max_alive[0] == max_versions("pipedream", 0, p, m)
+    assert r.max_alive[0] == RULES["pipedream"].max_versions(0, p, m)
 
 
 def test_sync_pays_the_bubble_every_batch():
@@ -89,9 +89,9 @@ def test_2bw_refuses_fewer_micro_batches_than_stages():
 
 
 def test_version_rule():
-    assert [weight_version("2bw", j, 0, 4, 4) for j in range(12)] == [0] * 8 + [1] * 4
-    assert [weight_version("pipedream", j, 0, 4, 1) for j in range(6)] == [0, 0, 0, 0, 1, 2]
-    assert [weight_version("1f1b", j, 0, 4, 4) for j in range(8)] == [0] * 4 + [1] * 4
+    assert [RULES["2bw"].weight_version(j, 0, 4, 4) for j in range(12)] == [0] * 8 + [1] * 4
+    assert [RULES["pipedream"].weight_version(j, 0, 4, 1) for j in range(6)] == [0, 0, 0, 0, 1, 2]
+    assert [RULES["1f1b"].weight_version(j, 0, 4, 4) for j in range(8)] == [0] * 4 + [1] * 4
 
 
 class _DropsASend(fs.FlushFreeSchedule):

@@ -10,7 +10,7 @@ gradient norm, which exists only once stage 0 has finished the batch, ``stage_id
 so that the norm exchange it starts finds every stage ready instead of spinning on the GPU meanwhile. 2BW leaves it
 the slack: the version it publishes is first read a whole batch later.
 
-Which weights each micro-batch uses is :mod:`ds_async.pipe.delay`'s rule; every forward and backward instruction
+Which weights each micro-batch uses is the schedule's :class:`~ds_async.pipe.version_rule.VersionRule`; every forward and backward instruction
 carries its global micro-batch index and that version, so the engine, the simulator and the tests all read the
 same facts. The step grid (which micro-batch is forwarded or backwarded at each step on each stage) is
 DeepSpeed's: neighbouring stages alternate forward and backward steps so every send meets its receive.
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from deepspeed.runtime.pipe import schedule as ds
 
-from .delay import max_versions, weight_version
+from . import version_rule
 
 
 class ForwardPass(ds.ForwardPass):
@@ -58,19 +58,20 @@ class FlushFreeSchedule(ds.TrainSchedule):
     Args:
         micro_batches: ``m``, micro-batches per optimizer step on this replica.
         stages, stage_id: pipeline depth and this stage.
-        delay: the version rule, ``"2bw"`` or ``"pipedream"`` (see :mod:`ds_async.pipe.delay`).
+        rule: a flush-free :class:`~ds_async.pipe.version_rule.VersionRule` or its name (``"2bw"``, ``"pipedream"``).
         first_batch: index of the segment's first batch (global optimizer step count when it starts).
         end_batch: one past the segment's last batch, or ``None`` for "not known yet". It is read lazily, so it
             may be set while the schedule runs, as long as no instruction of a batch past it was generated yet.
     """
 
-    def __init__(self, micro_batches: int, stages: int, stage_id: int, delay: str, first_batch: int = 0,
-                 end_batch: int | None = None):
-        if delay == "2bw" and micro_batches < stages:
-            raise ValueError(f"2BW needs at least as many micro-batches as stages (m={micro_batches} < p={stages}): "
-                             "with fewer, more than two weight versions would be in flight")
+    def __init__(self, micro_batches: int, stages: int, stage_id: int, rule: str | version_rule.VersionRule,
+                 first_batch: int = 0, end_batch: int | None = None):
+        rule = version_rule.get(rule)
+        if not rule.flush_free:
+            raise ValueError(f"schedule '{rule.name}' is synchronous: DeepSpeed's TrainSchedule runs it")
+        rule.check(stages, micro_batches)
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
-        self.m, self.delay, self.first_batch, self.end_batch = micro_batches, delay, first_batch, end_batch
+        self.m, self.rule, self.first_batch, self.end_batch = micro_batches, rule, first_batch, end_batch
 
     # DeepSpeed's step grid indexes micro-batches from 0 within the schedule; ours are segment-relative too, and
     # become global (``first_batch * m + local``) on the instructions.
@@ -81,13 +82,13 @@ class FlushFreeSchedule(ds.TrainSchedule):
         return max(2, self.stages - self.stage_id)
 
     def num_versions(self) -> int:
-        return max_versions(self.delay, self.stage_id, self.stages, self.m)
+        return self.rule.max_versions(self.stage_id, self.stages, self.m)
 
     def _global(self, local: int) -> int:
         return self.first_batch * self.m + local
 
     def _version(self, local: int) -> int:
-        return weight_version(self.delay, self._global(local), self.stage_id, self.stages, self.m)
+        return self.rule.weight_version(self._global(local), self.stage_id, self.stages, self.m)
 
     def _is_last_of_batch(self, local: int) -> bool:
         return (local + 1) % self.m == 0
@@ -97,10 +98,6 @@ class FlushFreeSchedule(ds.TrainSchedule):
             return False
         total = (self.end_batch - self.first_batch) * self.m
         return step_id >= 2 * (total + self.stages - 1)
-
-    def step_delay(self) -> int:
-        """Steps from a batch's ``ReduceGrads`` to its ``OptimizerStep`` on this stage: until stage 0 reduces it."""
-        return self.stage_id if self.delay == "2bw" else 0
 
     def steps(self):
         prev = -1
@@ -125,7 +122,7 @@ class FlushFreeSchedule(ds.TrainSchedule):
                     cmds.append(ds.SendActivation(prev_buf))
             if pending_reduce is not None:
                 cmds += [ds.ReduceTiedGrads(), ReduceGrads(pending_reduce)]
-                steps_due.append((step_id + self.step_delay(), pending_reduce))
+                steps_due.append((step_id + self.rule.step_lag(self.stage_id), pending_reduce))
                 pending_reduce = None
             while steps_due and steps_due[0][0] <= step_id:
                 cmds.append(OptimizerStep(steps_due.pop(0)[1]))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from deepspeed.runtime.pipe import schedule as ds
 
 from . import schedule as fs
-from .delay import max_versions, weight_version
+from . import version_rule
 
 _SENDS = {ds.SendActivation: (+1, ds.RecvActivation), ds.SendGrad: (-1, ds.RecvGrad)}
 
@@ -52,10 +52,11 @@ class SimResult:
         return "\n".join(lines)
 
 
-def simulate(delay: str, stages: int, micro_batches: int, batches: int,
+def simulate(rule: str | version_rule.VersionRule, stages: int, micro_batches: int, batches: int,
              schedule_cls: type[fs.FlushFreeSchedule] = fs.FlushFreeSchedule) -> SimResult:
-    """Run ``batches`` batches of the flush-free schedule (``2bw`` or ``pipedream``) on every stage."""
-    scheds = [schedule_cls(micro_batches, stages, s, delay, end_batch=batches) for s in range(stages)]
+    """Run ``batches`` batches of a flush-free schedule (its rule or name: ``2bw``, ``pipedream``) on every stage."""
+    rule = version_rule.get(rule)
+    scheds = [schedule_cls(micro_batches, stages, s, rule, end_batch=batches) for s in range(stages)]
     per_stage = [list(sch.steps()) for sch in scheds]
     nsteps = len(per_stage[0])
     if any(len(x) != nsteps for x in per_stage):
@@ -93,7 +94,7 @@ def simulate(delay: str, stages: int, micro_batches: int, batches: int,
             if c.version > steps_done[s]:
                 raise ScheduleError(f"stage {s}: forward of micro-batch {c.micro_batch} on W({c.version}) before "
                                     f"it exists ({steps_done[s]} steps done)")
-            want = weight_version(delay, c.micro_batch, s, stages, micro_batches)
+            want = rule.weight_version(c.micro_batch, s, stages, micro_batches)
             if c.version != want:
                 raise ScheduleError(f"stage {s}: micro-batch {c.micro_batch} tagged v{c.version}, rule says v{want}")
             if buffer_owner[s].get(c.buffer_id) is not None:
@@ -150,21 +151,22 @@ def simulate(delay: str, stages: int, micro_batches: int, batches: int,
             raise ScheduleError(f"stage {s}: {steps_done[s]} optimizer steps, expected {batches}")
         if in_flight[s]:
             raise ScheduleError(f"stage {s}: micro-batches {sorted(in_flight[s])} never finished")
-        if alive_max[s] > max_versions(delay, s, stages, micro_batches):
+        if alive_max[s] > rule.max_versions(s, stages, micro_batches):
             raise ScheduleError(f"stage {s}: {alive_max[s]} versions alive, budget "
-                                f"{max_versions(delay, s, stages, micro_batches)}")
+                                f"{rule.max_versions(s, stages, micro_batches)}")
     return SimResult(stages, micro_batches, batches, grid, idle, busy, messages, alive_max, dict(delays))
 
 
 def main(argv=None) -> None:
     import argparse
     parser = argparse.ArgumentParser(description="Print the step x stage grid of a flush-free schedule.")
-    parser.add_argument("--delay", default="2bw", choices=["2bw", "pipedream"])
+    flush_free = [r.name for r in version_rule.RULES.values() if r.flush_free]
+    parser.add_argument("--schedule", default="2bw", choices=flush_free)
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--batches", type=int, default=3)
     a = parser.parse_args(argv)
-    print(simulate(a.delay, a.stages, a.micro_batches, a.batches).render())
+    print(simulate(a.schedule, a.stages, a.micro_batches, a.batches).render())
 
 
 if __name__ == "__main__":

@@ -98,3 +98,26 @@ class WeightVersions:
         i = min(free, key=lambda j: -1 if self.version_of_slot[j] is None else self.version_of_slot[j])
         self.version_of_slot[i] = version
         return self.slots[i]
+
+    def state_dict(self) -> dict:
+        """The held versions by parameter name, for a checkpoint of a drained pipeline. The newest version is the
+        master's copy (published right after each step) and is not stored twice: its slot is ``None``, as is an
+        empty one."""
+        if self.in_flight:
+            raise RuntimeError("cannot save weight versions with micro-batches in flight: drain the pipeline first")
+        newest = max(v for v in self.version_of_slot if v is not None)
+        slots = [None if v is None or v == newest else
+                 {name: t.detach().cpu().clone() for name, t in zip(self.names, slot)}
+                 for slot, v in zip(self.slots, self.version_of_slot)]
+        return {"version_of_slot": list(self.version_of_slot), "slots": slots}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s versions; the master parameters must already hold the newest weights."""
+        if len(state["slots"]) != len(self.slots):
+            raise ValueError(f"{len(state['slots'])} weight slots saved, this schedule keeps {len(self.slots)}")
+        with torch.no_grad():
+            for slot, tensors in zip(self.slots, state["slots"]):
+                for t, name, (_, _, master) in zip(slot, self.names, self.entries):
+                    t.copy_(master if tensors is None else tensors[name])
+        self.version_of_slot = list(state["version_of_slot"])
+        self.in_flight.clear()

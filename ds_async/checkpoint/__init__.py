@@ -1,0 +1,11 @@
+"""Checkpoints of a pipeline job: atomic, verified, resumable exactly, and loadable by ``from_pretrained``.
+
+:mod:`.folder` is the folder protocol (atomic write, manifest, verification, pruning; no engines), :mod:`.state`
+what a pipeline job puts in it and how an engine is restored from it.
+"""
+from .folder import (FORMAT, MANIFEST, CheckpointError, complete_checkpoints, latest, load_file, read_manifest, resolve,
+                     sha256, step_dir, verify, write)
+from .state import load, save
+
+__all__ = ["FORMAT", "MANIFEST", "CheckpointError", "complete_checkpoints", "latest", "load_file", "read_manifest",
+           "resolve", "sha256", "step_dir", "verify", "write", "load", "save"]

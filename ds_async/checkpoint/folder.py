@@ -1,0 +1,250 @@
+"""The checkpoint folder protocol: atomic, verified, pruned. Knows nothing about engines or models.
+
+A checkpoint is one folder ``<root>/step_00000123`` (after 123 optimizer steps) whose ``checkpoint.json``, written
+last, lists every file with its size and sha256. Its presence in a folder without the ``.tmp`` suffix is what makes
+a checkpoint complete.
+
+Writing (:func:`write`): every rank writes its files into ``step_N.tmp/``; rank 0 gathers the files' sizes and
+hashes, writes the manifest, and renames the folder to ``step_N/`` (``os.replace``, atomic on a POSIX filesystem),
+then prunes all but the newest ``keep``. A save killed at any point leaves at most a ``.tmp`` folder that nothing
+reads (the next save removes it), so the previous checkpoint stays the newest complete one.
+
+Reading: :func:`verify` checks the sizes and sha256 of the files a rank reads against the manifest, and
+:func:`load_file` loads ``.pt`` files with ``torch.load(weights_only=True)``; a missing, truncated or corrupt file
+is refused with its path.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+
+FORMAT = 1
+MANIFEST = "checkpoint.json"
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read as asked; the message names the path."""
+
+
+# ------------------------------------------------------------------------------------------------ collectives
+def world_rank_size(group) -> tuple[int, int]:
+    if not tdist.is_available() or not tdist.is_initialized():
+        return 0, 1
+    return tdist.get_rank(), tdist.get_world_size()
+
+
+def gather(obj, group) -> list:
+    """Every rank's ``obj``, in global rank order (single process: ``[obj]``)."""
+    rank, world = world_rank_size(group)
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    tdist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def raise_if_any(error: str | None, group) -> None:
+    """Raise the first rank's error on every rank, so that no rank waits in a collective for a failed one."""
+    errors = [e for e in gather(error, group) if e]
+    if errors:
+        raise CheckpointError(errors[0])
+
+
+# ------------------------------------------------------------------------------------------------ the folder
+def step_dir(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def complete_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of the complete checkpoints under ``root``, oldest first (``.tmp`` folders and folders
+    without a manifest are partial and left out)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = _STEP_DIR.match(child.name)
+        if m and child.is_dir() and (child / MANIFEST).is_file():
+            found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def latest(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None."""
+    found = complete_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def resolve(spec: str | os.PathLike) -> Path | None:
+    """A checkpoint folder from ``spec``: a checkpoint folder itself, or a folder of them (its newest complete
+    one; None if it has none)."""
+    path = Path(spec)
+    if (path / MANIFEST).is_file():
+        return path
+    if path.name.endswith(".tmp") and _STEP_DIR.match(path.name[:-4]):
+        raise CheckpointError(f"{path}: an incomplete checkpoint (its save was interrupted); use a complete one")
+    if _STEP_DIR.match(path.name) and path.is_dir():
+        raise CheckpointError(f"{path}: not a complete checkpoint (no {MANIFEST})")
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint folder")
+    return latest(path)
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    """The manifest of the checkpoint folder ``path``; CheckpointError naming the file if it is not readable."""
+    file = Path(path) / MANIFEST
+    try:
+        manifest = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not a complete checkpoint (no {MANIFEST})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: unreadable checkpoint manifest ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(
+            manifest.get("files"), dict):
+        raise CheckpointError(f"{file}: not a ds_async checkpoint manifest of format {FORMAT}")
+    return manifest
+
+
+def sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify(path: str | os.PathLike, names, manifest: dict | None = None) -> None:
+    """Check files of checkpoint ``path`` against its manifest (size, then sha256); CheckpointError naming the
+    first bad file."""
+    path = Path(path)
+    manifest = manifest or read_manifest(path)
+    for name in names:
+        file = path / name
+        want = manifest["files"].get(name)
+        if want is None:
+            raise CheckpointError(f"{file}: not listed in the checkpoint's manifest")
+        try:
+            size = file.stat().st_size
+        except OSError as e:
+            raise CheckpointError(f"{file}: missing from the checkpoint ({e.strerror})") from None
+        if size != want["size"]:
+            raise CheckpointError(f"{file}: {size} bytes, the manifest says {want['size']} (truncated or "
+                                  "overwritten); refusing this checkpoint")
+        if sha256(file) != want["sha256"]:
+            raise CheckpointError(f"{file}: contents do not match the manifest's sha256 (corrupt); refusing this "
+                                  "checkpoint")
+
+
+def load_file(file: str | os.PathLike, map_location="cpu"):
+    """``torch.load(file, weights_only=True)``; any failure becomes a CheckpointError naming the file."""
+    try:
+        return torch.load(file, map_location=map_location, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises many kinds for a bad file
+        raise CheckpointError(f"{file}: cannot be loaded ({type(e).__name__}: {e})") from None
+
+
+def fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_torch(obj, file: Path) -> None:
+    torch.save(obj, file)
+    fsync(file)
+
+
+def _describe(folder: Path, names) -> dict:
+    return {n: {"size": (folder / n).stat().st_size, "sha256": sha256(folder / n)} for n in names}
+
+
+def write(root: str | os.PathLike, step: int, write_files, manifest: dict, keep: int = 0, group=None,
+          write_index=None) -> Path:
+    """Write checkpoint ``step`` under ``root`` atomically, collectively over all ranks.
+
+    ``write_files(tmp_dir) -> list[str]`` writes this rank's files into the temporary folder and returns their
+    names; ``write_index(tmp_dir) -> list[str]`` runs on rank 0 once every rank's files exist (to index them).
+    Rank 0 then writes the manifest (``manifest`` plus step and file list), renames the folder into place and
+    prunes to the newest ``keep`` (0: keep all). Returns the final folder.
+    """
+    root = Path(root)
+    rank, world = world_rank_size(group)
+    final = step_dir(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    error = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a save of the same step that was killed earlier
+            tmp.mkdir()
+        except OSError as e:
+            error = f"{tmp}: cannot create the checkpoint folder ({e})"
+    raise_if_any(error, group)
+
+    def run(fn):
+        try:
+            names = fn(tmp)
+            return _describe(tmp, names), None
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            return {}, f"{tmp}: rank {rank} failed to write its files ({type(e).__name__}: {e})"
+
+    files, error = run(write_files)
+    gathered = gather((files, error), group)
+    errors = [e for _, e in gathered if e]
+    if rank == 0 and not errors:
+        all_files = {k: v for f, _ in gathered for k, v in f.items()}
+        if write_index is not None:
+            more, error = run(write_index)
+            all_files.update(more)
+            errors += [error] if error else []
+        if not errors:
+            try:
+                _finish(root, tmp, final, step, {**manifest, "files": dict(sorted(all_files.items()))}, keep)
+            except OSError as e:
+                errors.append(f"{final}: cannot complete the checkpoint ({e})")
+    raise_if_any(errors[0] if errors else None, group)
+    return final
+
+
+def _finish(root: Path, tmp: Path, final: Path, step: int, manifest: dict, keep: int) -> None:
+    body = json.dumps({"format": FORMAT, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **manifest},
+                      indent=1, default=str)
+    part = tmp / (MANIFEST + ".part")
+    part.write_text(body)
+    fsync(part)
+    os.replace(part, tmp / MANIFEST)
+    fsync(tmp)
+    # Checkpoints newer than this one belong to a run that was abandoned (this one resumed from an older
+    # checkpoint): move them aside, so that a later --resume continues this run and not that one.
+    for other_step, other in complete_checkpoints(root):
+        if other_step >= step:
+            other.rename(other.with_name(f"{other.name}.superseded-{time.strftime('%Y%m%d-%H%M%S')}"))
+    os.replace(tmp, final)
+    fsync(root)
+    _prune(root, keep)
+
+
+def _prune(root: Path, keep: int) -> None:
+    """Keep the newest ``keep`` complete checkpoints; drop leftovers of interrupted saves and prunes."""
+    for child in root.iterdir():
+        name = child.name
+        if child.is_dir() and (name.endswith(".tmp") or name.endswith(".deleting")) and name.startswith("step_"):
+            shutil.rmtree(child, ignore_errors=True)
+    if keep <= 0:
+        return
+    for _, folder in complete_checkpoints(root)[:-keep]:
+        # Renamed first, so that a prune killed half-way never leaves a half-deleted folder that looks complete.
+        doomed = folder.with_name(folder.name + ".deleting")
+        folder.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
