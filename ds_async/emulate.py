@@ -1,39 +1,96 @@
 """Single-process delayed-update training: the reference the pipeline engine is tested against, and the cheap way
 to study optimizers under delay on one device.
 
-Each micro-batch runs forward and backward with every stage's layers set to the weights the schedule's version
-rule (:mod:`ds_async.pipe.delay`) assigns; gradients accumulate over the batch and the optimizer then updates the
-newest weights, exactly as the pipeline does, without any of its communication.
+:class:`DelayedTrainer` runs each micro-batch forward and backward with every stage's layers set to the weights the
+schedule's version rule (:mod:`ds_async.pipe.version_rule`) assigns; gradients accumulate over the batch and the
+optimizer then updates the newest weights, exactly as the pipeline does, without any of its communication.
 
-:func:`build_layers` and :func:`uniform_stages` give the model and partition a pipeline run of the same
-``ds_async.model`` section would hold, so the emulation and the engine train the same network.
+:func:`run` (``python -m ds_async.emulate --config CONFIG.json``) trains the job of a DeepSpeed JSON with a
+``"ds_async"`` section, the same file ``launch/train.py`` reads, in one process:
+
+- model, partition, seed, tokenizer, data streams, schedule and correction from the ``ds_async`` section;
+- optimizer (``ds_async.optim.build_optimizer``), ``scheduler`` (DeepSpeed's ``lr_schedules`` class of that name,
+  else ``torch.optim.lr_scheduler``'s, stepped after every optimizer step), ``gradient_clipping`` and the batch
+  split from DeepSpeed's keys; the data-parallel degree a launch would take from its world size is
+  ``train_batch_size / (micro-batch x accumulation)`` when all three are given, else 1, and each replica reads
+  its own share of the documents, as on the engine;
+- evaluation on the drained newest weights at the steps :class:`ds_async.cadence.Cadence` plans;
+- the run folder ``<logging.dir>/<run_name>`` gets what a ``launch/train.py`` run writes (``manifest.json`` with
+  the resolved config, tensorboard events, ``summary.json``, ``loss.png``), the manifest adding an ``emulation``
+  section (device, card, precision). It writes no checkpoints: ``ds_async.checkpoint`` saves engines.
+
+Precision: fp32 on CPU always. On a GPU, ``bf16.enabled`` or ``torch_autocast`` (bfloat16) runs each layer's
+forward under bf16 autocast over fp32 weights and optimizer state (DeepSpeed's ``torch_autocast`` arithmetic, not
+its bf16 weights). ``performance`` levers other than ``loss_chunk`` are not applied: they change no result beyond
+rounding. On CPU in fp32 a run equals ``launch/train.py``'s on the engine: the same validation losses, bit for bit
+(``tests/test_emulate.py``).
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import math
+import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from .optim.clip import clip_, squared_norm, sum_in_stage_order
-from .pipe.delay import max_versions, weight_version
+from .pipe import version_rule
 
 
-def build_layers(model: dict, seed: int = 0):
-    """The whole model of a ``ds_async.model`` section (``{"family": ..., "config": {...}}`` or ``{"path": ...}``)
-    as the pipeline's layer list ``[embedding, decoder x L, head]``, each layer seeded as on its stage.
+def build_layers(model, seed: int = 0, loss_chunk: int = 0):
+    """The whole model of a ``ds_async.model`` section (a dict such as ``{"family": ..., "config": {...}}`` or
+    ``{"path": ...}``, or a parsed :class:`~ds_async.config.ModelConfig`) as the pipeline's layer list
+    ``[embedding, decoder x L, head]``, each layer seeded as on its stage.
 
-    Returns ``(layers, loss_fn, hf_config)``: an ``nn.ModuleList``, the family's ``loss_fn(logits, labels)`` and
-    the Hugging Face config object.
+    Returns ``(layers, loss_fn, hf_config)``: an ``nn.ModuleList``, the family's ``loss_fn(logits, labels)`` (chunked
+    cross-entropy with ``loss_chunk`` > 0) and the Hugging Face config object.
     """
     from . import config as cfgmod
     from .models import FAMILIES, model_config
 
-    cfg = cfgmod.parse({"model": model, "train": {"steps": 1}})
+    section = model if isinstance(model, dict) else dataclasses.asdict(model)
+    cfg = cfgmod.parse({"model": section, "train": {"steps": 1}})
     hf_config, family = model_config(cfg), FAMILIES[cfg.model.family]
     hf_dir = cfg.model.path if cfg.model.path and cfg.model.load_weights else None
     layers = nn.ModuleList(spec.build() for spec in family.layer_specs(hf_config, seed=seed, hf_dir=hf_dir))
-    return layers, family.loss_fn(hf_config), hf_config
+    return layers, family.loss_fn(hf_config, loss_chunk), hf_config
+
+
+def stage_bounds(method: str, layers: Sequence[nn.Module], stages: int,
+                 boundaries: Sequence[int] | None = None) -> list[int]:
+    """``stages + 1`` layer indices, stage ``s`` owning layers ``[b[s], b[s+1])``, as the pipeline module splits
+    them: DeepSpeed's ``partition_uniform`` (``uniform``) or ``partition_balanced`` over each layer's trainable
+    parameter count (``parameters``), or the given ``boundaries`` (``explicit``)."""
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+    from .config import ConfigError
+
+    n = len(layers)
+    if not 1 <= stages <= n:
+        raise ConfigError(f"ds_async.pipeline_stages: cannot split {n} layers into {stages} stages")
+    if method == "uniform":
+        return list(partition_uniform(n, stages))
+    if method == "parameters":
+        counts = [sum(q.numel() for q in layer.parameters() if q.requires_grad) for layer in layers]
+        return list(partition_balanced(weights=counts, num_parts=stages))
+    if method == "explicit":
+        b = list(boundaries or [])
+        if len(b) != stages + 1 or b[0] != 0 or b[-1] != n or any(x >= y for x, y in zip(b, b[1:])):
+            raise ConfigError(f"ds_async.partition.boundaries: need {stages + 1} strictly increasing indices from 0 "
+                              f"to {n} (embedding + {n - 2} decoder layers + head), got {boundaries}")
+        return b
+    raise ConfigError(f"ds_async.partition.method: unknown method {method!r}")
+
+
+def stage_of_layers(bounds: Sequence[int]) -> list[int]:
+    """The stage of each layer, from :func:`stage_bounds`."""
+    return [s for s in range(len(bounds) - 1) for _ in range(bounds[s], bounds[s + 1])]
 
 
 def uniform_stages(num_layers: int, stages: int) -> list[int]:
@@ -43,8 +100,7 @@ def uniform_stages(num_layers: int, stages: int) -> list[int]:
 
     if not 1 <= stages <= num_layers:
         raise ValueError(f"cannot split {num_layers} layers into {stages} pipeline stages")
-    parts = partition_uniform(num_layers, stages)
-    return [next(s for s in range(stages) if parts[s] <= i < parts[s + 1]) for i in range(num_layers)]
+    return stage_of_layers(partition_uniform(num_layers, stages))
 
 
 class DelayedTrainer:
@@ -55,7 +111,8 @@ class DelayedTrainer:
         stage_of_layer: the pipeline stage of each layer (only ``pipedream`` delays depend on it).
         loss_fn: ``loss_fn(logits, labels)``, averaged over the micro-batches of a batch.
         optimizer: built over ``layers``' parameters; it always updates the newest weights.
-        schedule: ``1f1b`` (no delay), ``2bw`` or ``pipedream``.
+        schedule: a :class:`~ds_async.pipe.version_rule.VersionRule` or its name (``1f1b``, ``2bw``,
+            ``pipedream``).
         micro_batches: ``m``, micro-batches per optimizer step on each data-parallel replica.
         stages: pipeline depth ``p``.
         data_parallel: replicas; each batch is given as all replicas' micro-batches, replica by replica.
@@ -64,16 +121,17 @@ class DelayedTrainer:
     """
 
     def __init__(self, layers: Sequence[nn.Module], stage_of_layer: Sequence[int], loss_fn: Callable,
-                 optimizer: torch.optim.Optimizer, schedule: str, micro_batches: int, stages: int,
-                 data_parallel: int = 1, clip: float = 0.0, after_step: Callable[[], None] | None = None):
+                 optimizer: torch.optim.Optimizer, schedule: str | version_rule.VersionRule, micro_batches: int,
+                 stages: int, data_parallel: int = 1, clip: float = 0.0, after_step: Callable[[], None] | None = None):
         self.layers, self.loss_fn, self.optimizer = list(layers), loss_fn, optimizer
-        self.schedule, self.m, self.p, self.dp = schedule, micro_batches, stages, data_parallel
+        self.rule = version_rule.get(schedule)
+        self.schedule, self.m, self.p, self.dp = self.rule.name, micro_batches, stages, data_parallel
         self.clip, self.after_step = clip, after_step
         self.stage_params = [[q for layer, s in zip(self.layers, stage_of_layer) if s == stage
                               for q in layer.parameters()] for stage in range(stages)]
-        depth = max(max_versions(schedule, s, stages, micro_batches) for s in range(stages))
+        self.depth = max(self.rule.max_versions(s, stages, micro_batches) for s in range(stages))
         self.history: list[list[torch.Tensor]] = []  # history[k] = all parameters at W(step - k), newest first
-        self.depth, self.step_count = depth, 0
+        self.step_count = 0
 
     def _params(self) -> list[torch.Tensor]:
         return [q for group in self.stage_params for q in group]
@@ -86,28 +144,35 @@ class DelayedTrainer:
         """Set each stage's parameters to the version the schedule assigns to ``micro_batch``."""
         offset = 0
         for stage, group in enumerate(self.stage_params):
-            version = weight_version(self.schedule, micro_batch, stage, self.p, self.m)
-            age = self.step_count - version
+            age = self.step_count - self.rule.weight_version(micro_batch, stage, self.p, self.m)
             with torch.no_grad():
                 for k, q in enumerate(group):
                     q.copy_(self.history[age][offset + k])
             offset += len(group)
 
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        x = inputs
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
     def train_batch(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """One optimizer step over ``m x data_parallel`` micro-batches; returns their mean loss."""
+        """One optimizer step over ``m x data_parallel`` micro-batches; returns their mean loss, averaged as the
+        engine averages it: each replica's micro-batch losses summed in the loss dtype and divided by ``m``, then
+        the replicas' means summed and divided by ``data_parallel``."""
         self._snapshot()
-        total, count, replicas = 0.0, 0, []
+        replica_losses, total, count, replicas = [], None, 0, []
         for k, (inputs, labels) in enumerate(micro_batches):
             self._load_versions(self.step_count * self.m + k % self.m)
-            x = inputs
-            for layer in self.layers:
-                x = layer(x)
-            loss = self.loss_fn(x, labels)
+            loss = self.loss_fn(self.forward(inputs), labels)
             (loss / self.m).backward()
-            total += (loss / (self.m * self.dp)).item()
+            total = loss.detach().clone() if total is None else total + loss.detach()
             count += 1
-            if self.dp > 1 and count % self.m == 0:
-                replicas.append(self._take_grads())
+            if count % self.m == 0:
+                replica_losses.append(total / self.m)
+                total = None
+                if self.dp > 1:
+                    replicas.append(self._take_grads())
         if count != self.m * self.dp:
             raise ValueError(f"train_batch needs {self.m * self.dp} micro-batches, got {count}")
         if replicas:
@@ -128,7 +193,8 @@ class DelayedTrainer:
         if self.after_step is not None:
             self.after_step()
         self.step_count += 1
-        return total
+        mean = sum(replica_losses[1:], replica_losses[0])
+        return (mean / self.dp if self.dp > 1 else mean).item()
 
     def _take_grads(self) -> list[torch.Tensor | None]:
         grads = [q.grad for q in self._params()]
@@ -140,3 +206,228 @@ class DelayedTrainer:
         with torch.no_grad():
             for q, newest in zip(self._params(), self.history[0]):
                 q.copy_(newest)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A whole job from a DeepSpeed JSON config, in one process
+
+
+def data_parallel_degree(ds_config: dict) -> int:
+    """The replicas a launch of this config would have, from its batch keys alone (see the module docstring)."""
+    from .config import ConfigError
+
+    tbs, mbs, gas = (ds_config.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                                 "gradient_accumulation_steps"))
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (tbs, mbs, gas)):
+        return 1
+    if tbs % (mbs * gas):
+        raise ConfigError(f"train_batch_size: {tbs} is not a multiple of train_micro_batch_size_per_gpu ({mbs}) x "
+                          f"gradient_accumulation_steps ({gas})")
+    return tbs // (mbs * gas)
+
+
+def precision(ds_config: dict, device: torch.device) -> str:
+    """``bf16`` (autocast) or ``fp32``: what the emulation computes in for this config on ``device``."""
+    from .config import ConfigError
+
+    if (ds_config.get("fp16") or {}).get("enabled"):
+        raise ConfigError("fp16.enabled: the emulation runs fp32 or bf16 (bf16 or torch_autocast)")
+    autocast = ds_config.get("torch_autocast") or {}
+    if autocast.get("enabled") and str(autocast.get("dtype", "bfloat16")).replace("torch.", "") != "bfloat16":
+        raise ConfigError(f"torch_autocast.dtype: the emulation autocasts to bfloat16 only, got {autocast['dtype']!r}")
+    wants_bf16 = bool((ds_config.get("bf16") or {}).get("enabled") or autocast.get("enabled"))
+    return "bf16" if wants_bf16 and device.type == "cuda" else "fp32"
+
+
+def build_scheduler(block: dict | None, optimizer: torch.optim.Optimizer):
+    """The ``scheduler`` block as DeepSpeed builds it: its ``lr_schedules`` class of that name, else
+    ``torch.optim.lr_scheduler``'s, with ``params`` as keyword arguments; None without a block."""
+    from deepspeed.runtime import lr_schedules
+
+    from .config import ConfigError
+
+    if not block:
+        return None
+    name = block.get("type")
+    cls = getattr(lr_schedules, name, None) or getattr(torch.optim.lr_scheduler, name or "", None)
+    if cls is None:
+        raise ConfigError(f"scheduler.type: unknown scheduler {name!r} (neither deepspeed.runtime.lr_schedules nor "
+                          "torch.optim.lr_scheduler has it)")
+    try:
+        return cls(optimizer, **block.get("params", {}))
+    except TypeError as e:
+        raise ConfigError(f"scheduler.params: {e}") from None
+
+
+def _autocast(layers: Sequence[nn.Module], device: torch.device) -> list[nn.Module]:
+    """Each layer's forward under bf16 autocast; the backward and the optimizer step stay outside it."""
+
+    class Autocast(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                return self.inner(x)
+
+    return [Autocast(layer) for layer in layers]
+
+
+def card_name(device: torch.device) -> str:
+    import platform
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu: {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+class _OneProcess:
+    """The rank/barrier interface ``ds_async.trainer.resolve_tokenizer`` expects, for a single process."""
+
+    @staticmethod
+    def get_rank() -> int:
+        return 0
+
+    @staticmethod
+    def barrier() -> None:
+        pass
+
+
+def run(config_path: str, max_steps: int | None = None, run_name: str | None = None,
+        device: str | None = None) -> dict:
+    """Train the job of the DeepSpeed JSON at ``config_path`` in this process (see the module docstring); returns
+    the run summary (also written to ``<run folder>/summary.json``)."""
+    from . import config as cfgmod
+    from . import data, metrics
+    from .cadence import Cadence
+    from .config import ConfigError
+    from .nonfinite import NonFiniteLoss, SkipNonFinite
+    from .optim import build_optimizer
+    from .trainer import check_vocab, resolve_tokenizer, seed_everything, steps_for
+
+    ds_config, cfg = cfgmod.load(config_path)
+    if run_name is not None:
+        cfg = replace(cfg, logging=replace(cfg.logging, run_name=run_name))
+    dp = data_parallel_degree(ds_config)
+    _, mbs, gas = cfgmod.check_batch(ds_config, cfg, cfg.pipeline_stages * dp)
+    if "optimizer" not in ds_config:
+        raise ConfigError("optimizer: the emulation builds the optimizer from this block; it is missing")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    compute = precision(ds_config, dev)
+    seed_everything(cfg.seed)
+
+    name = cfg.logging.run_name or (f"{cfg.schedule}-{ds_config['optimizer'].get('type', 'none')}-"
+                                    f"{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = Path(cfg.logging.dir) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tok = resolve_tokenizer(cfg, run_dir, _OneProcess)
+    layers, loss_fn, hf_config = build_layers(cfg.model, seed=cfg.seed, loss_chunk=cfg.performance.loss_chunk)
+    check_vocab(tok, hf_config, cfg.tokenizer)
+    bounds = stage_bounds(cfg.partition.method, layers, cfg.pipeline_stages, cfg.partition.boundaries)
+    layers.to(dev)
+    try:
+        optimizer = build_optimizer(ds_config["optimizer"], layers, cfg.correction)
+    except ValueError as e:
+        raise ConfigError(f"optimizer: {e}") from None
+    stepped = optimizer
+    if cfg.train.on_nonfinite == "skip":
+        stepped = SkipNonFinite(optimizer)
+    scheduler = build_scheduler(ds_config.get("scheduler"), optimizer)
+
+    def after_step() -> None:
+        # As DeepSpeed: a skipped step leaves the LR schedule where it was.
+        if scheduler is not None and not getattr(stepped, "overflow", False):
+            scheduler.step()
+
+    run_layers = _autocast(layers, dev) if compute == "bf16" else list(layers)
+    trainer = DelayedTrainer(run_layers, stage_of_layers(bounds), loss_fn, stepped, cfg.schedule, gas,
+                             cfg.pipeline_stages, data_parallel=dp,
+                             clip=float(ds_config.get("gradient_clipping", 0.0)), after_step=after_step)
+
+    seq_len = cfg.data.seq_len
+    tokens_per_step = mbs * gas * dp * seq_len
+    total_steps = steps_for(cfg, tokens_per_step)
+    if max_steps is not None:
+        total_steps = min(total_steps, max_steps)
+    cadence = Cadence(total_steps, eval_every=cfg.eval.every, evaluate=bool(cfg.data.validation), final_save=False)
+
+    def stream(split: str, source: str, rank: int, train: bool):
+        return data.PackedBatches(data.load_text_stream(source, split, cfg.data.text_field), tok, seq_len, mbs,
+                                  dp_rank=rank, dp_world_size=dp, seed=cfg.seed,
+                                  shuffle_buffer=cfg.data.shuffle_buffer if train else 0, repeat=train,
+                                  text_field=cfg.data.text_field, min_chars=cfg.data.min_chars, source=source)
+
+    train_streams = [stream("train", cfg.data.train, r, True) for r in range(dp)]
+    held_out: list[list] = []  # the validation micro-batches of each replica: the same every evaluation
+
+    @torch.no_grad()
+    def validate() -> float:
+        if not held_out:
+            for r in range(dp):
+                batches = [b for _, b in zip(range(cfg.eval.batches),
+                                             stream("validation", cfg.data.validation, r, False))]
+                if len(batches) < cfg.eval.batches:
+                    raise data.DataError(f"{cfg.data.validation}: {len(batches)} validation micro-batches for "
+                                         f"replica {r}, ds_async.eval.batches asks for {cfg.eval.batches}")
+                held_out.append([(x.to(dev), y.to(dev)) for x, y in batches])
+        means = []
+        for batches in held_out:  # as the engine: each replica's micro-batch losses summed, then the mean
+            total = None
+            for x, y in batches:
+                loss = loss_fn(trainer.forward(x), y)
+                total = loss if total is None else total + loss
+            means.append(total / len(batches))
+        mean = sum(means[1:], means[0])
+        return (mean / dp if dp > 1 else mean).item()
+
+    log = metrics.RunLogger(run_dir, total_steps, tokens_per_step, enabled=True, progress=cfg.logging.progress,
+                            every=cfg.logging.every)
+    log.manifest(config_file=str(config_path), ds_async=cfgmod.resolved(cfg), deepspeed=ds_config,
+                 world_size=cfg.pipeline_stages * dp, pipeline_stages=cfg.pipeline_stages, data_parallel=dp,
+                 micro_batch_size=mbs, micro_batches=gas, tokens_per_step=tokens_per_step, total_steps=total_steps,
+                 model=hf_config.to_dict(), resumed_from=None,
+                 emulation={"device": str(dev), "card": card_name(dev), "precision": compute,
+                            "partition": bounds, "torch_threads": torch.get_num_threads()})
+
+    for step in range(1, total_steps + 1):
+        batch = [tuple(t.to(dev, non_blocking=True) for t in next(s)) for s in train_streams for _ in range(gas)]
+        loss = trainer.train_batch(batch)
+        log.train_step(step, loss, optimizer.param_groups[0]["lr"])
+        if not math.isfinite(loss) and cfg.train.on_nonfinite == "stop":
+            raise NonFiniteLoss(f"step {step}: the training loss is {'NaN' if math.isnan(loss) else 'inf'}; "
+                                "training stopped there (ds_async.train.on_nonfinite = 'stop')")
+        if cadence.evaluates(step):
+            log.validation(step, validate())
+    skipped_docs = {k: sum(s.skipped[k] for s in train_streams) for k in data.SKIP_REASONS}
+    return log.close(total_steps, plot=cfg.logging.plot,
+                     extra={"skipped_docs": skipped_docs, "skipped_steps": getattr(stepped, "skipped", 0),
+                            "checkpoint": None, "resumed_from": None})
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .config import ConfigError
+    from .data import DataError
+    from .nonfinite import NonFiniteLoss
+
+    parser = argparse.ArgumentParser(prog="python -m ds_async.emulate",
+                                     description="Train a ds_async JSON config's job in one process under its "
+                                                 "schedule's weight delays (the delay emulation).")
+    parser.add_argument("--config", required=True, help="DeepSpeed JSON with a \"ds_async\" section")
+    parser.add_argument("--run-name", default=None, help="override ds_async.logging.run_name")
+    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
+    args = parser.parse_args(argv)
+    try:
+        run(args.config, max_steps=args.max_steps, run_name=args.run_name, device=args.device)
+    except (ConfigError, DataError, NonFiniteLoss, FileNotFoundError) as e:
+        print(f"ds_async: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
