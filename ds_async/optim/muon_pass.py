@@ -1,0 +1,249 @@
+"""Hybrid Muon (+ error feedback) as a few passes over whole tensors, for a bf16 fast path: the module holds bf16
+weights, the optimizer fp32 master weights, Muon momentum and the EF buffer per whole tensor.
+
+Contract, per Muon matrix (:func:`muon_pass_`), from the bf16 gradient ``G``, a clip factor ``s`` (0-dim tensor)
+and the fp32 master ``x``:
+
+1. ``g = round_to(grad_dtype, G * s)`` in fp32, as DeepSpeed's gradient buffers of that dtype (its
+   ``grad_accum_dtype``) would hold it (the same rounding as :func:`ds_async.optim.adamw_pass.adamw_pass_`);
+2. momentum ``B <- lerp(B, g, 1 - mu)`` and the direction ``lerp(g, B, mu)`` (Nesterov) or ``B``, written once in
+   bf16, the precision Newton-Schulz starts from (compiled head pass on GPUs);
+3. Newton-Schulz, same shapes batched (:func:`ds_async.optim.muon.orthogonalise_batched`, or any function with its
+   contract, e.g. :func:`ds_async.optim.ns_split.orthogonalise_split` across data-parallel replicas);
+4. one compiled tail pass per tensor: ``new = x (1 - lr wd) - adjusted_lr * O``; with EF ``u = x - new``,
+   ``x <- new - lam (u - u_prev)``, ``u_prev <- u``; without, ``x <- new``; every extra output (the module's bf16
+   weight, the new weight-version slot) receives ``bf16(x)``.
+
+This is the arithmetic of :class:`ds_async.optim.Muon` with :class:`ds_async.optim.ErrorFeedback` (or without a
+correction) op for op and in the same order, on parameters that are the fp32 masters with ``.grad = g``: bit-equal
+on CPU (tested: master, momentum and EF buffers). Where the class passes Python floats (lerp weights, the decay,
+``alpha`` of ``add``, EF's ``lam``) the passes take fp32 0-dim tensors holding the same fp32 values, so that a
+compiled pass is not recompiled when a scheduler changes the lr; the one scalar that the class's kernel takes on
+the host (``add``'s ``alpha``) is read there by the eager pass (CPUs) and is a tensor product under
+``torch.compile`` (:func:`_add_scaled`). On GPUs the head and the tail are compiled by
+:func:`ds_async.optim.compiled.compiled_on_gpus`; their rounding may differ from the eager ops in the last bit.
+
+:func:`hybrid_muon_step_` steps a whole :class:`~ds_async.optim.Muon` (its param groups, state and correction) this
+way: Muon groups by :func:`muon_pass_`, AdamW groups (embeddings, head, norms) by the one-pass AdamW
+:func:`~ds_async.optim.adamw_pass.adamw_pass_` followed, with EF, by :func:`ef_pass_`; bit-equal on CPU to setting
+``.grad = g`` and calling ``Muon.step()``. Its state stays the class's (same keys), so ``state_dict`` and
+checkpoints are unchanged. The class's update statistics (``stats()``) are not collected by this step.
+
+Measured (``launch/bench/bench_newton_schulz.py``, one H100, torch 2.11, the 28 matrices of a 902M-LLaMA stage of
+4 layers): Muon + EF 22.6 ms a step here against 29.8 ms for ``Muon.step()`` on fp32 parameters; Newton-Schulz
+alone 20.0 ms (~540 TFLOP/s), so the passes around it cost ~2.6 ms instead of ~10.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from .adamw_pass import adamw_hyper, adamw_pass_
+from .compiled import compiled_on_gpus
+from .corrections import ErrorFeedback
+from .muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, adjusted_lr, orthogonalise_batched
+
+Orthogonalise = Callable[[list[Tensor], int, tuple[float, float, float], float], list[Tensor]]
+
+
+def muon_hyper(group: dict, shapes: Sequence[torch.Size], device: torch.device, lam: float = 0.0) -> Tensor:
+    """The step's scalars for the Muon matrices of ``shapes`` in one fp32 tensor on ``device``:
+    ``[1 - momentum, momentum, 1 - lr * weight_decay, lam, -adjusted_lr(shape_0), -adjusted_lr(shape_1), ...]``,
+    computed in double from ``group`` (``lr, momentum, weight_decay, lr_rule``) as the class computes its Python
+    floats, then rounded to fp32 where the class's kernels round them."""
+    lr, momentum, wd, rule = group["lr"], group["momentum"], group["weight_decay"], group["lr_rule"]
+    values = [1 - momentum, momentum, 1 - lr * wd, lam] + [-adjusted_lr(lr, s, rule) for s in shapes]
+    host = torch.tensor(values, dtype=torch.float32, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+@compiled_on_gpus
+def _muon_directions(grads: list[Tensor], momentum_buffers: list[Tensor], directions: list[Tensor], hyper: Tensor,
+                     grad_scale: Tensor, grad_dtype: torch.dtype, nesterov: bool) -> None:
+    # ds_async.optim.muon.momentum_directions: torch._foreach_lerp_(B, g, 1 - mu); lerp(g, B, mu) or B; then bf16.
+    one_minus_momentum, momentum = hyper[0], hyper[1]
+    for g, b, d in zip(grads, momentum_buffers, directions):
+        g = (g.to(grad_dtype) * grad_scale).to(b.dtype)
+        b.lerp_(g, one_minus_momentum)
+        d.copy_(g.lerp(b, momentum) if nesterov else b)
+
+
+def _add_scaled(x: Tensor, o: Tensor, alpha: Tensor) -> Tensor:
+    """``x + alpha * o`` (``alpha`` 0-dim), rounded once as ``torch.add(x, o, alpha=...)`` rounds it (a fused
+    multiply-add on CPU), the op the class runs. Eagerly it is that op (which reads ``alpha`` on the host: the eager
+    pass runs on CPUs only); under ``torch.compile`` a tensor product that the compiler may fuse into the addition,
+    since reading a tensor ``alpha`` on the host there costs a graph break and a device sync per tensor (seen with
+    torch 2.11 on an H100: the tail ran eagerly)."""
+    if torch.compiler.is_compiling():
+        return torch.addcmul(x, o, alpha)
+    return torch.add(x, o, alpha=alpha)
+
+
+@compiled_on_gpus
+def _muon_tail(params: list[Tensor], orthogonalised: list[Tensor], prev_updates: list[Tensor] | None,
+               outs: list[list[Tensor]], hyper: Tensor) -> None:
+    # muon_apply: decayed(x).add_(O, alpha=-adjusted_lr); UpdateOptimizer._apply with ErrorFeedback: u = x - new,
+    # e = (u - u_prev) * lam, u_prev <- u, new -= e, x <- new.
+    decay, lam = hyper[2], hyper[3]
+    for k, (p, o) in enumerate(zip(params, orthogonalised)):
+        new = _add_scaled(p * decay, o, hyper[4 + k])
+        if prev_updates is not None:
+            u = p - new
+            extra = (u - prev_updates[k]) * lam
+            prev_updates[k].copy_(u)
+            new = new - extra
+        p.copy_(new)
+        for out in outs:
+            out[k].copy_(p)
+
+
+@compiled_on_gpus
+def _ef_tail(params: list[Tensor], olds: list[Tensor], prev_updates: list[Tensor], outs: list[list[Tensor]],
+             lam: Tensor) -> None:
+    # ErrorFeedback on an update already applied: params hold the base optimizer's new values, olds the values before.
+    for k, (p, old, prev) in enumerate(zip(params, olds, prev_updates)):
+        u = old - p
+        extra = (u - prev) * lam
+        prev.copy_(u)
+        p.sub_(extra)
+        for out in outs:
+            out[k].copy_(p)
+
+
+@torch.no_grad()
+def muon_pass_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffers: Sequence[Tensor],
+               prev_updates: Sequence[Tensor] | None, outs: Sequence[Sequence[Tensor]], hyper: Tensor,
+               grad_scale: Tensor, grad_dtype: torch.dtype = torch.float32, *, nesterov: bool = True,
+               ns_steps: int = NS_STEPS, ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+               ns_eps: float = NS_EPS, orthogonalise: Orthogonalise = orthogonalise_batched) -> None:
+    """One Muon step, in place, on the fp32 master matrices ``params`` (whole tensors, >= 2-D; stacks of experts
+    ``[E, rows, cols]`` included) and their fp32 ``momentum_buffers`` from the bf16 ``grads`` times ``grad_scale``
+    (0-dim), rounded in ``grad_dtype``; ``hyper`` from :func:`muon_hyper` over the params' shapes (and EF's
+    ``lam``). With ``prev_updates`` (EF's ``u_prev`` per tensor, fp32, zero before the first step) the update is
+    corrected by error feedback and they receive the new ``u``; ``None``: no correction. Each list in ``outs``
+    (bf16 module weights, weight-version slots) receives the new params. ``orthogonalise(directions, ns_steps,
+    ns_coefficients, ns_eps)`` must return what :func:`orthogonalise_batched` returns (bf16, the same bits)."""
+    if not params:
+        return
+    params, grads = list(params), list(grads)
+    directions = [torch.empty_like(g, dtype=torch.bfloat16) for g in grads]
+    _muon_directions(grads, list(momentum_buffers), directions, hyper, grad_scale.to(grad_dtype), grad_dtype,
+                     nesterov)
+    orthogonalised = orthogonalise(directions, ns_steps, ns_coefficients, ns_eps)
+    _muon_tail(params, list(orthogonalised), None if prev_updates is None else list(prev_updates),
+               [list(o) for o in outs], hyper)
+
+
+@torch.no_grad()
+def ef_pass_(params: Sequence[Tensor], olds: Sequence[Tensor], prev_updates: Sequence[Tensor],
+             outs: Sequence[Sequence[Tensor]], lam: Tensor) -> None:
+    """Error feedback after a base step that already wrote its new values into ``params`` (``olds``: the values
+    before it): ``u = old - x``, ``x <- x - lam (u - u_prev)``, ``u_prev <- u``, and every list in ``outs`` receives
+    the corrected params; ``lam`` a 0-dim fp32 tensor. Bit-equal on CPU to the class's ``_apply`` with EF (which
+    subtracts the same term from the same new value)."""
+    if params:
+        _ef_tail(list(params), list(olds), list(prev_updates), [list(o) for o in outs], lam)
+
+
+def _correction_lam(correction) -> float | None:
+    if correction is None:
+        return None
+    if type(correction) is not ErrorFeedback:
+        raise NotImplementedError(f"hybrid_muon_step_: the one-pass step implements ErrorFeedback or no correction, "
+                                  f"not {type(correction).__name__}; use Muon.step()")
+    return float(correction.lam)
+
+
+@torch.no_grad()
+def hybrid_muon_step_(optimizer, grads: Sequence[Tensor | None], grad_scale: Tensor,
+                      outs: Sequence[Sequence[Tensor]] = (), grad_dtype: torch.dtype = torch.float32, *,
+                      orthogonalise: Orthogonalise = orthogonalise_batched) -> None:
+    """One step of the hybrid ``optimizer`` (a :class:`ds_async.optim.Muon` over fp32 master tensors, with
+    :class:`~ds_async.optim.ErrorFeedback` or no correction) from bf16 gradients, without ``.grad``.
+
+    ``grads``: the bf16 gradient of every parameter of ``optimizer.param_groups``, group after group in their order
+    (``None``: not stepped, as the class skips a parameter without ``.grad``); ``grad_scale``: 0-dim (the clip
+    factor); each list in ``outs`` (the module's bf16 weights, the new weight-version slot) holds a bf16 tensor per
+    parameter in that same order and receives the new values. Muon groups go through :func:`muon_pass_`
+    (Newton-Schulz by ``orthogonalise``), AdamW groups through :func:`adamw_pass_` and, with EF, :func:`ef_pass_`.
+    State is created and kept under the class's keys (``momentum_buffer``; ``step``, ``exp_avg``, ``exp_avg_sq``;
+    the correction's ``buffer_key``). Bit-equal on CPU to ``Muon.step()`` with ``.grad = round_to(grad_dtype,
+    G * grad_scale)`` in fp32."""
+    from .optimizers import Muon
+
+    if not isinstance(optimizer, Muon):
+        raise TypeError(f"hybrid_muon_step_ steps a ds_async.optim.Muon, got {type(optimizer).__name__} (a "
+                        "ShardedOptimizer steps only its owned parameters and broadcasts: use its step())")
+    lam = _correction_lam(optimizer.correction)
+    total = sum(len(g["params"]) for g in optimizer.param_groups)
+    for what, items in [("grads", grads), *((f"outs[{k}]", o) for k, o in enumerate(outs))]:
+        if len(items) != total:
+            raise ValueError(f"hybrid_muon_step_: {what} has {len(items)} tensors for {total} parameters")
+    optimizer._sums = {}
+    optimizer.last_lrs = {}
+    start = 0
+    for i, group in enumerate(optimizer.param_groups):
+        optimizer.last_lrs[optimizer._group_name(i)] = float(group["lr"])
+        chosen = [j for j in range(len(group["params"])) if grads[start + j] is not None]
+        if chosen:
+            params = [group["params"][j].detach() for j in chosen]
+            group_grads = [grads[start + j] for j in chosen]
+            group_outs = [[o[start + j] for j in chosen] for o in outs]
+            states = [optimizer.state[group["params"][j]] for j in chosen]
+            if group["use_muon"]:
+                _muon_group(optimizer, group, params, group_grads, states, group_outs, grad_scale, grad_dtype, lam,
+                            orthogonalise)
+            else:
+                _adamw_group(optimizer, group, params, group_grads, states, group_outs, grad_scale, grad_dtype,
+                             lam)
+        start += len(group["params"])
+
+
+def _prev_updates(optimizer, params: list[Tensor], states: list[dict]) -> list[Tensor]:
+    key = optimizer.correction.buffer_key
+    for p, state in zip(params, states):
+        if key not in state:  # ErrorFeedback: u(-1) = 0, allocated on the first step
+            state[key] = torch.zeros_like(p)
+    return [state[key] for state in states]
+
+
+def _muon_group(optimizer, group, params, grads, states, outs, grad_scale, grad_dtype, lam, orthogonalise):
+    from .optimizers import _require_matrix
+
+    for p, state in zip(params, states):
+        _require_matrix(p)
+        if not state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    hyper = muon_hyper(group, [p.shape for p in params], params[0].device, 0.0 if lam is None else lam)
+    muon_pass_(params, grads, [s["momentum_buffer"] for s in states],
+               None if lam is None else _prev_updates(optimizer, params, states), outs, hyper, grad_scale,
+               grad_dtype, nesterov=group["nesterov"], ns_steps=group["ns_steps"],
+               ns_coefficients=tuple(group["ns_coefficients"]), ns_eps=group["ns_eps"], orthogonalise=orthogonalise)
+
+
+def _adamw_group(optimizer, group, params, grads, states, outs, grad_scale, grad_dtype, lam):
+    for p, state in zip(params, states):
+        if not state:  # as ds_async.optim.optimizers._adamw_step
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+    # One pass per step count (the same for every tensor unless parameters joined the group late).
+    by_step: dict[int, list[int]] = {}
+    for k, state in enumerate(states):
+        by_step.setdefault(state["step"], []).append(k)
+    device = params[0].device
+    for step, ks in by_step.items():
+        ps, gs = [params[k] for k in ks], [grads[k] for k in ks]
+        os_ = [[o[k] for k in ks] for o in outs]
+        ms, vs = [states[k]["exp_avg"] for k in ks], [states[k]["exp_avg_sq"] for k in ks]
+        hyper = adamw_hyper(group, step, device)
+        if lam is None:
+            adamw_pass_(ps, gs, ms, vs, os_, hyper, grad_scale, grad_dtype)
+            continue
+        olds = [p.clone() for p in ps]
+        adamw_pass_(ps, gs, ms, vs, [], hyper, grad_scale, grad_dtype)
+        ef_pass_(ps, olds, _prev_updates(optimizer, ps, [states[k] for k in ks]), os_,
+                 torch.tensor(lam, dtype=torch.float32).to(device, non_blocking=True))
