@@ -164,8 +164,8 @@ class PerformanceConfig:
     fused_optimizer_step: bool = False
     """Under ``2bw``/``pipedream`` with DeepSpeed's bf16 optimizer over torch's AdamW, one replica and no ZeRO: take
     the step at each batch boundary in one pass per tensor, from the bf16 gradients straight to the fp32 master, the
-    moments, the bf16 weights and the new weight version (:mod:`ds_async.optim.adamw_pass`; about 30 instead of 46
-    bytes a parameter, moved while the next batch's passes run). Bit-equal to the unfused step on CPU; compiled on
+    moments, the bf16 weights and the new weight version (:mod:`ds_async.optim.adamw_pass`: fewer bytes moved per
+    parameter, while the next batch's passes run). Bit-equal to the unfused step on CPU; compiled on
     GPUs, where its rounding may differ from torch's fused AdamW in the last bit. Refused where it does not apply."""
 
 

@@ -25,9 +25,10 @@ def initialize(model: PipelineModule, config: dict, schedule: str = "1f1b", corr
 
     ``schedule`` (a name or :class:`~ds_async.pipe.version_rule.VersionRule`) and ``correction`` are the
     ``ds_async`` section's keys of the same names,
-    ``fused_optimizer_step`` its ``performance`` key. ds_async's
-    optimizers (``Muon``, ``Lion``, or any type with a correction) are built here from the JSON block and handed
-    to DeepSpeed as client optimizers (:mod:`ds_async.optim.client`); combinations they cannot honour are refused.
+    ``fused_optimizer_step`` its ``performance`` key. ds_async's optimizers (``Muon``, ``Lion``, or any type
+    with a correction) are built here from the JSON block and handed to DeepSpeed as client optimizers, under
+    bf16 with fp32 master weights of their own (:mod:`ds_async.optim.client`); combinations they cannot honour
+    are refused.
     """
     if not isinstance(model, PipelineModule):
         raise TypeError(f"ds_async.initialize needs a deepspeed PipelineModule, got {type(model).__name__}")
@@ -35,7 +36,8 @@ def initialize(model: PipelineModule, config: dict, schedule: str = "1f1b", corr
     mpu = model.mpu()
     if optimizer is None:
         config, optimizer = client_optimizer(model, config, correction, mpu.get_data_parallel_group(),
-                                             mpu.get_data_parallel_world_size())
+                                             mpu.get_data_parallel_world_size(), fused=fused_optimizer_step,
+                                             device=get_accelerator().current_device_name())
     config_class = DeepSpeedConfig(config, mpu)
     deepspeed.set_optimizer_flags(config_class, model)
     if model_parameters is None:

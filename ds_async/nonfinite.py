@@ -102,7 +102,11 @@ class SkipNonFinite:
 def check_skip_supported(optimizer) -> None:
     """Raise ConfigError unless ``skip`` can wrap ``optimizer`` (a torch optimizer DeepSpeed steps as is)."""
     from .config import ConfigError
+    from .optim.master import MasterWeights
 
+    if isinstance(optimizer, MasterWeights):
+        raise ConfigError("ds_async.train.on_nonfinite: 'skip' is not implemented with bf16 weights and ds_async's "
+                          "fp32 masters (its step reads the gradients itself); use 'stop' or fp32/torch_autocast")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(
             f"ds_async.train.on_nonfinite: 'skip' needs an optimizer DeepSpeed steps directly (fp32 or "

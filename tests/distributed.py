@@ -44,9 +44,13 @@ def stage_params(out_dir: Path, stages: int) -> dict:
 
 def emulate_run(schedule: str, stages: int, steps: int, micro_batches: int, data_parallel: int, optimizer: dict,
                 seq_len: int, mbs: int, clip: float = 1.0, data_seed: int = 0, seed: int = 1234,
-                model: dict | None = None, correction: dict | None = None):
+                model: dict | None = None, correction: dict | None = None, bf16: bool = False,
+                with_masters: bool = False):
     """The single-process emulation of a ``jobs.job_train`` run: (per-step losses, final parameters by HF name).
-    ``model`` is the job's ``ds_async.model`` section (default: the tiny LLaMA)."""
+    ``model`` is the job's ``ds_async.model`` section (default: the tiny LLaMA); ``bf16``: bf16 weights with the
+    optimizer's fp32 masters (:class:`~ds_async.optim.master.MasterWeights`), as the engine runs ds_async's
+    optimizers under ``"bf16": {"enabled": true}``; ``with_masters``: also return those masters flattened, in the
+    order of ``master_stage<s>.pt`` concatenated over the stages."""
     from ds_async.emulate import DelayedTrainer, build_layers, uniform_stages
     from ds_async.models import hf_state_dict
     from ds_async.optim import build_optimizer
@@ -55,8 +59,12 @@ def emulate_run(schedule: str, stages: int, steps: int, micro_batches: int, data
     torch.set_num_threads(1)  # as the job's ranks (OMP_NUM_THREADS=1): the same kernels, the same rounding
     layers, loss_fn, _ = build_layers(model or {"config": TINY_LLAMA}, seed=seed)
     stage_of = uniform_stages(len(layers), stages)
-    trainer = DelayedTrainer(layers, stage_of, loss_fn, build_optimizer(optimizer, layers, correction),
-                             schedule, micro_batches, stages, data_parallel=data_parallel, clip=clip)
+    opt = build_optimizer(optimizer, layers, correction)
+    if bf16:
+        from ds_async.optim.master import MasterWeights
+        opt = MasterWeights(opt, layers)
+    trainer = DelayedTrainer(layers, stage_of, loss_fn, opt, schedule, micro_batches, stages,
+                             data_parallel=data_parallel, clip=clip)
     g = micro_batches * data_parallel
     batches = global_micro_batches(data_seed, seq_len, mbs, steps * g)
     losses = [trainer.train_batch(batches[t * g:(t + 1) * g]) for t in range(steps)]
@@ -65,6 +73,9 @@ def emulate_run(schedule: str, stages: int, steps: int, micro_batches: int, data
         forward_funcs = layers
 
     params = {k: v.detach().clone() for k, v in hf_state_dict(_Stage).items()}
+    if with_masters:
+        masters = torch.cat([opt.master_of(p).detach().flatten() for p in layers.parameters()])
+        return torch.tensor(losses, dtype=torch.float64), params, masters
     return torch.tensor(losses, dtype=torch.float64), params
 
 

@@ -122,8 +122,10 @@ def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: i
     optimizer_stats = engine.optimizer_stats() if stats else None  # collective: every rank
     _save_params(engine, out)
     master = getattr(engine.optimizer, "fp32_groups_flat_partition", None)  # DeepSpeed's bf16 optimizer
+    if hasattr(engine.optimizer, "master_of"):  # ds_async's MasterWeights, in the module's parameter order
+        master = [engine.optimizer.master_of(p) for p in engine.module.parameters()]
     if master is not None and engine.grid.data_parallel_id == 0:
-        torch.save(torch.cat([t.detach().float() for t in master]), out / f"master_stage{engine.stage_id}.pt")
+        torch.save(torch.cat([t.detach().float().flatten() for t in master]), out / f"master_stage{engine.stage_id}.pt")
     result = {"losses": torch.tensor([0.0 if x is None else x.item() for x in losses], dtype=torch.float64),
               "clip_at_hand_over": getattr(engine, "clip_at_hand_over", None)}
     if stats:

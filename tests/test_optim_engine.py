@@ -65,12 +65,12 @@ class _Tiny(nn.Module):
 
 
 @pytest.mark.parametrize("extra,message", [
-    ({"bf16": {"enabled": True}}, "torch_autocast"),
+    ({"bf16": {"enabled": True}, "torch_autocast": {"enabled": True}}, "bf16 and torch_autocast are both enabled"),
     ({"fp16": {"enabled": True}}, "fp16 is not supported"),
     ({"zero_optimization": {"stage": 2}}, "ZeRO stage 2"),
     ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, "offload"),
 ])
-def test_muon_refused_where_it_would_see_flat_partitions(extra, message):
+def test_muon_refused_where_it_cannot_run(extra, message):
     with pytest.raises(OptimizerSetupError, match=message):
         client_optimizer(_Tiny(), {"optimizer": MUON, **extra}, None, None, 1)
 
@@ -101,3 +101,47 @@ def test_adamw_ef_trains_under_deepspeed_bf16(tmp_path):
                   optimizer=adamw, correction=EF, bf16={"enabled": True})
     losses = got["losses"]
     assert torch.isfinite(losses).all() and losses[-3:].mean() < losses[:3].mean() - 0.3, losses
+
+
+# ------------------------------------------------------------------------------ bf16 weights, fp32 masters
+def test_bf16_muon_keeps_fp32_masters_per_whole_tensor():
+    """Under ``"bf16"`` Muon is not refused: DeepSpeed gets the job without its bf16 block (so no flat partitions),
+    the module's weights become bf16 and the optimizer keeps fp32 masters of the same shapes."""
+    from ds_async.optim.master import MasterWeights
+
+    module = _Tiny()
+    config, opt = client_optimizer(module, {"optimizer": MUON, "bf16": {"enabled": True}}, EF, None, 1)
+    assert "bf16" not in config and isinstance(opt, MasterWeights)
+    assert all(p.dtype == torch.bfloat16 for p in module.parameters())
+    assert [m.shape for m in opt.masters] == [w.shape for w in opt.weights]
+    assert all(m.dtype == torch.float32 for m in opt.masters)
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "bf16": {"enabled": True}},
+     "fused_optimizer_step: with optimizer type 'AdamW' and bf16 it is implemented for Muon only"),
+    ({"optimizer": MUON}, "fused_optimizer_step: with optimizer type 'Muon' it needs bf16 weights"),
+])
+def test_fused_step_refused_where_it_does_not_apply(extra, message):
+    with pytest.raises(OptimizerSetupError, match=message):
+        client_optimizer(_Tiny(), extra, EF, None, 1, fused=True)
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b"])
+def test_bf16_muon_ef_equals_emulation(tmp_path, schedule):
+    """bf16 weights and version slots, fp32 masters, momentum and EF buffer per whole tensor, the clip factor
+    applied as the step reads the bf16 gradients: bit-equal to the emulation running the same bf16 arithmetic,
+    which differs from the fp32 run and, under 2BW, from the synchronous rule."""
+    got = run_job(2, "train", tmp_path, stages=2, steps=STEPS, mbs=MBS, gas=4, seq_len=SEQ, schedule=schedule,
+                  optimizer=MUON, correction=EF, bf16={"enabled": True})
+    losses, want, masters = emulate_run(schedule, 2, STEPS, 4, 1, MUON, seq_len=SEQ, mbs=MBS, correction=EF,
+                                        bf16=True, with_masters=True)
+    _, fp32 = emulate_run(schedule, 2, STEPS, 4, 1, MUON, seq_len=SEQ, mbs=MBS, correction=EF)
+    assert all(w.dtype == torch.bfloat16 for w in want.values())
+    assert max((fp32[k] - want[k].float()).abs().max().item() for k in want) > 1e-3, "bf16 must change the run"
+    if schedule == "2bw":
+        _, sync = emulate_run("1f1b", 2, STEPS, 4, 1, MUON, seq_len=SEQ, mbs=MBS, correction=EF, bf16=True)
+        assert max((sync[k].float() - want[k].float()).abs().max().item() for k in want) > 1e-3
+    torch.testing.assert_close(got["losses"], losses, rtol=1e-6, atol=0)
+    assert_params_close(stage_params(tmp_path, 2), want, rel=0)
+    assert torch.equal(torch.cat([torch.load(tmp_path / f"master_stage{s}.pt") for s in range(2)]), masters)

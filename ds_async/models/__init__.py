@@ -45,7 +45,7 @@ def compiled_stage(layers, **compile_kwargs):
 
     Per-layer compilation pays the host a compiled call (guards, autograd wrapper) per layer and fuses nothing
     across layer boundaries; a pipeline stage whose host issues passes barely faster than its GPU runs them
-    (measured in ``launch/bench_stage.py``) loses that as idle time. Parameters are graph inputs, so swapping in
+    loses that as idle time. Parameters are graph inputs, so swapping in
     another weight version recompiles nothing.
     """
     layers = list(layers)

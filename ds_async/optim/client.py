@@ -8,24 +8,30 @@ correction, the optimizer is built here and passed to DeepSpeed as a client opti
 
 What each mode hands the optimizer, and what is done about it:
 
-============================  =====================================  ================================================
-mode                          parameters the optimizer sees          Muon                     AdamW/SGD/Lion + corr.
-============================  =====================================  ================================================
-fp32 or torch_autocast, ZeRO-0 the stage's real parameters           yes                      yes
-ZeRO-1, data parallel > 1     DeepSpeed: flat 1-D partitions         ds_async's tensor-granular yes (elementwise)
-                                                                     ZeRO-1 (ShardedOptimizer)
-DeepSpeed bf16 optimizer      flat fp32 partitions                   refused                  yes (elementwise)
-fp16, ZeRO-2/3, offload       (not supported by ds_async)            refused                  refused
-============================  =====================================  ================================================
+==============================  ===================================================================================
+mode                            what ds_async's optimizer (Muon, Lion, or any type with a correction) steps
+==============================  ===================================================================================
+fp32 or torch_autocast, ZeRO-0  the stage's real parameters
+bf16 (``"bf16": {"enabled"}``)  fp32 masters per whole tensor that it keeps itself (:class:`~.master.MasterWeights`);
+                                the module trains in bf16; DeepSpeed sees fp32 with a client optimizer
+ZeRO-1, data parallel > 1       Muon, and everything under bf16: its owned whole tensors (ds_async's tensor-granular
+                                ZeRO-1, :class:`~.sharded.ShardedOptimizer`, DeepSpeed at stage 0 underneath);
+                                elementwise rules in fp32: DeepSpeed's flat ZeRO-1 partitions
+fp16, ZeRO-2/3, offload         refused
+==============================  ===================================================================================
 """
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 from torch import nn
 
 from . import build_optimizer, needs_client_optimizer
+from .master import MasterWeights
+from .ns_split import orthogonalise_split
+from .optimizers import Muon
 from .sharded import ShardedOptimizer
 
 log = logging.getLogger(__name__)
@@ -41,13 +47,16 @@ def _zero(ds_config: dict) -> dict:
     return dict(ds_config.get("zero_optimization") or {})
 
 
-def client_optimizer(module: nn.Module, ds_config: dict, correction, dp_group, dp_world: int
-                     ) -> tuple[dict, torch.optim.Optimizer | None]:
+def client_optimizer(module: nn.Module, ds_config: dict, correction, dp_group, dp_world: int,
+                     fused: bool = False, device=None) -> tuple[dict, torch.optim.Optimizer | None]:
     """``(config for DeepSpeed, client optimizer or None)`` for this stage.
 
     ``None`` means DeepSpeed builds the optimizer from the block itself (its own types, no correction), and the
     config is returned unchanged. Otherwise the ``"optimizer"`` block is removed from the returned copy (the
-    optimizer is built here) and, where ds_async shards a matrix optimizer itself, ZeRO is set to stage 0.
+    optimizer is built here); where ds_async shards the optimizer itself, ZeRO is set to stage 0; under bf16 the
+    ``"bf16"`` block is removed too and the module's weights become bf16 with fp32 masters kept by the optimizer
+    (``fused``: its step in a few passes per tensor, ``performance.fused_optimizer_step``; ``device``: where the
+    masters live).
     """
     block = ds_config.get("optimizer")
     if block is None or not needs_client_optimizer(block, correction):
@@ -64,13 +73,28 @@ def client_optimizer(module: nn.Module, ds_config: dict, correction, dp_group, d
         raise OptimizerSetupError(f"{what}: ZeRO stage {stage} / offload is not supported by ds_async's "
                                   "optimizers (ZeRO-2/3 split gradients across replicas mid-backward); use stage 0 "
                                   "or 1")
+    if (ds_config.get("bf16") or {}).get("enabled"):
+        if (ds_config.get("torch_autocast") or {}).get("enabled"):
+            raise OptimizerSetupError(f"{what}: bf16 and torch_autocast are both enabled; choose one")
+        if fused and kind not in MATRIX_TYPES:
+            raise OptimizerSetupError(f"ds_async.performance.fused_optimizer_step: with {what} and bf16 it is "
+                                      "implemented for Muon only (and for torch's AdamW without a correction under "
+                                      "DeepSpeed's bf16 optimizer)")
+        config = {k: v for k, v in config.items() if k != "bf16"}
+        optimizer = _split_newton_schulz(build_optimizer(block, module, correction), stage, dp_group, dp_world)
+        if stage == 1:
+            config["zero_optimization"] = {**zero, "stage": 0}
+            if dp_world > 1:
+                if fused:
+                    raise OptimizerSetupError("ds_async.performance.fused_optimizer_step: not with ZeRO-1 across "
+                                              "replicas (each owner steps its own tensors); use ZeRO stage 0")
+                optimizer = ShardedOptimizer(optimizer, dp_group)
+        return config, MasterWeights(optimizer, module, fused=fused, device=device)
+    if fused:
+        raise OptimizerSetupError(f"ds_async.performance.fused_optimizer_step: with {what} it needs bf16 weights "
+                                  "(\"bf16\": {\"enabled\": true})")
     if kind in MATRIX_TYPES:
-        if (ds_config.get("bf16") or {}).get("enabled"):
-            raise OptimizerSetupError(
-                f"{what} needs whole weight matrices, and DeepSpeed's bf16 optimizer hands its optimizer flat fp32 "
-                "partitions. Use bf16 compute with fp32 weights instead: remove \"bf16\" and set "
-                "\"torch_autocast\": {\"enabled\": true, \"dtype\": \"bfloat16\"}.")
-        optimizer = build_optimizer(block, module, correction)
+        optimizer = _split_newton_schulz(build_optimizer(block, module, correction), stage, dp_group, dp_world)
         if stage == 1:
             # DeepSpeed's ZeRO-1 would flatten the matrices; shard whole tensors across the replicas instead.
             config["zero_optimization"] = {**zero, "stage": 0}
@@ -82,6 +106,14 @@ def client_optimizer(module: nn.Module, ds_config: dict, correction, dp_group, d
     if stage == 1:
         config["zero_allow_untested_optimizer"] = True  # elementwise: correct on DeepSpeed's flat partitions
     return config, build_optimizer(block, module, correction)
+
+
+def _split_newton_schulz(optimizer, zero_stage: int, dp_group, dp_world: int):
+    """With replicas that each hold every matrix (ZeRO-0), Muon orthogonalises ~1/dp of them per replica and
+    all-gathers the rest (bit-equal to doing all; with ZeRO-1 each owner does only its own anyway)."""
+    if isinstance(optimizer, Muon) and zero_stage == 0 and dp_world > 1:
+        optimizer.orthogonalise = partial(orthogonalise_split, group=dp_group)
+    return optimizer
 
 
 def base_optimizer(optimizer) -> torch.optim.Optimizer | None:

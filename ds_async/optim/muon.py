@@ -90,8 +90,6 @@ def orthogonalise_batched(directions: list[Tensor], steps: int = NS_STEPS,
     A stage's hidden matrices come in a few shapes (q/k/v/o, gate/up, down): one call per shape instead of one
     per matrix. The result of each is bit-equal to orthogonalising it alone (tested), since the batched kernels
     run the same per-matrix products; the stack is made in bf16, the precision the iteration starts from.
-    (Stacking tall matrices with the wide ones of their transposed shape as well, gate/up with down, was measured
-    no faster on an H200: ``launch/results/README.md``, session 12.)
     """
     out: list[Tensor | None] = [None] * len(directions)
     by_shape: dict[tuple, list[int]] = {}

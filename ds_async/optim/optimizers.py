@@ -229,6 +229,9 @@ class Muon(UpdateOptimizer):
             if group["use_muon"]:
                 for p in group["params"]:
                     _require_matrix(p)
+        # Newton-Schulz over a list of directions; replicas that each hold every matrix (ZeRO-0) share the work
+        # with ds_async.optim.ns_split.orthogonalise_split instead (set by the client optimizer).
+        self.orthogonalise = orthogonalise_batched
 
     def _prepare_step(self) -> None:
         # Orthogonalise every matrix first, same shapes batched (one Newton-Schulz per shape, not per matrix);
@@ -248,7 +251,7 @@ class Muon(UpdateOptimizer):
             directions = momentum_directions([p.grad for p in params],
                                              [self.state[p]["momentum_buffer"] for p in params],
                                              momentum=group["momentum"], nesterov=group["nesterov"])
-            ortho = orthogonalise_batched(directions, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
+            ortho = self.orthogonalise(directions, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
             self._orthogonalised.update(zip(params, ortho))
 
     def _new_value(self, param, grad, state, group):

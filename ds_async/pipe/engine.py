@@ -20,6 +20,7 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..optim.clip import clip_, clip_coefficient, squared_norm, sum_in_stage_order
+from ..optim.master import MasterWeights
 from . import bf16
 from . import schedule as fs
 from . import version_rule
@@ -55,14 +56,21 @@ class AsyncPipelineEngine(PipelineEngine):
                          and not self.zero_optimization() and not self.optimizer.has_moe_layers)
         self.clip_at_hand_over = bf16_can_wait and self.gradient_clipping() > 0.0
         # Further, the AdamW step can go from the waiting bf16 gradients to the weights in one pass per tensor.
-        self.fused_optimizer_step = fused_optimizer_step
-        if fused_optimizer_step:
+        # (ds_async's own bf16 masters, MasterWeights, always take the waiting gradients, fused or not.)
+        self.fused_optimizer_step = fused_optimizer_step and not isinstance(self.optimizer, MasterWeights)
+        if self.fused_optimizer_step:
             if not (bf16_can_wait and bf16.PrecomputedNormBF16Optimizer.supports_one_pass(self.optimizer.optimizer)):
                 raise ValueError("performance.fused_optimizer_step needs a flush-free schedule, DeepSpeed's bf16 "
                                  "optimizer (bf16 enabled, ZeRO off) over torch's AdamW (\"torch_adam\": true, no "
                                  "amsgrad), one data-parallel replica and no MoE layers")
-            slot_of = {id(master): k for k, (_, _, master) in enumerate(self.versions.entries)}
-            self._slot_order = [[slot_of[id(lp)] for lp in group] for group in self.optimizer.bf16_groups]
+            self._slot_order = self._slots_of([list(group) for group in self.optimizer.bf16_groups])
+        if self.is_async and isinstance(self.optimizer, MasterWeights):
+            self._slot_order = self._slots_of([self.optimizer.weights])[0]
+
+    def _slots_of(self, groups: list[list[torch.Tensor]]) -> list[list[int]]:
+        """For lists of the module's weights, each weight's index in a version slot."""
+        slot_of = {id(weight): k for k, (_, _, weight) in enumerate(self.versions.entries)}
+        return [[slot_of[id(w)] for w in group] for group in groups]
 
     @property
     def _bf16_grads_wait(self) -> bool:
@@ -229,8 +237,10 @@ class AsyncPipelineEngine(PipelineEngine):
         if timed:  # after the norm's all-gather: the step, not the wait for the other stages
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        slot = self.versions.claim(batch + 1, needed_from=needed) if self.fused_optimizer_step else None
-        step = self._bf16_step(slot) if isinstance(self.optimizer, bf16.PrecomputedNormBF16Optimizer) else None
+        writes_slot = self.fused_optimizer_step or isinstance(self.optimizer, MasterWeights)
+        slot = self.versions.claim(batch + 1, needed_from=needed) if writes_slot else None
+        step = self._master_step(slot) if isinstance(self.optimizer, MasterWeights) else \
+            self._bf16_step(slot) if isinstance(self.optimizer, bf16.PrecomputedNormBF16Optimizer) else None
         with bf16.stepping_with(self.optimizer, step) if step is not None else nullcontext():
             self._exec_optimizer_step()
         if slot is None:
@@ -245,12 +255,7 @@ class AsyncPipelineEngine(PipelineEngine):
         sq, self._global_sq = self._global_sq, None
         if not self._bf16_grads_wait:
             return partial(self.optimizer.step_with, squared_norm=sq)
-        norm = coef = None
-        if self.gradient_clipping() > 0.0:
-            if sq is None:
-                raise RuntimeError("optimizer step without this batch's gradient norm: its gradients were never "
-                                   "reduced (every step must follow its batch's ReduceGrads)")
-            norm, coef = clip_coefficient(sq, self.gradient_clipping())
+        norm, coef = self._clip(sq)
         if slot is None:
             bf16.hand_over(self.optimizer, scale=coef)
             return partial(self.optimizer.step_with, clipped_norm=norm)
@@ -259,8 +264,35 @@ class AsyncPipelineEngine(PipelineEngine):
         return partial(self.optimizer.step_in_one_pass, bf16.take_bf16_grads(self.optimizer), scale, [outs],
                        clipped_norm=norm)
 
+    def _clip(self, sq: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(norm, clip factor) from the pipeline's squared gradient norm, ``(None, None)`` with clipping off."""
+        if self.gradient_clipping() <= 0.0:
+            return None, None
+        if sq is None:
+            raise RuntimeError("optimizer step without this batch's gradient norm: its gradients were never "
+                               "reduced (every step must follow its batch's ReduceGrads)")
+        return clip_coefficient(sq, self.gradient_clipping())
+
+    def _master_step(self, slot):
+        """:class:`MasterWeights`' step for this batch: the clip factor from the pipeline's norm, and the slot of the
+        new weight version as an output."""
+        sq, self._global_sq = self._global_sq, None
+        norm, coef = self._clip(sq)
+        outs = [] if slot is None else [[slot[k] for k in self._slot_order]]
+        return partial(self.optimizer.step_with, scale=coef, outs=outs, clipped_norm=norm)
+
+    def _take_model_step(self, lr_kwargs=None):
+        if isinstance(self.optimizer, MasterWeights) and not self.is_async:  # flush-free steps bind it themselves
+            if self.gradient_clipping() > 0.0:
+                self._global_sq = self._global_norm_sq(squared_norm(self._grads_for_norm()))
+            with bf16.stepping_with(self.optimizer, self._master_step(None)):
+                return super()._take_model_step(lr_kwargs)
+        return super()._take_model_step(lr_kwargs)
+
     def clip_fp32_gradients(self):
         """Clip by the whole model's gradient norm (DeepSpeed's pipeline averages per-stage norms instead)."""
+        if isinstance(self.optimizer, MasterWeights):
+            return  # its step applies the clip factor as it reads the bf16 gradients
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         sq, self._global_sq = self._global_sq, None  # gathered by _step_and_publish under flush-free schedules
         clip_(grads, self._global_norm_sq(squared_norm(grads)) if sq is None else sq, self.gradient_clipping())

@@ -22,6 +22,8 @@ class WeightVersions:
         # (owner module, attribute name, master parameter) for every trainable parameter, in a fixed order.
         self.entries = [(owner, name, p) for owner in module.modules()
                         for name, p in owner.named_parameters(recurse=False) if p.requires_grad]
+        self.names = [f"{prefix}.{name}" if prefix else name for prefix, owner in module.named_modules()
+                      for name, p in owner.named_parameters(recurse=False) if p.requires_grad]
         self.slots: list[list[nn.Parameter]] = [
             [nn.Parameter(p.detach().clone()) for _, _, p in self.entries] for _ in range(num_slots)]
         self.version_of_slot: list[int | None] = [first_version] + [None] * (num_slots - 1)
