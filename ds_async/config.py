@@ -162,11 +162,12 @@ class PerformanceConfig:
     ``PipelineModule`` checkpointing; under flush-free schedules the recompute runs on the micro-batch's own
     weight version). 0: store all activations."""
     fused_optimizer_step: bool = False
-    """Under ``2bw``/``pipedream`` with DeepSpeed's bf16 optimizer over torch's AdamW, one replica and no ZeRO: take
-    the step at each batch boundary in one pass per tensor, from the bf16 gradients straight to the fp32 master, the
-    moments, the bf16 weights and the new weight version (:mod:`ds_async.optim.adamw_pass`: fewer bytes moved per
-    parameter, while the next batch's passes run). Bit-equal to the unfused step on CPU; compiled on
-    GPUs, where its rounding may differ from torch's fused AdamW in the last bit. Refused where it does not apply."""
+    """Take the optimizer step in a few passes per tensor, from the bf16 gradients straight to the fp32 masters, the
+    optimizer state, the bf16 weights and (flush-free schedules) the new weight version. Two cases: DeepSpeed's bf16
+    optimizer over torch's AdamW under ``2bw``/``pipedream`` with one replica and no ZeRO
+    (:mod:`ds_async.optim.adamw_pass`); and ds_async's Muon (with or without EF) under ``"bf16"``, any schedule,
+    ZeRO stage 0 (:mod:`ds_async.optim.muon_pass`). Bit-equal to the unfused step on CPU; compiled on GPUs, where its
+    rounding may differ in the last bit. Refused where it does not apply."""
 
 
 @dataclass

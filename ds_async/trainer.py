@@ -115,7 +115,7 @@ class Trainer:
     def __init__(self, config_path: str, max_steps: int | None = None, run_name: str | None = None):
         from deepspeed import comm as dist
 
-        from .initialize import init_distributed
+        from .builder import init_distributed
 
         self.config_path = config_path
         self.ds_config, cfg = cfgmod.load(config_path)
@@ -165,7 +165,7 @@ class Trainer:
         from deepspeed import comm as dist
 
         from . import data
-        from .initialize import initialize
+        from .builder import initialize
         from .models import build_pipeline, model_config
         from .nonfinite import LossMonitor, SkipNonFinite, check_skip_supported
 

@@ -17,7 +17,7 @@ import torch
 
 from ds_async import config as cfgmod
 from ds_async import data
-from ds_async.initialize import initialize
+from ds_async import initialize
 from ds_async.models import build_pipeline, export_hf, hf_state_dict, model_config
 
 TINY_LLAMA = {"vocab_size": 8192, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,

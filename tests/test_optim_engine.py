@@ -145,3 +145,34 @@ def test_bf16_muon_ef_equals_emulation(tmp_path, schedule):
     torch.testing.assert_close(got["losses"], losses, rtol=1e-6, atol=0)
     assert_params_close(stage_params(tmp_path, 2), want, rel=0)
     assert torch.equal(torch.cat([torch.load(tmp_path / f"master_stage{s}.pt") for s in range(2)]), masters)
+
+
+def test_bf16_muon_ef_fused_step_equals_the_unfused_step(tmp_path):
+    """``performance.fused_optimizer_step`` with bf16 Muon + EF: the step in a few passes per tensor
+    (:func:`ds_async.optim.muon_pass.hybrid_muon_step_`), writing the new weight version itself, leaves the masters,
+    the bf16 weights and every loss bit-equal to MasterWeights' unfused step (CPU: both eager)."""
+    kw = dict(stages=2, steps=STEPS, mbs=MBS, gas=4, seq_len=SEQ, schedule="2bw", optimizer=MUON, correction=EF,
+              bf16={"enabled": True})
+    fused = run_job(2, "train", tmp_path / "fused", performance={"fused_optimizer_step": True}, **kw)
+    plain = run_job(2, "train", tmp_path / "plain", **kw)
+    torch.testing.assert_close(fused["losses"], plain["losses"], rtol=0, atol=0)
+    assert_params_close(stage_params(tmp_path / "fused", 2), stage_params(tmp_path / "plain", 2), rel=0)
+    for s in range(2):
+        assert torch.equal(torch.load(tmp_path / "fused" / f"master_stage{s}.pt"),
+                           torch.load(tmp_path / "plain" / f"master_stage{s}.pt"))
+
+
+@pytest.mark.parametrize("stages,zero,bf16", [(2, 0, False), (2, 0, True), (3, 0, True), (2, 1, True)],
+                         ids=["2x2-zero0-fp32", "2x2-zero0-bf16", "3x2-zero0-bf16", "2x2-zero1-bf16"])
+def test_2bw_muon_ef_replicas_equal_emulation(tmp_path, stages, zero, bf16):
+    """Two replicas per stage. At ZeRO-0 each replica orthogonalises about half the matrices and all-gathers the
+    rest (:mod:`ds_async.optim.ns_split`); at ZeRO-1 each owner steps its own; either way bit-equal to the
+    emulation, which orthogonalises every matrix in one process."""
+    steps = 6
+    extra = {"bf16": {"enabled": True}} if bf16 else {}
+    got = run_job(stages * 2, "train", tmp_path, stages=stages, steps=steps, mbs=MBS, gas=stages, seq_len=SEQ,
+                  schedule="2bw", optimizer=MUON, correction=EF, zero_optimization={"stage": zero}, **extra)
+    losses, want = emulate_run("2bw", stages, steps, stages, 2, MUON, seq_len=SEQ, mbs=MBS, correction=EF,
+                               bf16=bf16)
+    torch.testing.assert_close(got["losses"], losses, rtol=1e-6, atol=0)
+    assert_params_close(stage_params(tmp_path, stages), want, rel=0)

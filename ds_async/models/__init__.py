@@ -73,7 +73,7 @@ def model_config(cfg: DsAsyncConfig):
 
 def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineModule:
     """The pipeline module for this rank: only this stage's layers are built (and read from disk)."""
-    from ..initialize import init_distributed
+    from ..builder import init_distributed
 
     init_distributed()
     hf_dir = cfg.model.path if cfg.model.path and cfg.model.load_weights else None

@@ -200,7 +200,7 @@ def main() -> None:
 
     from ds_async import config as cfgmod
     from ds_async.flops import model_flops_per_token
-    from ds_async.initialize import init_distributed, initialize
+    from ds_async import init_distributed, initialize
     from ds_async.metrics import code_version
     from ds_async.models import build_pipeline
 

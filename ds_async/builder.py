@@ -1,4 +1,4 @@
-"""``deepspeed.initialize`` for pipelines, building ds_async's engine.
+"""``ds_async.initialize``: ``deepspeed.initialize`` for pipelines, building ds_async's engine.
 
 ``deepspeed.initialize`` hard-codes ``PipelineEngine`` for a ``PipelineModule``; this is its pipeline branch with
 our class. Everything else (config parsing, optimizer and scheduler construction from the JSON) is DeepSpeed's.
