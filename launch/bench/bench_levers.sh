@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 7's levers, one at a time, on one GPU host: each line of the matrix is one bench_pipeline.py run.
 # Usage: bash launch/bench/bench_levers.sh OUT.jsonl [MATRIX]
-# MATRIX: headline | levers | compiled | fused | scope | fusedstep | clip | scaling | optimizer | optimizer16;
+# MATRIX: headline | muon | muon16 | muondp | levers | compiled | fused | scope | fusedstep | clip | scaling | optimizer |
+# optimizer16;
 # default levers; several: 'compiled scaling'.
 # Every row records its flags ("performance", "adamw", ...) and the card; compare rows of one call only.
 # REPEAT=n runs the whole list n times in order (1F1B and 2BW rows interleave): runs of the same code on one
@@ -20,6 +21,19 @@ case $matrix in
     "--schedule 2bw --micro-batches 4 --compile --compile-scope stage --adamw fused --fused-step"
     "--schedule 1f1b --micro-batches 8 --compile --compile-scope stage --adamw fused"
     "--schedule 2bw --micro-batches 8 --compile --compile-scope stage --adamw fused --fused-step") ;;
+  muon) runs+=(  # the paper's recipe on the fast path: bf16 Muon + EF with the fused step, against the AdamW fast path
+    "--schedule 2bw --micro-batches 8 --compile --compile-scope stage --optimizer muon-ef --fused-step"
+    "--schedule 2bw --micro-batches 8 --compile --compile-scope stage --adamw fused --fused-step"
+    "--schedule 2bw --micro-batches 4 --compile --compile-scope stage --optimizer muon-ef --fused-step"
+    "--schedule 2bw --micro-batches 4 --compile --compile-scope stage --adamw fused --fused-step"
+    "--schedule 2bw --micro-batches 8 --compile --compile-scope stage --optimizer muon-ef --precision autocast") ;;
+  muon16) runs+=(
+    "--schedule 2bw --micro-batches 16 --compile --compile-scope stage --optimizer muon-ef --fused-step"
+    "--schedule 2bw --micro-batches 16 --compile --compile-scope stage --adamw fused --fused-step") ;;
+  muondp) runs+=(  # 2 stages x 2 replicas (Newton-Schulz split across the replicas) and 2 stages x 1 replica
+    "NPROC=4 --schedule 2bw --micro-batches 8 --stages 2 --compile --compile-scope stage --optimizer muon-ef --fused-step"
+    "NPROC=4 --schedule 2bw --micro-batches 8 --stages 2 --compile --compile-scope stage --adamw fused"
+    "NPROC=2 --schedule 2bw --micro-batches 8 --stages 2 --compile --compile-scope stage --optimizer muon-ef --fused-step") ;;
   levers) runs+=(
     "--schedule 1f1b --micro-batches 4"
     "--schedule 2bw --micro-batches 4"
@@ -80,4 +94,5 @@ for line in sys.stdin:
           'mem', list(r['peak_mem_GiB_by_stage'].values()), 'opt_ms', list(r['optimizer_step_ms_by_stage'].values()),
           'host_ms', [round(sum(h.values()), 1) for h in r.get('host_ms_per_step_by_stage', {}).values()])"
   grep -h -m2 -E "Error|error:" /tmp/bench_run.log
+  [ $rc -eq 0 ] || { cp /tmp/bench_run.log "${FAILED_LOGS:-/tmp}/failed_$(date +%s).log" 2>/dev/null; tail -4 /tmp/bench_run.log; }
 done
