@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .optim.clip import clip_, squared_norm, sum_in_stage_order
+from .optim.clip import clip_, clip_coefficient, squared_norm, sum_in_stage_order
+from .optim.master import MasterWeights
 from .pipe import version_rule
 
 
@@ -132,23 +133,29 @@ class DelayedTrainer:
         self.depth = max(self.rule.max_versions(s, stages, micro_batches) for s in range(stages))
         self.history: list[list[torch.Tensor]] = []  # history[k] = all parameters at W(step - k), newest first
         self.step_count = 0
+        self.loaded = [0] * stages  # the version each stage's parameters hold now
 
     def _params(self) -> list[torch.Tensor]:
         return [q for group in self.stage_params for q in group]
 
     def _snapshot(self) -> None:
-        self.history.insert(0, [q.detach().clone() for q in self._params()])
-        del self.history[self.depth:]
+        if self.depth > 1:  # a rule that only ever reads the newest weights keeps no copies
+            self.history.insert(0, [q.detach().clone() for q in self._params()])
+            del self.history[self.depth:]
+
+    def _load(self, stage: int, version: int) -> None:
+        """Set ``stage``'s parameters to ``W(version)`` (no copy when they hold it already)."""
+        if self.loaded[stage] != version:
+            offset = sum(len(g) for g in self.stage_params[:stage])
+            with torch.no_grad():
+                for k, q in enumerate(self.stage_params[stage]):
+                    q.copy_(self.history[self.step_count - version][offset + k])
+            self.loaded[stage] = version
 
     def _load_versions(self, micro_batch: int) -> None:
         """Set each stage's parameters to the version the schedule assigns to ``micro_batch``."""
-        offset = 0
-        for stage, group in enumerate(self.stage_params):
-            age = self.step_count - self.rule.weight_version(micro_batch, stage, self.p, self.m)
-            with torch.no_grad():
-                for k, q in enumerate(group):
-                    q.copy_(self.history[age][offset + k])
-            offset += len(group)
+        for stage in range(self.p):
+            self._load(stage, self.rule.weight_version(micro_batch, stage, self.p, self.m))
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         x = inputs
@@ -183,16 +190,24 @@ class DelayedTrainer:
                     q.grad = sum(grads[1:], grads[0])
                     q.grad.mul_(1.0 / self.dp)
         self._restore_newest()
+        scale = None
         if self.clip:
             # Per-stage partial sums added in stage order, as the engine adds the norms it gathers over the pipeline.
             per_stage = [[q.grad for q in group if q.grad is not None] for group in self.stage_params]
             sq = sum_in_stage_order([squared_norm(g) for g in per_stage])
-            clip_([g for group in per_stage for g in group], sq, self.clip)
-        self.optimizer.step()
+            if isinstance(self.optimizer, MasterWeights):
+                scale = clip_coefficient(sq, self.clip)[1]  # applied as the step reads the bf16 gradients
+            else:
+                clip_([g for group in per_stage for g in group], sq, self.clip)
+        if isinstance(self.optimizer, MasterWeights):
+            self.optimizer.step_with(scale=scale)
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.after_step is not None:
             self.after_step()
         self.step_count += 1
+        self.loaded = [self.step_count] * self.p
         mean = sum(replica_losses[1:], replica_losses[0])
         return (mean / self.dp if self.dp > 1 else mean).item()
 
@@ -203,10 +218,8 @@ class DelayedTrainer:
         return grads
 
     def _restore_newest(self) -> None:
-        with torch.no_grad():
-            for q, newest in zip(self._params(), self.history[0]):
-                q.copy_(newest)
-
+        for stage in range(self.p):
+            self._load(stage, self.step_count)
 
 # ---------------------------------------------------------------------------------------------------------------
 # A whole job from a DeepSpeed JSON config, in one process
@@ -257,6 +270,13 @@ def build_scheduler(block: dict | None, optimizer: torch.optim.Optimizer):
         return cls(optimizer, **block.get("params", {}))
     except TypeError as e:
         raise ConfigError(f"scheduler.params: {e}") from None
+
+
+def tokenize_batch(tokens: int) -> int:
+    """Documents a stream tokenizes at a time when a run reads ``tokens`` tokens from it: the stream is the same
+    whatever the batch, but a short run (a CPU test) should not tokenize 64 long documents to use a few thousand
+    tokens; a long one takes DeepSpeed-sized batches of 64 for throughput."""
+    return max(1, min(64, tokens // 2 ** 16))
 
 
 def _autocast(layers: Sequence[nn.Module], device: torch.device) -> list[nn.Module]:
@@ -356,10 +376,12 @@ def run(config_path: str, max_steps: int | None = None, run_name: str | None = N
     cadence = Cadence(total_steps, eval_every=cfg.eval.every, evaluate=bool(cfg.data.validation), final_save=False)
 
     def stream(split: str, source: str, rank: int, train: bool):
+        tokens = total_steps * mbs * gas * seq_len if train else cfg.eval.batches * mbs * seq_len
         return data.PackedBatches(data.load_text_stream(source, split, cfg.data.text_field), tok, seq_len, mbs,
                                   dp_rank=rank, dp_world_size=dp, seed=cfg.seed,
                                   shuffle_buffer=cfg.data.shuffle_buffer if train else 0, repeat=train,
-                                  text_field=cfg.data.text_field, min_chars=cfg.data.min_chars, source=source)
+                                  text_field=cfg.data.text_field, min_chars=cfg.data.min_chars, source=source,
+                                  tokenize_batch=tokenize_batch(tokens))
 
     train_streams = [stream("train", cfg.data.train, r, True) for r in range(dp)]
     held_out: list[list] = []  # the validation micro-batches of each replica: the same every evaluation
