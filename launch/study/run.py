@@ -1,0 +1,397 @@
+"""The loss-curve study's runs as ordinary ds_async JSON configs, and the driver that trains them.
+
+Every run is one of the study's base configs (``base.json``: the 20.5M LLaMA on the corpus' enwiki shards, 300
+steps of 48 sequences as 2 micro-batches of 24; ``tiny.json``: the CPU/CI model) with dotted-key overrides of that
+JSON, e.g. ``{"ds_async.schedule": "2bw", "ds_async.correction": {"type": "ef", "lambda": 1.0}}``; the JSON is the
+only config language. A matrix (below) is a list of such runs; the driver writes each one's JSON and trains it:
+
+- ``--runner emulation`` (default): ``ds_async.emulate.run`` in this process, one run after the other, the same as
+  ``python -m ds_async.emulate --config CONFIG.json``;
+- ``--runner engine``: ``torchrun --nproc_per_node P launch/train.py --config CONFIG.json`` (P = stages x
+  replicas; GPUs if present, else gloo on CPU).
+
+    python launch/study/run.py main --list                      # the runs, and what each would run
+    python launch/study/run.py main extras --gpus 4             # a share of the runs per GPU (main's first)
+    python launch/study/run.py pairs --runner engine --gpus 4   # the engine side of the comparison, 2 GPUs a run
+    python launch/study/run.py tiny --device cpu --out /tmp/study
+
+The configs' data and tokenizer paths are relative to the repository root (``../shared/corpus``): every run
+starts there. A run's folder is ``OUT/<runner>/<group>/<name>/``: ``config.json`` (the JSON it ran) and what the
+runner writes (``manifest.json``, tensorboard events, ``summary.json``). A folder with ``summary.json`` is finished and skipped
+(``--force`` re-runs it); an unfinished one starts again from scratch. ``--set KEY=VALUE`` overrides a key in
+every run (a JSON value, else a string), e.g. the data paths on another machine.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import fnmatch
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+RUNNERS = ("emulation", "engine")
+
+# Peak learning rates and weight decay, chosen for the synchronous runs and reused unchanged for the asynchronous
+# ones (the extras' LR sweep checks them). Muon: its rate for hidden matrices, AdamW's (adam_*) for embedding, head
+# and norms; no decay on the hidden matrices (Muon's lr x wd there would be 7x AdamW's).
+OPTIMIZERS = {
+    "adamw": {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                        "weight_decay": 0.1, "torch_adam": True}}},
+    "muon": {"optimizer": {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95, "nesterov": True,
+                                                      "weight_decay": 0.0, "adam_lr": 3e-3, "adam_betas": [0.9, 0.95],
+                                                      "adam_weight_decay": 0.1}}},
+}
+VARIANTS = {
+    "sync": {"ds_async.schedule": "1f1b"},
+    "2bw": {"ds_async.schedule": "2bw"},
+    "2bw+ef": {"ds_async.schedule": "2bw", "ds_async.correction": {"type": "ef", "lambda": 1.0}},
+}
+# The engine comparison's points: each trains through both runners with the same JSON.
+PAIR_POINTS = (("muon", "2bw+ef"), ("adamw", "2bw"), ("adamw", "sync"))
+
+
+@dataclass
+class Run:
+    base: str
+    """The base config's file name in this folder."""
+    group: str
+    name: str
+    overrides: dict = field(default_factory=dict)
+    """Dotted keys of the JSON -> values."""
+
+    def config(self, sets: dict | None = None) -> dict:
+        """The run's whole JSON: the base with the overrides, then ``sets``, applied."""
+        return override(load_base(self.base), {**self.overrides, **(sets or {})})
+
+
+def load_base(name: str) -> dict:
+    return json.loads((HERE / name).read_text())
+
+
+def override(config: dict, overrides: dict) -> dict:
+    """A copy of ``config`` with each dotted key set to its value (missing objects on the way are created)."""
+    out = copy.deepcopy(config)
+    for key, value in overrides.items():
+        *path, last = key.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"{key}: {part!r} is not an object in the config")
+        node[last] = copy.deepcopy(value)
+    return out
+
+
+def lookup(config: dict, key: str):
+    node = config
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def product(base: str, group: str, *axes: dict) -> list[Run]:
+    """One run per combination of the axes' entries (``label -> overrides``), named by the labels joined by ``-``
+    (an empty label adds nothing to the name)."""
+    runs = []
+    for combo in itertools.product(*(axis.items() for axis in axes)):
+        overrides = {}
+        for _, o in combo:
+            overrides.update(o)
+        runs.append(Run(base, group, "-".join(label for label, _ in combo if label), overrides))
+    return runs
+
+
+def seeds(*values: int) -> dict:
+    return {f"s{s}": {"ds_async.seed": s} for s in values}
+
+
+def length(steps: int) -> dict:
+    """Train ``steps`` steps: validation every tenth of them, the LR schedule (10% warm-up) stretched to match."""
+    return {"ds_async.train.steps": steps, "ds_async.eval.every": max(1, steps // 10),
+            "scheduler.params.total_num_steps": steps, "scheduler.params.warmup_num_steps": max(1, round(steps / 10))}
+
+
+def lr_scaled(optimizer: str, scale: float) -> dict:
+    """The optimizer's peak learning rates (Muon: both) times ``scale``."""
+    params = OPTIMIZERS[optimizer]["optimizer"]["params"]
+    return {f"optimizer.params.{k}": params[k] * scale for k in ("lr", "adam_lr") if k in params}
+
+
+def extras(base: str, optimizers=("adamw", "muon"), token_scales=(0.5, 2.0), lr_scales=(0.5, 2.0),
+           batches=(96, 192), batch_optimizers=("adamw",), depths=(2, 4, 8), lambdas=(0.5, 1.5)) -> list[Run]:
+    """Sweeps of one axis of ``base`` each, seed 0; each sweep's point at ``base`` itself is the main matrix's."""
+    cfg = load_base(base)
+    steps, ds = cfg["ds_async"]["train"]["steps"], cfg["ds_async"]
+    mbs, gas = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
+    sync_2bw = {k: VARIANTS[k] for k in ("sync", "2bw")}
+    s0 = {"": {"ds_async.seed": 0}}
+    runs = []
+    for opt in optimizers:
+        o = {opt: OPTIMIZERS[opt]}
+        tokens = {f"tokens{x:g}x": length(int(steps * x)) for x in token_scales}
+        runs += product(base, "tokens", o, sync_2bw, tokens, s0)
+        runs += product(base, "lr", o, sync_2bw, {f"lr{x:g}x": lr_scaled(opt, x) for x in lr_scales}, s0)
+        if opt in batch_optimizers:  # the same tokens in fewer, larger steps of the same micro-batches
+            sizes = {f"batch{b}": {"gradient_accumulation_steps": b // mbs, **length(steps * mbs * gas // b)}
+                     for b in batches}
+            runs += product(base, "batch", o, sync_2bw, sizes, s0)
+        # PipeDream's variable delay: one micro-batch per step (the step's sequences in one), stage s of p lags
+        # p - 1 - s steps; validation on the same held-out sequences in micro-batches of the new size.
+        depth = {f"pipedream-p{p}": {"ds_async.schedule": "pipedream", "ds_async.pipeline_stages": p,
+                                     "train_micro_batch_size_per_gpu": mbs * gas, "gradient_accumulation_steps": 1,
+                                     "ds_async.eval.batches": ds["eval"]["batches"] * mbs // (mbs * gas)}
+                 for p in depths}
+        runs += product(base, "depth", o, depth, s0)
+        ef = {f"2bw+ef-lambda{lam:g}": {**VARIANTS["2bw"], "ds_async.correction": {"type": "ef", "lambda": lam}}
+              for lam in lambdas}
+        runs += product(base, "ef_lambda", o, ef, s0)
+        nesterov = {"2bw+nesterov": {**VARIANTS["2bw"],
+                                     "ds_async.correction": {"type": "nesterov", "momentum": 0.9, "delay": 1}}}
+        runs += product(base, "nesterov", o, nesterov, s0)
+    return runs
+
+
+def pairs(base: str, group: str, seed_values: tuple[int, ...], **shape) -> list[Run]:
+    """The engine comparison's points (Muon 2bw+ef, AdamW 2bw and sync) per seed, with ``shape`` overrides."""
+    points = {f"{opt}-{v}": {**OPTIMIZERS[opt], **VARIANTS[v]} for opt, v in PAIR_POINTS}
+    return product(base, group, points, seeds(*seed_values), {"": shape})
+
+
+def _depth8(base: str, group: str, seed_values: tuple[int, ...], **shape) -> list[Run]:
+    """Muon sync vs 2BW + EF through 8 stages, m = 8 (the eight-GPU issue's pair)."""
+    return product(base, group, {"muon": OPTIMIZERS["muon"]},
+                   {k: VARIANTS[k] for k in ("sync", "2bw+ef")}, seeds(*seed_values),
+                   {"": {"ds_async.pipeline_stages": 8, "ds_async.partition": {"method": "uniform"},
+                         "gradient_accumulation_steps": 8, **shape}})
+
+
+def matrix(name: str) -> list[Run]:
+    """The named list of runs.
+
+    ``main``: {AdamW, Muon} x {sync, 2bw, 2bw+ef} x seeds {0, 1, 2} of ``base.json`` (18). ``extras`` (seed 0):
+    token budget x0.5/x2 and peak LR x0.5/x2 for sync and 2bw with both optimizers, batch 96/192 sequences at the
+    same tokens (AdamW), PipeDream at p = 2/4/8, EF lambda 0.5/1.5 and the Nesterov look-ahead correction (32).
+    ``pairs``: the engine comparison's points of ``main`` (Muon 2bw+ef, AdamW 2bw and sync, 3 seeds), for
+    ``--runner engine``; their emulation twins are ``main``'s runs. ``tiny``: ``main`` and ``extras`` on
+    ``tiny.json`` (2 seeds, one AdamW point per sweep; one stage and one micro-batch per step, so that CI's
+    emulation runs are cheap). ``tiny-pairs``: the pairs' points on ``tiny.json`` split over 2 stages (2
+    micro-batches of 2), to run with both runners. ``depth8`` (8 GPUs) and ``depth8-cpu``
+    (8 CPU ranks, a 6-layer tiny model, 200 steps, seeds 0 and 1): Muon sync vs 2bw+ef through 8 stages.
+    """
+    opts = OPTIMIZERS
+    if name == "main":
+        return product("base.json", "main", opts, VARIANTS, seeds(0, 1, 2))
+    if name == "extras":
+        return extras("base.json")
+    if name == "pairs":  # main's own runs: the emulation side is main's
+        return pairs("base.json", "main", (0, 1, 2))
+    if name == "tiny":
+        return product("tiny.json", "main", opts, VARIANTS, seeds(0, 1)) + extras(
+            "tiny.json", optimizers=("adamw",), token_scales=(0.5,), lr_scales=(2.0,), batches=(8,), depths=(2,),
+            lambdas=(0.5,))
+    if name == "tiny-pairs":  # tiny.json's one stage split in two, for a 2-process engine
+        return pairs("tiny.json", "engine", (0,), **{"ds_async.pipeline_stages": 2, "train_micro_batch_size_per_gpu": 2,
+                                                     "gradient_accumulation_steps": 2, "ds_async.eval.batches": 4})
+    if name == "depth8":
+        return _depth8("base.json", "depth8", (0,), train_micro_batch_size_per_gpu=6, **{"ds_async.eval.batches": 80})
+    if name == "depth8-cpu":
+        return _depth8("tiny.json", "depth8-cpu", (0, 1), train_micro_batch_size_per_gpu=1,
+                       **{"ds_async.model.config.num_hidden_layers": 6, "ds_async.eval.batches": 8, **length(200),
+                          "ds_async.eval.every": 20})
+    raise ValueError(f"unknown matrix {name!r}; known: {', '.join(MATRICES)}")
+
+
+MATRICES = ("main", "extras", "pairs", "tiny", "tiny-pairs", "depth8", "depth8-cpu")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running
+
+
+def processes(config: dict) -> int:
+    """Processes an engine launch of ``config`` needs: stages x replicas (from the JSON's batch keys)."""
+    from ds_async.emulate import data_parallel_degree
+
+    return config["ds_async"].get("pipeline_stages", 2) * data_parallel_degree(config)
+
+
+def cost(config: dict) -> float:
+    """Planned time of a run in micro-batch passes (a small model's step is launch-bound), plus start-up."""
+    ds = config["ds_async"]
+    return ds["train"]["steps"] * config.get("gradient_accumulation_steps", 1) + 50
+
+
+def split(runs: list[Run], index: int, of: int, sets: dict | None = None) -> list[Run]:
+    """Share ``index`` of ``of``: runs dealt longest first to the least loaded share, each share in list order."""
+    if not 0 <= index < of:
+        raise ValueError(f"share {index} is outside 0..{of - 1}")
+    loads, shares = [0.0] * of, [[] for _ in range(of)]
+    costs = [cost(r.config(sets)) for r in runs]
+    for k in sorted(range(len(runs)), key=lambda k: (-costs[k], k)):
+        i = min(range(of), key=lambda s: (loads[s], s))
+        loads[i] += costs[k]
+        shares[i].append(k)
+    return [runs[k] for k in sorted(shares[index])]
+
+
+def run_dir(out: Path, runner: str, run: Run) -> Path:
+    return out / runner / run.group / run.name
+
+
+def write_config(run: Run, folder: Path, sets: dict) -> Path:
+    """The run's JSON, logging into ``folder``, written as ``folder/config.json``."""
+    config = override(run.config(sets), {"ds_async.logging.dir": str(folder.parent),
+                                         "ds_async.logging.run_name": folder.name})
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.json"
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def command(runner: str, config_path: Path, nproc: int, port: int) -> list[str]:
+    if runner == "emulation":
+        return [sys.executable, "-m", "ds_async.emulate", "--config", str(config_path)]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
+            str(ROOT / "launch" / "train.py"), "--config", str(config_path)]
+
+
+def train(runs: list[Run], out: Path, runner: str, sets: dict, force: bool, device: str | None, port: int) -> int:
+    """Train the runs one after the other; returns how many failed (each failure is reported, the rest go on)."""
+    failed = []
+    t0 = time.perf_counter()
+    if runner == "emulation":
+        import datasets
+
+        # Closing a stream over several parquet shards sleeps so that arrow's reader threads end before the
+        # interpreter does (apache/arrow#45214); this process goes on to the next run instead (the script pauses
+        # once before it ends).
+        pause, datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN, 0
+    for k, run in enumerate(runs):
+        folder = run_dir(out, runner, run)
+        if (folder / "summary.json").exists() and not force:
+            print(f"[skip] {folder} is done", flush=True)
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        config_path = write_config(run, folder, sets)
+        print(f"[run {k + 1}/{len(runs)}] {folder} ({runner})", flush=True)
+        t = time.perf_counter()
+        try:
+            if runner == "emulation":
+                from ds_async import emulate
+
+                with contextlib.chdir(ROOT):  # the configs' data and tokenizer paths are relative to it
+                    emulate.run(str(config_path), device=device)
+                _release_memory()
+            else:
+                nproc = processes(json.loads(config_path.read_text()))
+                subprocess.run(command(runner, config_path, nproc, port), cwd=ROOT, check=True)
+            print(f"[done] {run.group}/{run.name} in {time.perf_counter() - t:.1f}s", flush=True)
+        except Exception:  # noqa: BLE001 - one failed run must not stop the others
+            traceback.print_exc()
+            failed.append(f"{run.group}/{run.name}")
+    if runner == "emulation":
+        datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = pause
+    print(f"[matrix] {len(runs) - len(failed)}/{len(runs)} runs ({runner}) in {time.perf_counter() - t0:.1f}s"
+          + (f"; failed: {failed}" if failed else ""), flush=True)
+    return len(failed)
+
+
+def _release_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def spread(argv: list[str], runs: list[Run], out: Path, runner: str, gpus: int, sets: dict) -> int:
+    """Start one worker (this script with ``--share k/W``) per group of GPUs a run needs, wait for all."""
+    per_run = max(processes(r.config(sets)) for r in runs) if runner == "engine" else 1
+    workers = gpus // per_run
+    if workers < 1:
+        raise SystemExit(f"--gpus {gpus}: a run needs {per_run} GPUs")
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    jobs = []
+    for k in range(workers):
+        visible = ",".join(str(g) for g in range(k * per_run, (k + 1) * per_run))
+        log = out / "logs" / f"{runner}-{k}.log"
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible}
+        cmd = [sys.executable, __file__, *argv, "--share", f"{k}/{workers}", "--port", str(29600 + 10 * k)]
+        jobs.append((k, log, subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)))
+        print(f"worker {k}: GPUs {visible}, log {log}", flush=True)
+    status = 0
+    for k, log, proc in jobs:
+        status |= proc.wait() != 0
+        lines = [line for line in log.read_text().splitlines() if line.startswith("[matrix]")]
+        print(f"worker {k}: " + ("; ".join(lines) or f"no summary line, see {log}"), flush=True)
+    return status
+
+
+def _parse_set(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--set {text!r}: expected KEY=VALUE")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("matrices", nargs="+", choices=MATRICES, metavar="MATRIX",
+                   help=f"one or more of {', '.join(MATRICES)} (one list, in this order)")
+    p.add_argument("--runner", choices=RUNNERS, default="emulation")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "study")
+    p.add_argument("--only", default=None, help="only the runs whose GROUP/NAME matches this glob")
+    p.add_argument("--set", dest="sets", type=_parse_set, action="append", default=[], metavar="KEY=VALUE",
+                   help="override a dotted key in every run's JSON (repeatable)")
+    p.add_argument("--gpus", type=int, default=0, help="spread the runs over this many GPUs (one worker per GPU, "
+                                                       "or per group of GPUs an engine run needs)")
+    p.add_argument("--share", default=None, metavar="K/N", help="run only share K of N (what --gpus gives a worker)")
+    p.add_argument("--device", default=None, help="emulation runs: cuda, cuda:N or cpu (default: cuda if present)")
+    p.add_argument("--port", type=int, default=29600, help="engine runs: torchrun's master port")
+    p.add_argument("--force", action="store_true", help="re-run finished runs")
+    p.add_argument("--list", action="store_true", help="print the runs and their commands; run nothing")
+    args = p.parse_args(argv)
+
+    sets = dict(args.sets)
+    runs = [r for name in args.matrices for r in matrix(name)]
+    if args.only:
+        runs = [r for r in runs if fnmatch.fnmatch(f"{r.group}/{r.name}", args.only)]
+    out = args.out.resolve()
+    if args.gpus and not args.share:
+        return spread(argv, runs, out, args.runner, args.gpus, sets)
+    if args.share:
+        k, _, of = args.share.partition("/")
+        runs = split(runs, int(k), int(of), sets)
+    if args.list:
+        for run in runs:
+            config = run.config(sets)
+            folder = run_dir(out, args.runner, run)
+            print(f"{run.group}/{run.name}: {run.base} + {json.dumps(run.overrides)}\n    "
+                  + " ".join(command(args.runner, folder / "config.json", processes(config), args.port)))
+        print(f"{len(runs)} runs, {sum(lookup(r.config(sets), 'ds_async.train.steps') for r in runs)} steps")
+        return 0
+    return 1 if train(runs, out, args.runner, sets, args.force, args.device, args.port) else 0
+
+
+if __name__ == "__main__":
+    status = main()
+    if "datasets" in sys.modules:  # the pause the emulation runs' streams skipped (see train)
+        time.sleep(sys.modules["datasets"].config.SLEEP_TIME_ON_THREADS_SHUTDOWN)
+    sys.exit(status)
