@@ -1,0 +1,899 @@
+"""Read loss-curve runs and tabulate them: the study's analysis, for the notebook, the results page and the tests.
+
+Two sources give the same rows (one per run, :data:`COLUMNS`):
+
+- run folders written by ``launch/train.py`` or ``python -m ds_async.emulate`` (``manifest.json`` with the resolved
+  ``ds_async`` config and the ``deepspeed`` block, ``summary.json`` with the loss history), anywhere below the
+  given roots: :func:`load_runs`;
+- the study's committed results, ``launch/study/results/runs.csv`` (a row per run) and ``curves.json`` (its
+  validation curve and a subsampled training curve): :func:`load_results`; :func:`write_results` writes them.
+
+Definitions, per optimizer, with ``sync`` the synchronous run, ``2bw`` the delayed one and ``corr`` a delayed run
+with a correction: gap = loss(2bw) − loss(sync), averaged over the seeds that have both (runs of a seed share
+initial weights and data, so the difference is paired); recovered share = (loss(2bw) − loss(corr)) /
+(loss(2bw) − loss(sync)) from the means over the seeds that have all three (1 closes the gap, 0 does nothing).
+The engine comparison pairs each ``launch/train.py`` run with the emulation run of the same config
+(:func:`engine_table`) and sets the difference against the seed noise of the main matrix.
+
+    python notebooks/runs.py report [--check]      # (re)write or check the tables of launch/study/RESULTS.md
+    python notebooks/runs.py table RUNS...         # the main table of the run folders below RUNS
+    python notebooks/runs.py collect RUNS...       # add run folders to the committed results (replacing same ids)
+
+pandas is needed here (``pip install ds_async[notebooks]``); the ``ds_async`` package never imports this.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "launch" / "study" / "results"
+PAGE = ROOT / "launch" / "study" / "RESULTS.md"
+
+# The axes a sweep varies; the others stay at the main matrix's values ("the reference").
+AXES = ("model", "seq_len", "batch", "tokens", "lr_scale")
+PAPER = pd.DataFrame(  # arXiv 2606.30634, 360M LLaMA on FineWeb-Edu: final validation loss
+    {"sync": [2.612, 2.578], "2bw": [2.890, 2.590], "2bw+ef": [2.640, 2.583]}, index=["adamw", "muon"])
+ID = ["runner", "group", "name"]
+COLUMNS = ["path", *ID, "optimizer", "schedule", "stages", "correction", "ef_lambda", "label", "model", "parameters",
+           "seq_len", "batch", "micro_batches", "tokens", "steps", "tokens_per_step", "lr", "lr_scale", "seed",
+           "precision", "world_size", "final_val", "final_train", "diverged", "complete", "card", "commit", "dirty",
+           "declared_commit", "note", "driver", "command", "seconds_per_step", "config_key", "val_steps", "val_loss",
+           "train_steps", "train_loss"]
+CURVES = ("val", "train")
+ENGINE_GROUP = "engine"  # the old runner's engine-vs-emulation pairs: their own table, left out of the others
+TRAIN_EVERY = 10  # committed training curves keep steps 1, every 10th and the last
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rows
+
+
+def label_of(schedule: str, stages: int, correction: str, ef_lambda: float) -> str:
+    """``sync``, ``2bw``, ``2bw+ef``, ``2bw+nesterov``, ``2bw+ef λ=0.5`` (λ ≠ 1), ``pipedream p=4``."""
+    base = "sync" if schedule == "1f1b" else schedule
+    if schedule == "pipedream":
+        base += f" p={stages}"
+    if correction != "none":
+        base += f"+{correction}"
+        if correction == "ef" and ef_lambda != 1.0:
+            base += f" λ={ef_lambda:g}"
+    return base
+
+
+def model_key(hf: dict) -> str:
+    return f"h{hf['hidden_size']}-L{hf['num_hidden_layers']}-v{hf['vocab_size']}"
+
+
+def llama_parameters(hf: dict) -> int:
+    """Parameters of an untied LLaMA of this HF config (embedding, decoder layers, final norm, head)."""
+    h, layers, v, f = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"], hf["intermediate_size"]
+    head_dim = hf.get("head_dim") or h // hf["num_attention_heads"]
+    q, kv = hf["num_attention_heads"] * head_dim, hf["num_key_value_heads"] * head_dim
+    return 2 * v * h + layers * (2 * h * q + 2 * h * kv + 3 * h * f + 2 * h) + h
+
+
+def config_key(ds_async: dict, deepspeed: dict) -> str:
+    """What makes two runs the same run whichever runner trained them: the config without its logging section."""
+    ident = {"ds_async": {k: v for k, v in ds_async.items() if k != "logging"}, "deepspeed": deepspeed}
+    return hashlib.sha1(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _finite(x) -> float:
+    return float(x) if x is not None and math.isfinite(float(x)) else math.nan
+
+
+def read_run(folder: str | Path) -> dict:
+    """One run folder (``launch/train.py`` or the emulation) as a row of :data:`COLUMNS`; its group and name are
+    the folder's parent's name and its own (the study driver's ``OUT/<runner>/<group>/<name>``)."""
+    folder = Path(folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    summary = json.loads((folder / "summary.json").read_text()) if (folder / "summary.json").exists() else {}
+    ds, dsc, hf = manifest["ds_async"], manifest["deepspeed"], manifest["model"]
+    emulation = manifest.get("emulation")
+    corr = ds.get("correction") or {"type": "none"}
+    optimizer = dsc.get("optimizer", {})
+    history = summary.get("history", {})
+    train, val = history.get("train", []), history.get("validation", [])
+    steps, tps = manifest["total_steps"], manifest["tokens_per_step"]
+    autocast = (dsc.get("torch_autocast") or {}).get("enabled") or (dsc.get("bf16") or {}).get("enabled")
+    final_val = _finite(summary.get("final_validation_loss"))
+    ef_lambda = (corr.get("lam") if corr.get("lam") is not None else 1.0) if corr["type"] == "ef" else math.nan
+    runner = "emulation" if emulation else "engine"
+    config_file = manifest.get("config_file")
+    return {
+        "path": str(folder), "runner": runner, "group": folder.parent.name, "name": folder.name,
+        "optimizer": optimizer.get("type", "none").lower(), "schedule": ds["schedule"],
+        "stages": ds["pipeline_stages"], "correction": corr["type"], "ef_lambda": ef_lambda,
+        "label": label_of(ds["schedule"], ds["pipeline_stages"], corr["type"], ef_lambda),
+        "model": model_key(hf), "parameters": llama_parameters(hf) if hf.get("model_type") == "llama" else None,
+        "seq_len": ds["data"]["seq_len"], "batch": tps // ds["data"]["seq_len"],
+        "micro_batches": manifest["micro_batches"],
+        "tokens": steps * tps, "steps": steps, "tokens_per_step": tps, "lr": optimizer.get("params", {}).get("lr"),
+        "lr_scale": math.nan, "seed": ds["seed"],
+        "precision": emulation["precision"] if emulation else ("bf16" if autocast else "fp32"),
+        "world_size": manifest.get("world_size"), "final_val": final_val,
+        "final_train": _finite(train[-1][1]) if train else math.nan,
+        "diverged": bool(summary) and (not math.isfinite(final_val)
+                                       or not all(math.isfinite(v) for _, v in train)),
+        "complete": bool(summary) and bool(train) and train[-1][0] >= steps,
+        "card": emulation["card"] if emulation else None, "commit": manifest["code"].get("commit"),
+        "dirty": manifest["code"].get("dirty"), "declared_commit": None, "note": None,
+        "driver": "ds_async.emulate" if emulation else "launch/train.py",
+        "command": (f"python -m ds_async.emulate --config {config_file}" if emulation
+                    else f"torchrun --nproc_per_node {manifest.get('world_size')} launch/train.py --config "
+                         f"{config_file}"),
+        "seconds_per_step": round(summary["seconds"] / max(1, steps), 5) if summary else None,
+        "config_key": config_key(ds, dsc),
+        "val_steps": [s for s, _ in val], "val_loss": [v for _, v in val],
+        "train_steps": [s for s, _ in train], "train_loss": [v for _, v in train],
+    }
+
+
+def find_runs(root: str | Path) -> list[Path]:
+    """Every folder below ``root`` (or ``root`` itself) holding a run's ``manifest.json``."""
+    return sorted(p.parent for p in Path(root).rglob("manifest.json"))
+
+
+def with_lr_scale(runs: pd.DataFrame) -> pd.DataFrame:
+    """``lr_scale``: each run's peak LR over its optimizer's most common LR in the main matrix (``group ==
+    "main"``; all runs if there is none)."""
+    runs = runs.copy()
+    base = runs[runs["group"] == "main"] if (runs["group"] == "main").any() else runs
+    ref = {opt: part["lr"].mode().iloc[0] for opt, part in base.groupby("optimizer") if part["lr"].notna().any()}
+    runs["lr_scale"] = [round(lr / ref[opt], 6) if opt in ref and lr == lr else math.nan
+                        for opt, lr in zip(runs["optimizer"], runs["lr"])]
+    return runs
+
+
+def frame(rows: Iterable[dict]) -> pd.DataFrame:
+    return with_lr_scale(pd.DataFrame(list(rows), columns=COLUMNS))
+
+
+def load_runs(roots: str | Path | Iterable[str | Path]) -> pd.DataFrame:
+    """All run folders below ``roots`` as rows (see :func:`read_run`)."""
+    if isinstance(roots, (str, Path)):
+        roots = [roots]
+    return frame(read_run(p) for root in roots for p in find_runs(root))
+
+
+def write_results(runs: pd.DataFrame, folder: str | Path = RESULTS) -> None:
+    """``runs.csv`` (one row per run, curves left out) and ``curves.json`` (``"<runner>/<group>/<name>": {"val":
+    [[step, loss], ...], "train": [...]}``, one run a line: every validation point; training steps 1, every
+    :data:`TRAIN_EVERY`-th and the last)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    runs = runs.sort_values(ID).reset_index(drop=True)
+    table = runs.drop(columns=["path", "lr_scale", *(f"{c}_{k}" for c in CURVES for k in ("steps", "loss"))])
+    table.to_csv(folder / "runs.csv", index=False)
+    lines = []
+    for _, run in runs.iterrows():
+        doc = {}
+        for curve in CURVES:
+            steps, losses = run[f"{curve}_steps"], run[f"{curve}_loss"]
+            last = steps[-1] if steps else None
+            doc[curve] = [[step, float(f"{loss:.6g}")] for step, loss in zip(steps, losses)
+                          if curve == "val" or step == 1 or step % TRAIN_EVERY == 0 or step == last]
+        lines.append(json.dumps("/".join(run[ID])) + ": " + json.dumps(doc, separators=(",", ":")))
+    (folder / "curves.json").write_text("{\n" + ",\n".join(lines) + "\n}\n")
+
+
+def load_results(folder: str | Path = RESULTS) -> pd.DataFrame:
+    """The committed results as rows (``path`` is ``results:<runner>/<group>/<name>``)."""
+    folder = Path(folder)
+    table = pd.read_csv(folder / "runs.csv")
+    curves = json.loads((folder / "curves.json").read_text())
+    rows = []
+    text = ("card", "declared_commit", "note", "command")  # empty cells: None, not NaN
+    for rec in table.to_dict("records"):
+        rec = {k: None if k in text and isinstance(v, float) and math.isnan(v) else v for k, v in rec.items()}
+        run_id = "/".join(str(rec[k]) for k in ID)
+        rec["path"] = "results:" + run_id
+        for curve in CURVES:
+            points = curves.get(run_id, {}).get(curve, [])
+            rec[f"{curve}_steps"] = [int(s) for s, _ in points]
+            rec[f"{curve}_loss"] = [float(v) for _, v in points]
+        rows.append(rec)
+    return frame(rows)
+
+
+def collect(roots: Iterable[str | Path], folder: str | Path = RESULTS) -> pd.DataFrame:
+    """Add the run folders below ``roots`` to the committed results, replacing rows of the same runner, group and
+    name; returns the new table."""
+    new = load_runs(list(roots))
+    old = load_results(folder) if (Path(folder) / "runs.csv").exists() else frame([])
+    keep = ~old.set_index(ID).index.isin(new.set_index(ID).index)
+    both = frame(pd.concat([old[keep], new], ignore_index=True).to_dict("records"))
+    write_results(both, folder)
+    return both
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tables
+
+
+def reference(runs: pd.DataFrame, group: str = "main") -> dict:
+    """The main matrix's value of each sweep axis (the most common one among the ``group`` runs)."""
+    base = runs[runs["group"] == group] if (runs["group"] == group).any() else runs
+    out = {}
+    for axis in AXES:
+        value = base[axis].mode().iloc[0]
+        out[axis] = value.item() if hasattr(value, "item") else value
+    return out
+
+
+def at_reference(runs: pd.DataFrame, ref: dict, free: str | None = None) -> pd.DataFrame:
+    """The runs that sit at the reference on every axis but ``free`` (emulation runs only, outside the engine
+    comparison's group)."""
+    keep = np.ones(len(runs), dtype=bool)
+    if "runner" in runs:
+        keep &= (runs["runner"].fillna("emulation") == "emulation").to_numpy()
+    if "group" in runs:
+        keep &= (runs["group"] != ENGINE_GROUP).to_numpy()
+    for axis, value in ref.items():
+        if axis != free:
+            keep &= np.isclose(runs[axis].astype(float), float(value)) if axis in ("lr_scale",) else \
+                (runs[axis] == value).to_numpy()
+    return runs[keep]
+
+
+def gap_table(runs: pd.DataFrame, sync: str = "sync", delayed: str = "2bw",
+              corrections: Iterable[str] | None = None) -> pd.DataFrame:
+    """Per optimizer: each label's mean ± std final loss, the gap ``delayed − sync`` (paired by seed) and, for each
+    correction label (default: every ``delayed+...`` label present), what is left of the gap and the share
+    recovered (see the module docstring)."""
+    rows = {}
+    for opt, sub in runs.groupby("optimizer", sort=False):
+        table = sub.pivot_table(index="seed", columns="label", values="final_val", aggfunc="mean")
+        row: dict = {}
+        for label in table.columns:
+            row[f"{label}"] = table[label].mean()
+            row[f"{label} std"] = table[label].std(ddof=1)
+            row[f"{label} n"] = int(table[label].count())
+        if sync in table and delayed in table:
+            diff = (table[delayed] - table[sync]).dropna()
+            row["gap"], row["gap std"], row["gap n"] = diff.mean(), diff.std(ddof=1), int(diff.count())
+            corr_labels = corrections if corrections is not None else [
+                c for c in table.columns if c.startswith(delayed + "+")]
+            for corr in corr_labels:
+                if corr not in table:
+                    continue
+                both = table[[sync, delayed, corr]].dropna()
+                if both.empty:
+                    continue
+                row[f"{corr} − sync"] = both[corr].mean() - both[sync].mean()
+                row[f"recovered {corr}"] = recovered_share(both[sync].mean(), both[delayed].mean(), both[corr].mean())
+                row[f"recovered {corr} n"] = len(both)
+        rows[opt] = row
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def recovered_share(sync: float, delayed: float, corrected: float) -> float:
+    """(delayed − corrected) / (delayed − sync); NaN when there is no gap to recover."""
+    gap = delayed - sync
+    if not math.isfinite(gap) or gap == 0:
+        return math.nan
+    return (delayed - corrected) / gap
+
+
+def common_seeds(runs: pd.DataFrame) -> pd.DataFrame:
+    """The runs of the seeds that every (optimizer, label, axis point) in ``runs`` has, so that a sweep compares
+    like with like (the main point has more seeds than the sweep's); all runs if no seed is common."""
+    keys = ["optimizer", "label", *AXES]
+    per_point = [set(part["seed"]) for _, part in runs.groupby(keys)]
+    common = set.intersection(*per_point) if per_point else set()
+    return runs[runs["seed"].isin(common)] if common else runs
+
+
+def sweep(runs: pd.DataFrame, axis: str, ref: dict | None = None, labels: tuple[str, ...] = ("sync", "2bw"),
+          x: str | None = None) -> pd.DataFrame:
+    """Final loss of ``labels`` and the gap ``labels[1] − labels[0]`` along ``axis`` (``tokens``, ``lr_scale``,
+    ``batch``), the other axes at the reference, over the seeds common to all points (:func:`common_seeds`); one
+    row per (optimizer, axis value). ``x`` names the column to report as the x value (e.g. ``lr``)."""
+    ref = ref or reference(runs)
+    sub = at_reference(runs, ref, free=axis)
+    sub = common_seeds(sub[sub["label"].isin(labels)])
+    rows = []
+    for (opt, value), part in sub.groupby(["optimizer", axis]):
+        table = part.pivot_table(index="seed", columns="label", values="final_val", aggfunc="mean")
+        row = {"optimizer": opt, axis: value}
+        if x and x != axis:
+            row[x] = part[x].iloc[0]
+        for label in labels:
+            row[label] = table[label].mean() if label in table else math.nan
+        if all(label in table for label in labels[:2]):
+            diff = (table[labels[1]] - table[labels[0]]).dropna()
+            row["gap"], row["seeds"] = diff.mean(), int(diff.count())
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def depth_table(runs: pd.DataFrame, ref: dict | None = None) -> pd.DataFrame:
+    """Gap vs pipeline depth: PipeDream's variable delay (``pipedream p=P``) per P next to 2BW's constant one
+    (which does not depend on P); gaps against ``sync``, paired by seed, over the seeds common to all points."""
+    ref = ref or reference(runs)
+    sub = at_reference(runs, ref)
+    sub = common_seeds(sub[sub["label"].isin(["sync", "2bw"]) | sub["label"].str.fullmatch(r"pipedream p=\d+")])
+    rows = []
+    for opt, part in sub.groupby("optimizer"):
+        table = part.pivot_table(index="seed", columns="label", values="final_val", aggfunc="mean")
+        if "sync" not in table:
+            continue
+        gap_2bw = (table["2bw"] - table["sync"]).dropna().mean() if "2bw" in table else math.nan
+        for label in table.columns:
+            if label.startswith("pipedream p=") and "+" not in label:
+                diff = (table[label] - table["sync"]).dropna()
+                rows.append({"optimizer": opt, "stages": int(label.split("=")[1]), "pipedream": table[label].mean(),
+                             "gap pipedream": diff.mean(), "gap 2bw": gap_2bw, "seeds": int(diff.count())})
+    return pd.DataFrame(rows).sort_values(["optimizer", "stages"]) if rows else pd.DataFrame(rows)
+
+
+def lambda_table(runs: pd.DataFrame, ref: dict | None = None) -> pd.DataFrame:
+    """EF strength: final loss and recovered share per λ (λ = 0 is plain 2BW), paired by seed with sync/2bw, over
+    the seeds common to all points."""
+    ref = ref or reference(runs)
+    sub = at_reference(runs, ref)
+    sub = sub[(sub["schedule"] == "2bw") | (sub["schedule"] == "1f1b")]
+    sub = common_seeds(sub[sub["correction"].isin(["none", "ef"])])
+    rows = []
+    for opt, part in sub.groupby("optimizer"):
+        table = part.pivot_table(index="seed", columns="label", values="final_val", aggfunc="mean")
+        if not {"sync", "2bw"} <= set(table.columns):
+            continue
+        lams = {"2bw": 0.0, **{c: (float(c.split("=")[1]) if "λ=" in c else 1.0)
+                               for c in table.columns if c.startswith("2bw+ef")}}
+        for label, lam in sorted(lams.items(), key=lambda kv: kv[1]):
+            both = table[["sync", "2bw", label]].dropna() if label != "2bw" else table[["sync", "2bw"]].dropna()
+            rows.append({"optimizer": opt, "lambda": lam, "loss": both[label].mean(),
+                         "recovered": recovered_share(both["sync"].mean(), both["2bw"].mean(), both[label].mean()),
+                         "seeds": len(both)})
+    return pd.DataFrame(rows)
+
+
+def pm(mean: float, std: float, digits: int = 3) -> str:
+    """``mean ± std`` (just the mean when std is unknown)."""
+    if mean is None or not math.isfinite(mean):
+        return "—"
+    if std is None or not math.isfinite(std):
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def main_table(runs: pd.DataFrame, labels: tuple[str, ...] = ("sync", "2bw", "2bw+ef", "2bw+nesterov"),
+               ref: dict | None = None) -> pd.DataFrame:
+    """The study's headline table at the reference point: final validation loss ``mean ± std`` per label, the gap
+    and the share of it each correction recovers, one row per optimizer (strings, ready to print)."""
+    ref = ref or reference(runs)
+    sub = at_reference(runs, ref)
+    sub = sub[sub["label"].isin(labels)]
+    table = gap_table(sub)
+    out = pd.DataFrame(index=table.index.rename("optimizer"))
+    for label in labels:
+        if label in table:
+            out[f"{label} (n)"] = [f"{pm(m, s)} ({int(n)})" if n == n and n > 0 else "—" for m, s, n in
+                                   zip(table[label], table[f"{label} std"], table[f"{label} n"])]
+    if "gap" in table:
+        out["gap 2bw − sync"] = [pm(m, s) for m, s in zip(table["gap"], table["gap std"])]
+    for label in labels[2:]:
+        col = f"recovered {label}"
+        if col in table:
+            out[f"recovered by {label.split('+', 1)[1]}"] = [
+                "—" if not math.isfinite(v) else f"{100 * v:.0f}% (n={int(n)})"
+                for v, n in zip(table[col], table[f"{col} n"])]
+    return out
+
+
+def curves(runs: pd.DataFrame, metric: str = "val") -> pd.DataFrame:
+    """Long table of (optimizer, label, tokens, mean, std, n) over seeds of the validation (``val``) or training
+    (``train``) loss curve."""
+    rows = []
+    for _, run in runs.iterrows():
+        for step, value in zip(run[f"{metric}_steps"], run[f"{metric}_loss"]):
+            rows.append({"optimizer": run["optimizer"], "label": run["label"], "seed": run["seed"],
+                         "tokens": step * run["tokens_per_step"], "loss": value})
+    if not rows:
+        return pd.DataFrame(columns=["optimizer", "label", "tokens", "mean", "std", "n"])
+    g = pd.DataFrame(rows).groupby(["optimizer", "label", "tokens"])["loss"]
+    return pd.DataFrame({"mean": g.mean(), "std": g.std(ddof=1), "n": g.count()}).reset_index()
+
+
+def gap_curves(runs: pd.DataFrame, sync: str = "sync") -> pd.DataFrame:
+    """Long table of (optimizer, label, tokens, mean, std, n): each label's validation loss minus the ``sync`` run of
+    the same seed at the same step, over seeds (paired, so seed-to-seed offsets cancel)."""
+    rows = []
+    for (opt, seed), part in runs.groupby(["optimizer", "seed"]):
+        base = part[part["label"] == sync]
+        if base.empty:
+            continue
+        ref = dict(zip(base.iloc[0]["val_steps"], base.iloc[0]["val_loss"]))
+        for _, run in part[part["label"] != sync].iterrows():
+            for step, value in zip(run["val_steps"], run["val_loss"]):
+                if step in ref:
+                    rows.append({"optimizer": opt, "label": run["label"], "seed": seed,
+                                 "tokens": step * run["tokens_per_step"], "diff": value - ref[step]})
+    if not rows:
+        return pd.DataFrame(columns=["optimizer", "label", "tokens", "mean", "std", "n"])
+    g = pd.DataFrame(rows).groupby(["optimizer", "label", "tokens"])["diff"]
+    return pd.DataFrame({"mean": g.mean(), "std": g.std(ddof=1), "n": g.count()}).reset_index()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real engine vs the emulation
+
+
+def _max_rel(a_steps, a_vals, b_steps, b_vals) -> float:
+    """Largest relative difference of two curves over their common steps (NaN when they share none)."""
+    b = dict(zip(b_steps, b_vals))
+    rel = [abs(v - b[s]) / abs(b[s]) for s, v in zip(a_steps, a_vals) if s in b and b[s] != 0]
+    return max(rel) if rel else math.nan
+
+
+def engine_pairs(runs: pd.DataFrame) -> pd.DataFrame:
+    """Each engine run (``runner == "engine"``: ``launch/train.py``) next to the emulation run of the same config
+    (equal ``config_key``): their final validation losses, the difference ``engine − emulation``, and how far
+    apart the whole curves are (largest relative difference over the training steps and the validation points)."""
+    cols = ["optimizer", "label", "seed", "group", "model", "batch", "micro_batches", "emulation", "engine", "diff",
+            "train max rel", "val max rel", "complete", "engine card", "emulation card", "engine s/step",
+            "emulation s/step", "engine path", "emulation path", "config_key"]
+    if "runner" not in runs or runs.empty:
+        return pd.DataFrame(columns=cols)
+    emulated = runs[runs["runner"] == "emulation"]
+    rows = []
+    for _, run in runs[runs["runner"] == "engine"].iterrows():
+        twins = emulated[emulated["config_key"] == run["config_key"]]
+        if twins.empty:
+            continue
+        twin = twins.iloc[0]
+        rows.append({
+            "optimizer": run["optimizer"], "label": run["label"], "seed": run["seed"], "group": run["group"],
+            "model": run["model"], "batch": run["batch"], "micro_batches": run["micro_batches"],
+            "emulation": twin["final_val"], "engine": run["final_val"], "diff": run["final_val"] - twin["final_val"],
+            "train max rel": _max_rel(run["train_steps"], run["train_loss"], twin["train_steps"], twin["train_loss"]),
+            "val max rel": _max_rel(run["val_steps"], run["val_loss"], twin["val_steps"], twin["val_loss"]),
+            "complete": bool(run["complete"] and twin["complete"]), "engine card": run["card"],
+            "emulation card": twin["card"], "engine s/step": run["seconds_per_step"],
+            "emulation s/step": twin["seconds_per_step"], "engine path": run["path"], "emulation path": twin["path"],
+            "config_key": run["config_key"]})
+    return pd.DataFrame(rows, columns=cols)
+
+
+def seed_noise(runs: pd.DataFrame, pairs: pd.DataFrame, ref: dict | None = None) -> pd.DataFrame:
+    """The seed noise of each (optimizer, label) of ``pairs``: the std over seeds (ddof 1) of the final validation
+    loss of that variant in the main matrix (the runs at the reference), where the pairs sit at the reference too;
+    otherwise the std over seeds of the pairs' own emulation runs (``source`` says which; NaN with one seed)."""
+    rows = []
+    ref = ref or (reference(runs) if len(runs) else {})
+    main = at_reference(runs[runs["group"] == "main"], ref) if len(runs) else runs
+    for (opt, label), part in pairs.groupby(["optimizer", "label"], sort=False):
+        first = runs[runs["path"] == part.iloc[0]["engine path"]].iloc[0]
+        same_point = all(first[axis] == ref.get(axis) if axis != "lr_scale"
+                         else math.isclose(first[axis], ref.get(axis, math.nan)) for axis in AXES)
+        base = main[(main["optimizer"] == opt) & (main["label"] == label)] if same_point else main.iloc[0:0]
+        per_seed = base.groupby("seed")["final_val"].mean()
+        if per_seed.count() >= 2:
+            rows.append({"optimizer": opt, "label": label, "seed std": per_seed.std(ddof=1),
+                         "noise seeds": int(per_seed.count()), "source": "main matrix"})
+        else:
+            own = part.groupby("seed")["emulation"].mean()
+            rows.append({"optimizer": opt, "label": label,
+                         "seed std": own.std(ddof=1) if own.count() >= 2 else math.nan,
+                         "noise seeds": int(own.count()), "source": "the pairs' emulation runs"})
+    return pd.DataFrame(rows, columns=["optimizer", "label", "seed std", "noise seeds", "source"])
+
+
+def within_noise(diff: float, noise: float) -> str:
+    """``identical``, ``within noise`` (|diff| ≤ σ), ``within 2σ``, ``outside noise`` (> 2σ), or ``no noise
+    estimate``."""
+    if diff is None or not math.isfinite(diff):
+        return "—"
+    if diff == 0:
+        return "identical"
+    if noise is None or not math.isfinite(noise) or noise <= 0:
+        return "no noise estimate"
+    ratio = abs(diff) / noise
+    return "within noise" if ratio <= 1 else "within 2σ" if ratio <= 2 else "outside noise"
+
+
+def engine_table(runs: pd.DataFrame, ref: dict | None = None) -> pd.DataFrame:
+    """One row per engine/emulation pair (:func:`engine_pairs`) with the seed noise σ of its variant
+    (:func:`seed_noise`), ``|diff| / σ`` and the verdict (:func:`within_noise`)."""
+    pairs = engine_pairs(runs)
+    if pairs.empty:
+        return pairs.assign(**{"seed std": [], "noise seeds": [], "source": [], "|diff|/σ": [], "verdict": []})
+    noise = seed_noise(runs, pairs, ref)
+    out = pairs.merge(noise, on=["optimizer", "label"], how="left")
+    out["|diff|/σ"] = out["diff"].abs() / out["seed std"]
+    out["verdict"] = [within_noise(d, n) for d, n in zip(out["diff"], out["seed std"])]
+    return out.sort_values(["optimizer", "label", "seed"], ascending=[False, True, True]).reset_index(drop=True)
+
+
+VERDICTS = ("identical", "within noise", "within 2σ", "outside noise", "no noise estimate", "—")
+
+
+def engine_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """Per (optimizer, label): the engine's and the emulation's final validation loss (mean ± std over seeds), the
+    paired difference (mean, largest |diff|), the seed noise σ and the worst verdict over the seeds (strings)."""
+    rows = {}
+    for (opt, label), part in table.groupby(["optimizer", "label"], sort=False):
+        worst = max(part["verdict"], key=VERDICTS.index)
+        sigma = part["seed std"].iloc[0]
+        rows[(opt, label)] = {
+            "pairs": len(part), "engine": pm(part["engine"].mean(), part["engine"].std(ddof=1)),
+            "emulation": pm(part["emulation"].mean(), part["emulation"].std(ddof=1)),
+            "diff engine − emulation": f"{part['diff'].mean():+.4f}",
+            "max |diff|": f"{part['diff'].abs().max():.4f}",
+            "seed noise σ": "—" if not math.isfinite(sigma) else
+            f"{sigma:.4f} ({part['source'].iloc[0]}, n={int(part['noise seeds'].iloc[0])})",
+            "max |diff|/σ": "—" if not part["|diff|/σ"].notna().any() else f"{part['|diff|/σ'].max():.2f}",
+            "verdict": worst, "train max rel": f"{part['train max rel'].max():.2g}",
+            "card": "; ".join(dict.fromkeys(str(c) for c in part["engine card"]))}
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis(["optimizer", "label"])
+
+
+def provenance(runs: pd.DataFrame) -> pd.DataFrame:
+    """Which cards and commits produced the runs (and whether the checkout was dirty), with run counts."""
+    cols = ["runner", "group", "card", "commit", "dirty", "declared_commit", "note"]
+    return (runs.assign(dirty=runs["dirty"].fillna(False)).groupby(cols, dropna=False).size().rename("runs")
+            .reset_index())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Figures
+
+
+def _grid_and_legend(axes, fontsize: int) -> None:
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=fontsize)
+
+
+def _finish_pair(top, bottom, title: str, difference: str, fontsize: int) -> None:
+    """Labels of a curves-over-difference panel pair (validation loss on top, a difference below, vs tokens)."""
+    top.set_title(title)
+    top.set_ylabel("validation loss")
+    bottom.set_ylabel(difference)
+    bottom.set_xlabel("training tokens (M)")
+    _grid_and_legend((top, bottom), fontsize=fontsize)
+
+
+def _band(ax, x, d, color, label):
+    n = int(d["n"].max())
+    ax.plot(x, d["mean"], color=color, marker="o", ms=2.5, label=f"{label} (n={n})")
+    if n > 1:
+        ax.fill_between(x, d["mean"] - d["std"], d["mean"] + d["std"], color=color, alpha=0.2)
+
+
+def plot_curves(runs: pd.DataFrame, labels: tuple[str, ...] = ("sync", "2bw", "2bw+ef", "2bw+nesterov"),
+                ref: dict | None = None):
+    """One column per optimizer. Top: validation loss vs training tokens per label (mean over seeds, band ± std).
+    Bottom: each label minus the synchronous run of the same seed (paired). Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    ref = ref or reference(runs)
+    sub = at_reference(runs, ref)
+    sub = sub[sub["label"].isin(labels)]
+    loss, diff = curves(sub), gap_curves(sub)
+    optimizers = list(dict.fromkeys(sub["optimizer"])) or ["(no runs)"]
+    fig, axes = plt.subplots(2, len(optimizers), figsize=(5 * len(optimizers), 6), squeeze=False,
+                             sharex="col", gridspec_kw={"height_ratios": [3, 2]})
+    colors = dict(zip(labels, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    for col, opt in enumerate(optimizers):
+        top, bottom = axes[0][col], axes[1][col]
+        for label in labels:
+            d = loss[(loss["optimizer"] == opt) & (loss["label"] == label)].sort_values("tokens")
+            if not d.empty:
+                _band(top, d["tokens"] / 1e6, d, colors[label], label)
+            d = diff[(diff["optimizer"] == opt) & (diff["label"] == label)].sort_values("tokens")
+            if not d.empty:
+                _band(bottom, d["tokens"] / 1e6, d, colors[label], f"{label} − sync")
+        bottom.axhline(0, color=colors.get("sync", "k"), lw=1)
+        _finish_pair(top, bottom, opt, "Δ validation loss vs sync (same seed)", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_sweep(table: pd.DataFrame, x: str, xlabel: str, logx: bool = True, labels: tuple[str, ...] = ("sync", "2bw")):
+    """Two panels for a :func:`sweep` table: final loss of ``labels`` vs ``x`` and the gap vs ``x``, per
+    optimizer (its own x values: Muon's LRs differ from AdamW's)."""
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for opt, part in table.groupby("optimizer"):
+        part = part.sort_values(x)
+        for label, style in zip(labels, ("-", "--")):
+            left.plot(part[x], part[label], style, marker="o", label=f"{opt} {label}")
+        if "gap" in part:
+            right.plot(part[x], part["gap"], marker="o", label=opt)
+    right.axhline(0, color="k", lw=0.8)
+    left.set_ylabel("final validation loss")
+    right.set_ylabel(f"gap: {labels[1]} − {labels[0]}")
+    for ax in (left, right):
+        ax.set_xlabel(xlabel)
+        if logx:
+            ax.set_xscale("log")
+    _grid_and_legend((left, right), fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_depth(table: pd.DataFrame):
+    """Gap vs pipeline depth: PipeDream (variable delay) per P, 2BW (constant delay) as a flat line."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for opt, part in table.groupby("optimizer"):
+        line = ax.plot(part["stages"], part["gap pipedream"], marker="o", label=f"{opt} PipeDream")[0]
+        ax.plot(part["stages"], part["gap 2bw"], "--", color=line.get_color(), label=f"{opt} 2BW")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("pipeline stages p")
+    ax.set_ylabel("gap vs sync (final validation loss)")
+    _grid_and_legend((ax,), fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_lambda(table: pd.DataFrame):
+    """Share of the 2BW gap recovered by EF vs λ (0 = no correction)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for opt, part in table.groupby("optimizer"):
+        ax.plot(part["lambda"], 100 * part["recovered"], marker="o", label=opt)
+    ax.axhline(100, color="k", lw=0.8, ls=":")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xlabel("EF λ")
+    ax.set_ylabel("gap recovered (%)")
+    _grid_and_legend((ax,), fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_engine(runs: pd.DataFrame, ref: dict | None = None, group: str | None = None):
+    """One column per (optimizer, label) of the engine pairs (of ``group`` if given). Top: validation loss of each
+    seed through the engine (solid) and the emulation (dashed). Bottom: engine − emulation per seed, over ± the
+    main matrix's seed std (grey) where the pairs sit at the main point. Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    table = engine_table(runs, ref)
+    if group is not None:
+        table = table[table["group"] == group]
+    points = list(dict.fromkeys(zip(table["optimizer"], table["label"]))) or [("(no engine runs)", "")]
+    ref = ref or (reference(runs) if len(runs) else {})
+    main = curves(at_reference(runs, ref)) if len(runs) else curves(runs)
+    fig, axes = plt.subplots(2, len(points), figsize=(4.5 * len(points), 5.5), squeeze=False, sharex="col",
+                             gridspec_kw={"height_ratios": [3, 2]})
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    by_path = runs.set_index("path") if len(runs) else runs
+    for col, (opt, label) in enumerate(points):
+        top, bottom = axes[0][col], axes[1][col]
+        band = main[(main["optimizer"] == opt) & (main["label"] == label)].sort_values("tokens")
+        part = table[(table["optimizer"] == opt) & (table["label"] == label)]
+        if not band.empty and len(part) and part["source"].iloc[0] == "main matrix":
+            bottom.fill_between(band["tokens"] / 1e6, -band["std"], band["std"], color="grey", alpha=0.25,
+                                label="± seed std")
+        for k, (_, pair) in enumerate(part.iterrows()):
+            color = colors[k % len(colors)]
+            eng, emu = by_path.loc[pair["engine path"]], by_path.loc[pair["emulation path"]]
+            tps = eng["tokens_per_step"] / 1e6
+            top.plot([s * tps for s in eng["val_steps"]], eng["val_loss"], "-", color=color, marker="o", ms=3,
+                     label=f"seed {pair['seed']} engine")
+            top.plot([s * tps for s in emu["val_steps"]], emu["val_loss"], "--", color=color, marker="x", ms=4,
+                     label=f"seed {pair['seed']} emulation")
+            twin = dict(zip(emu["val_steps"], emu["val_loss"]))
+            steps = [s for s in eng["val_steps"] if s in twin]
+            bottom.plot([s * tps for s in steps],
+                        [v - twin[s] for s, v in zip(eng["val_steps"], eng["val_loss"]) if s in twin],
+                        color=color, marker="o", ms=3, label=f"seed {pair['seed']}")
+        bottom.axhline(0, color="k", lw=0.8)
+        _finish_pair(top, bottom, f"{opt} {label}", "engine − emulation", fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The results page: tables generated between markers, the prose around them hand-written
+
+BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end -->)", re.S)
+
+
+def markdown(table: pd.DataFrame, index: bool = True) -> str:
+    """A pipe table of ``table``'s cells as strings (floats with 3 decimals)."""
+    t = table.reset_index() if index else table
+
+    def cell(v) -> str:
+        if isinstance(v, float):
+            return "—" if not math.isfinite(v) else f"{v:.3f}"
+        return str(v).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(str(c) for c in t.columns) + " |", "|" + "---|" * len(t.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in t.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
+def _ran(runs: pd.DataFrame) -> str:
+    """One line saying which runs a table rests on: count, runner, card, commits and the command that ran them (one
+    process per GPU shown as ``--gpu-index i``)."""
+    parts = []
+    command = runs["command"].fillna("").str.replace(r"--gpu-index \d+ ", "--gpu-index i ", regex=True)
+    keys = ["runner", "card", "commit", "declared_commit", "dirty"]
+    for (runner, card, commit, declared, dirty, cmd), part in runs.assign(command=command).groupby(
+            keys + ["command"], dropna=False, sort=False):
+        what = f"{len(part)} {runner} run{'s' if len(part) > 1 else ''} on {card}, commit {str(commit)[:7]}"
+        if dirty:
+            what += " (dirty tree)"
+        if isinstance(declared, str) and declared and not str(commit).startswith(declared):
+            what += f" declared as {declared}"
+        parts.append(f"{what}: `{cmd}`")
+    return "Ran: " + "; ".join(parts) + ".\n"
+
+
+def _fmt(table: pd.DataFrame, digits: dict) -> pd.DataFrame:
+    out = table.copy()
+    for col, d in digits.items():
+        if col in out:
+            out[col] = [("—" if not (isinstance(v, (int, float)) and math.isfinite(v)) else
+                         f"{100 * v:.0f}%" if d == "%" else f"{v:+.{d[1:]}f}" if str(d).startswith("+") else
+                         f"{v:.{d}f}" if isinstance(d, int) else f"{v:{d}}") for v in out[col]]
+    return out
+
+
+def report(runs: pd.DataFrame) -> dict[str, str]:
+    """The results page's generated blocks, by name, from the rows of the committed results."""
+    study = runs[runs["group"].isin(["main", "tokens", "lr", "batch", "depth", "ef_lambda", "nesterov",
+                                     ENGINE_GROUP])]
+    ref = reference(study)
+    main = at_reference(study, ref)
+    blocks = {}
+    core = main[main["label"].isin(["sync", "2bw", "2bw+ef"]) & (main["group"] == "main")]
+    blocks["main"] = markdown(main_table(core, labels=("sync", "2bw", "2bw+ef"), ref=ref)) + "\n" + _ran(core)
+    seed0 = main[(main["group"] == "main") & (main["seed"] == 0)]
+
+    def sweep_block(axis: str, group: str, x: str | None = None, scale: float = 1.0, unit: str = "") -> str:
+        t = sweep(study, axis, ref, x=x)
+        col = x or axis
+        t[col] = [f"{v / scale:.3g}{unit}" for v in t[col]]
+        t = _fmt(t.drop(columns=[c for c in (axis,) if x and c != col]), {"sync": 3, "2bw": 3, "gap": "+3"})
+        return markdown(t, index=False) + "\n" + _ran(study[study["group"] == group])
+
+    blocks["tokens"] = sweep_block("tokens", "tokens", scale=1e6, unit="M")
+    blocks["lr"] = sweep_block("lr_scale", "lr", x="lr")
+    blocks["batch"] = sweep_block("batch", "batch")
+    depth = _fmt(depth_table(study, ref), {"pipedream": 3, "gap pipedream": "+3", "gap 2bw": "+3"})
+    blocks["depth"] = markdown(depth, index=False) + "\n" + _ran(study[study["group"] == "depth"])
+    lam = _fmt(lambda_table(study, ref), {"lambda": "g", "loss": 3, "recovered": "%"})
+    blocks["ef_lambda"] = markdown(lam, index=False) + "\n" + _ran(study[study["group"] == "ef_lambda"])
+    nest = main_table(pd.concat([seed0, main[main["group"] == "nesterov"]]), ref=ref)
+    nest = nest[[c for c in nest.columns if c.startswith(("2bw", "recovered"))]]
+    blocks["nesterov"] = markdown(nest) + "\n" + _ran(study[study["group"] == "nesterov"])
+    engine_cols = ["pairs", "engine", "emulation", "diff engine − emulation", "max |diff|", "seed noise σ",
+                   "verdict", "train max rel"]
+    for name, group in (("engine", ENGINE_GROUP), ("depth8-cpu", "depth8-cpu")):
+        part = runs[runs["group"] == group]
+        table = engine_table(pd.concat([part, study[study["group"] == "main"]]) if group == ENGINE_GROUP else part)
+        blocks[name] = markdown(engine_summary(table)[engine_cols]) + "\n" + _ran(part)
+    paper = pd.DataFrame({"sync": PAPER["sync"], "2bw": PAPER["2bw"], "2bw+ef": PAPER["2bw+ef"],
+                          "gap 2bw − sync": PAPER["2bw"] - PAPER["sync"],
+                          "recovered by ef": [recovered_share(*PAPER.loc[o, ["sync", "2bw", "2bw+ef"]])
+                                              for o in PAPER.index]}).rename_axis("optimizer")
+    blocks["paper"] = markdown(_fmt(paper, {"gap 2bw − sync": "+3", "recovered by ef": "%"}))
+    prov = provenance(runs).sort_values(["group", "runner"])
+    prov["commit"] = [str(c)[:7] for c in prov["commit"]]
+    blocks["provenance"] = markdown(prov.fillna("—"), index=False)
+    return blocks
+
+
+def render(page: str, blocks: dict[str, str]) -> str:
+    """``page`` with each ``<!-- table: NAME -->`` ... ``<!-- end -->`` block's body replaced by ``blocks[NAME]``."""
+    missing = set(blocks) - {m["name"] for m in BLOCK.finditer(page)}
+    if missing:
+        raise ValueError(f"the page has no block for {sorted(missing)}")
+    return BLOCK.sub(lambda m: m[1] + blocks[m["name"]] + m[4], page)
+
+
+def compact_images(nb, colors: int = 64) -> None:
+    """Re-encode the notebook's PNG outputs with an adaptive palette of ``colors`` (line plots need few): about a
+    quarter of the bytes, so that the executed notebook stays small enough to commit."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if "image/png" in data:
+                image = Image.open(io.BytesIO(base64.b64decode(data["image/png"]))).convert("RGB")
+                buf = io.BytesIO()
+                image.quantize(colors=colors, method=Image.Quantize.MEDIANCUT).save(buf, "PNG", optimize=True)
+                data["image/png"] = base64.b64encode(buf.getvalue()).decode()
+
+
+def execute_notebook(path: str | Path, runs: str | None = None, timeout: int = 600) -> None:
+    """Run the notebook at ``path`` top to bottom (on the run folders ``runs``, ``os.pathsep``-separated, else the
+    committed results) and save it in place with its outputs (:func:`compact_images`)."""
+    import nbclient
+    import nbformat
+
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    old = os.environ.pop("DS_ASYNC_RUNS", None)
+    if runs:
+        os.environ["DS_ASYNC_RUNS"] = runs
+    try:
+        nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                                resources={"metadata": {"path": str(path.parent)}}).execute()
+    finally:
+        os.environ.pop("DS_ASYNC_RUNS", None)
+        if old is not None:
+            os.environ["DS_ASYNC_RUNS"] = old
+    compact_images(nb)
+    nbformat.write(nb, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python notebooks/runs.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    rep = sub.add_parser("report", help="write the generated tables of the results page from the committed results")
+    rep.add_argument("--check", action="store_true", help="only check that the page shows what the files give")
+    rep.add_argument("--page", type=Path, default=PAGE)
+    rep.add_argument("--results", type=Path, default=RESULTS)
+    tab = sub.add_parser("table", help="print the main table and the engine pairs of run folders")
+    tab.add_argument("roots", nargs="+")
+    col = sub.add_parser("collect", help="add run folders to the committed results")
+    col.add_argument("roots", nargs="+")
+    col.add_argument("--results", type=Path, default=RESULTS)
+    nb = sub.add_parser("notebook", help="execute the notebook in place (on run folders, else the results)")
+    nb.add_argument("roots", nargs="*")
+    nb.add_argument("--path", type=Path, default=ROOT / "notebooks" / "loss_curves.ipynb")
+    args = parser.parse_args(argv)
+
+    if args.cmd == "report":
+        page = args.page.read_text()
+        new = render(page, report(load_results(args.results)))
+        if args.check:
+            if new != page:
+                import difflib
+
+                sys.stdout.writelines(difflib.unified_diff(page.splitlines(True), new.splitlines(True),
+                                                           str(args.page), "regenerated"))
+                print(f"{args.page}: its tables differ from what {args.results} gives", file=sys.stderr)
+                return 1
+            print(f"{args.page}: every table matches {args.results}")
+            return 0
+        args.page.write_text(new)
+        print(f"wrote the tables of {args.page}")
+    elif args.cmd == "table":
+        runs = load_runs(args.roots)
+        print(f"{len(runs)} runs")
+        if len(runs):
+            with pd.option_context("display.width", 200, "display.max_columns", 20):
+                print(main_table(runs).to_string())
+                engine = engine_table(runs)
+                if len(engine):
+                    print("\nThe engine vs the emulation (final validation loss, same config):")
+                    print(engine_summary(engine).to_string())
+    elif args.cmd == "collect":
+        both = collect(args.roots, args.results)
+        print(f"{args.results}: {len(both)} runs")
+    else:
+        execute_notebook(args.path, os.pathsep.join(args.roots) or None)
+        print(f"executed {args.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
