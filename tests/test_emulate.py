@@ -1,8 +1,16 @@
-"""The delay emulation on models small enough to follow by hand."""
+"""The delay emulation on models small enough to follow by hand, and ``python -m ds_async.emulate``: a JSON
+config's job in one process, partitioned, scheduled and batched as DeepSpeed would (its bit-equality with
+``launch/train.py`` is ``tests/test_study.py``'s)."""
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
 
+from ds_async import config
 from ds_async.emulate import DelayedTrainer
 
 
@@ -43,3 +51,90 @@ def test_wrong_micro_batch_count_is_refused():
                              "2bw", micro_batches=2, stages=1)
     with pytest.raises(ValueError, match="needs 2 micro-batches, got 1"):
         trainer.train_batch([(torch.ones(1, 1), torch.zeros(1, 1))])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The runner: a ds_async JSON config's job in one process
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_stage_bounds_are_the_pipeline_modules():
+    """The emulation splits layers as DeepSpeed's PipelineModule does: by count, by trainable parameters (counted
+    as DeepSpeed counts them, from the same layer specs) or at the given boundaries."""
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.utils import partition_balanced
+
+    from ds_async.emulate import build_layers, stage_bounds, stage_of_layers
+    from ds_async.models import llama, model_config
+
+    section = {"config": {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 5,
+                          "num_attention_heads": 4, "num_key_value_heads": 2}}
+    layers, _, hf = build_layers(section)
+    specs = llama.layer_specs(model_config(config.parse({"model": section, "train": {"steps": 1}})))
+    counts = PipelineModule._count_layer_params(SimpleNamespace(_layer_specs=specs))
+    for stages in (2, 3, 4):
+        assert stage_bounds("parameters", layers, stages) == list(partition_balanced(counts, stages))
+    assert stage_bounds("uniform", layers, 3) == [0, 3, 5, 7]
+    assert stage_of_layers([0, 3, 5, 7]) == [0, 0, 0, 1, 1, 2, 2]
+    assert stage_bounds("explicit", layers, 2, [0, 1, 7]) == [0, 1, 7]
+    with pytest.raises(config.ConfigError, match="ds_async.partition.boundaries"):
+        stage_bounds("explicit", layers, 2, [0, 7, 7])
+
+
+def test_scheduler_and_batch_split_as_deepspeed_builds_them():
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+
+    from ds_async.emulate import build_scheduler, data_parallel_degree
+
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    sched = build_scheduler({"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_num_steps": 2,
+                                                                  "warmup_type": "linear", "cos_min_ratio": 0.1}}, opt)
+    assert isinstance(sched, WarmupCosineLR)
+    lrs = [opt.param_groups[0]["lr"]]
+    for _ in range(10):
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    # DeepSpeed's schedule: 0 before its first step, then the linear warm-up, then cosine down to 10%
+    cosine = 0.1 * (0.1 + 0.9 * (1 + math.cos(math.pi / 8)) / 2)
+    assert lrs[:4] == pytest.approx([0.0, 0.0, 0.05, cosine]) and lrs[-1] == pytest.approx(0.01)
+    assert isinstance(build_scheduler({"type": "StepLR", "params": {"step_size": 2}}, opt),
+                      torch.optim.lr_scheduler.StepLR)
+    with pytest.raises(config.ConfigError, match="scheduler.type: unknown scheduler 'Warmup'"):
+        build_scheduler({"type": "Warmup"}, opt)
+    assert data_parallel_degree({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+                                 "gradient_accumulation_steps": 4}) == 2
+    assert data_parallel_degree({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}) == 1
+
+
+def test_cli_trains_the_demo_config(tmp_path, monkeypatch):
+    """``python -m ds_async.emulate --config ds_configs/demo_cpu.json --max-steps 3``: the run folder holds what a
+    launch/train.py run writes, the manifest adding the emulation's device and precision."""
+    pytest.importorskip("gensim")
+    from ds_async import emulate
+
+    monkeypatch.chdir(tmp_path)
+    assert emulate.main(["--config", str(ROOT / "ds_configs" / "demo_cpu.json"), "--max-steps", "3",
+                         "--run-name", "smoke", "--device", "cpu"]) == 0
+    run = tmp_path / "runs" / "smoke"
+    assert sorted(p.name for p in run.iterdir() if not p.name.startswith("events.")) == [
+        "loss.png", "manifest.json", "summary.json", "tokenizer.json"]
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["ds_async"]["partition"]["method"] == "parameters" and manifest["total_steps"] == 3
+    assert manifest["deepspeed"]["scheduler"]["type"] == "WarmupCosineLR" and manifest["micro_batches"] == 4
+    assert manifest["emulation"]["precision"] == "fp32" and manifest["world_size"] == 2
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 3 and len(summary["history"]["train"]) == 3
+    assert [s for s, _ in summary["history"]["validation"]] == [3] and math.isfinite(summary["final_validation_loss"])
+
+
+def test_cli_errors_name_the_key(tmp_path, capsys):
+    from ds_async import emulate
+
+    raw = json.loads((ROOT / "ds_configs" / "demo_cpu.json").read_text())
+    raw["ds_async"]["schedule"], raw["gradient_accumulation_steps"] = "2bw", 1
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(raw))
+    assert emulate.main(["--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ds_async: error: gradient_accumulation_steps: schedule '2bw' needs at least"), err

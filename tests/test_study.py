@@ -1,35 +1,42 @@
-"""The loss-curve study: the table's arithmetic on hand-made runs, the run matrices, and the whole chain on CPU
-(the ``tiny`` matrix through ``launch/study.py``, then ``notebooks/loss_curves.ipynb`` executed on its runs)."""
+"""The loss-curve study: the tables' arithmetic on hand-made runs, the matrices as valid ds_async configs, the
+committed results page against the committed results, and the whole chain on CPU (the ``tiny`` matrix through
+``launch/study/run.py``, a run through ``launch/train.py`` next to its emulation, ``notebooks/loss_curves.ipynb``
+executed on the run folders)."""
 import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
-from ds_async import study
+from ds_async import config as cfgmod
+from ds_async.emulate import data_parallel_degree
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "corpus"
 
 
-def _launcher():
-    """``launch/study.py`` as a module (it imports nothing heavy at the top)."""
-    if "study_launcher" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("study_launcher", ROOT / "launch" / "study.py")
-        module = sys.modules["study_launcher"] = importlib.util.module_from_spec(spec)
+def _module(name: str, path: Path):
+    """A script of the repository (not a package module) imported by path."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = sys.modules[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    return sys.modules["study_launcher"]
+    return sys.modules[name]
+
+
+study = _module("study_runs", ROOT / "notebooks" / "runs.py")
+driver = _module("study_driver", ROOT / "launch" / "study" / "run.py")
 
 
 def _runs(rows) -> pd.DataFrame:
     """Hand-made runs: (optimizer, label, seed, final_val[, axis overrides])."""
-    base = {"model": "20m", "seq_len": 256, "batch": 48, "tokens": 1000, "lr_scale": 1.0, "group": "main",
-            "diverged": False}
+    base = {"model": "m", "seq_len": 256, "batch": 48, "tokens": 1000, "lr_scale": 1.0, "group": "main",
+            "runner": "emulation", "diverged": False}
     out = []
     for row in rows:
         opt, label, seed, val, *extra = row
@@ -79,7 +86,7 @@ def test_sweeps_use_the_reference_and_common_seeds():
              ("adamw", "pipedream p=4", 0, 2.4, {"group": "depth"})]
     runs = _runs(main + extra)
     ref = study.reference(runs)
-    assert ref == {"model": "20m", "seq_len": 256, "batch": 48, "tokens": 1000, "lr_scale": 1.0}
+    assert ref == {"model": "m", "seq_len": 256, "batch": 48, "tokens": 1000, "lr_scale": 1.0}
     assert len(study.at_reference(runs, ref)) == 18 + 2
     tokens = study.sweep(runs, "tokens", ref)
     a = tokens[tokens["optimizer"] == "adamw"].set_index("tokens")
@@ -94,156 +101,22 @@ def test_sweeps_use_the_reference_and_common_seeds():
     assert depth.iloc[0]["gap 2bw"] == pytest.approx(0.2)
 
 
-def test_matrices_and_split():
-    launcher = _launcher()
-    main = launcher.matrix("main")
-    assert len(main) == 18 and {(r.optimizer, r.variant) for r in main} == {
-        (o, v) for o in ("adamw", "muon") for v in ("sync", "2bw", "2bw+ef")}
-    assert {r.seed for r in main} == {0, 1, 2}
-    extras = launcher.matrix("extras")
-    assert {r.group for r in extras} == {"tokens", "lr", "batch", "depth", "ef_lambda", "nesterov"}
-    assert {r.stages for r in extras if r.schedule == "pipedream"} == {2, 4, 8}
-    for runs in (main, extras):
-        shares = [launcher.split(runs, i, 2) for i in range(2)]
-        names = [f"{r.group}/{r.name}" for share in shares for r in share]
-        assert sorted(names) == sorted(f"{r.group}/{r.name}" for r in runs)
-        loads = [sum(launcher.estimated_seconds(r) for r in share) for share in shares]
-        assert max(loads) <= 1.1 * min(loads)
-    # the planned GPU budget of the brief: main <= ~4 min, extras ~6 min
-    assert sum(launcher.estimated_seconds(r) for r in main) <= 4 * 60
-    assert sum(launcher.estimated_seconds(r) for r in extras) <= 6.5 * 60
-
-
-def test_lr_schedule():
-    f = _launcher().lr_factor
-    assert [f(s, 100, 10, 0.1) for s in (0, 9)] == [0.1, 1.0]
-    assert f(10, 100, 10, 0.1) == pytest.approx(1.0) and f(55, 100, 10, 0.1) == pytest.approx(0.55)
-    assert f(100, 100, 10, 0.1) == pytest.approx(0.1)
-
-
-@pytest.fixture(scope="module")
-def tiny_runs(tmp_path_factory):
-    if not (CORPUS / "tokenizers" / "bpe8192.json").exists():
-        pytest.skip(f"shared corpus not found at {CORPUS} (the repo must be cloned next to shared/)")
-    out = tmp_path_factory.mktemp("study")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "study.py"), "--matrix", "tiny", "--out",
-                           str(out / "runs"), "--token-cache", str(out / "tokens"), "--data-dir", str(CORPUS),
-                           "--device", "cpu", "--threads", "1", "--quiet"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    assert "[matrix] 21/21 runs" in proc.stdout
-    return out / "runs"
-
-
-def test_tiny_matrix_run_folders(tiny_runs):
-    folders = study.find_runs(tiny_runs)
-    assert len(folders) == 21
-    for folder in folders:
-        assert sorted(p.name for p in folder.iterdir() if not p.name.startswith("events.")) == [
-            "manifest.json", "summary.json"]
-        manifest = json.loads((folder / "manifest.json").read_text())
-        assert manifest["card"].startswith("cpu") and manifest["code"]["commit"]
-        assert manifest["run"]["seed"] == manifest["seed"] and manifest["run"]["steps"] >= 15
-        assert manifest["optimizer"]["type"] in ("AdamW", "Muon")
-    runs = study.load_runs(tiny_runs)
-    assert runs["complete"].all() and not runs["diverged"].any()
-    assert runs["val_steps"].map(len).min() >= 2 and runs["train_steps"].map(len).min() >= 15
-    table = study.gap_table(study.at_reference(runs, study.reference(runs)))
-    assert list(table.index) == ["adamw", "muon"]
-    for col in ("sync", "2bw", "2bw+ef", "gap", "recovered 2bw+ef"):
-        assert table[col].map(math.isfinite).all(), col
-    assert (table["sync n"] == 2).all() and table.loc["adamw", "2bw+nesterov n"] == 1
-    # same seed, same initial weights and data: the variants' first losses agree (no delay at step 1)
-    first = runs[runs["group"] == "main"].groupby("seed")["train_loss"].apply(lambda s: {round(x[0], 5) for x in s})
-    assert first.map(len).max() == 1
-
-
-def test_notebook_executes_on_the_tiny_runs(tiny_runs):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    nb = nbformat.read(ROOT / "notebooks" / "loss_curves.ipynb", as_version=4)
-    old = os.environ.get("DS_ASYNC_RUNS")
-    os.environ["DS_ASYNC_RUNS"] = str(tiny_runs)
-    try:
-        nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
-                                resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
-    finally:
-        if old is None:
-            os.environ.pop("DS_ASYNC_RUNS")
-        else:
-            os.environ["DS_ASYNC_RUNS"] = old
-    text, images = [], 0
-    for cell in nb.cells:
-        for out in cell.get("outputs", []):
-            assert out.output_type != "error", f"{out.get('ename')}: {out.get('evalue')}"
-            text.append(out.get("text", "") + out.get("data", {}).get("text/plain", ""))
-            images += "image/png" in out.get("data", {})
-    text = "\n".join(text)
-    assert "21 runs under" in text and "recovered by ef" in text
-    for absent in ("no token-budget", "no LR", "no batch-size", "no PipeDream", "no λ", "no nesterov"):
-        assert absent not in text, absent
-    assert images >= 6  # curves, tokens, LR, batch, depth, λ
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The real engine vs the emulation
-
-
-def test_engine_matrix_pairs_each_engine_run_with_its_emulation():
-    launcher = _launcher()
-    runs = launcher.matrix("engine")
-    engine = [r for r in runs if r.engine == "deepspeed"]
-    assert len(engine) == 9 and len(runs) == 18 and {r.group for r in runs} == {"engine"}
-    assert {(r.optimizer, r.variant) for r in engine} == {("muon", "2bw+ef"), ("adamw", "2bw"), ("adamw", "sync")}
-    assert {r.seed for r in engine} == {0, 1, 2}
-    main = {(r.optimizer, r.variant, r.seed): r.resolved() for r in launcher.matrix("main")}
-    twins = {r.name: r for r in runs if r.engine == "emulation"}
-    for r in engine:
-        twin = twins[r.name.replace("-deepspeed", "-emulation")]
-        assert launcher.dataclasses.replace(r, name=twin.name, engine="emulation") == twin
-        launcher.check_engine(r.resolved())  # the engine can run it as specified
-        # the main matrix's step: the same 48 rows, LR schedule and length, split into 2 micro-batches of 24
-        a, b = r.resolved(), main[(r.optimizer, r.variant, r.seed)]
-        assert (a.micro_batches, a.micro_batch_size, a.stages) == (2, 24, 2)
-        assert a.tokens_per_step == b.tokens_per_step and (a.steps, a.eval_every, a.lr, a.warmup) == (
-            b.steps, b.eval_every, b.lr, b.warmup)
-        assert a.eval_batch_size == a.micro_batch_size and a.eval_batches * a.eval_batch_size <= (
-            b.eval_batches * b.eval_batch_size)
-    shares = [launcher.split(engine, i, 2) for i in range(2)]
-    assert sorted(r.name for s in shares for r in s) == sorted(r.name for r in engine)
-
-
-def test_engine_refuses_what_it_cannot_run_like_the_emulation():
-    launcher = _launcher()
-    ok = launcher.RunSpec(name="x", schedule="2bw", engine="deepspeed", micro_batches=2, micro_batch_size=4,
-                          eval_batch_size=4, steps=1)
-    launcher.check_engine(ok)
-    with pytest.raises(ValueError, match="at least as many micro-batches as stages"):
-        launcher.check_engine(launcher.dataclasses.replace(ok, micro_batches=1))
-    with pytest.raises(ValueError, match="eval_batch_size = micro_batch_size"):
-        launcher.check_engine(launcher.dataclasses.replace(ok, eval_batch_size=8))
-    with pytest.raises(ValueError, match="engine must be one of"):
-        launcher.check_engine(launcher.dataclasses.replace(ok, engine="megatron"))
-    launcher.check_engine(launcher.dataclasses.replace(ok, engine="emulation", micro_batches=1, eval_batch_size=8))
-
-
 def _paired_runs(rows, noise_rows=()) -> pd.DataFrame:
-    """Hand-made engine pairs (optimizer, label, seed, emulation loss, engine loss) in group ``engine``, plus main
-    matrix runs (optimizer, label, seed, loss) for the seed noise."""
-    base = {"model": "20m", "seq_len": 256, "batch": 48, "tokens": 1000, "lr_scale": 1.0, "diverged": False,
+    """Hand-made engine pairs (optimizer, label, seed, emulation loss, engine loss), plus main matrix runs
+    (optimizer, label, seed, loss) for the seed noise."""
+    base = {"model": "m", "seq_len": 256, "batch": 48, "tokens": 1000, "lr_scale": 1.0, "diverged": False,
             "complete": True, "card": "card", "seconds_per_step": 0.1, "tokens_per_step": 100,
             "train_steps": [1, 2], "val_steps": [2]}
     out = []
     for opt, label, seed, emu, eng in rows:
-        for engine, val in (("emulation", emu), ("deepspeed", eng)):
-            out.append({**base, "path": f"engine/{opt}-{label}-s{seed}-{engine}", "group": "engine",
-                        "optimizer": opt, "label": label, "seed": seed, "engine": engine, "micro_batches": 2,
+        for runner, val in (("emulation", emu), ("engine", eng)):
+            out.append({**base, "path": f"{runner}/pairs/{opt}-{label}-s{seed}", "group": "pairs",
+                        "optimizer": opt, "label": label, "seed": seed, "runner": runner, "micro_batches": 2,
                         "final_val": val, "train_loss": [9.0, val + 1], "val_loss": [val],
                         "config_key": f"{opt}/{label}/{seed}"})
     for opt, label, seed, val in noise_rows:
-        out.append({**base, "path": f"main/{opt}-{label}-s{seed}", "group": "main", "optimizer": opt, "label": label,
-                    "seed": seed, "engine": "emulation", "micro_batches": 1, "final_val": val,
+        out.append({**base, "path": f"emulation/main/{opt}-{label}-s{seed}", "group": "main", "optimizer": opt,
+                    "label": label, "seed": seed, "runner": "emulation", "micro_batches": 1, "final_val": val,
                     "train_loss": [9.0, val + 1], "val_loss": [val], "config_key": f"main/{opt}/{label}/{seed}"})
     return pd.DataFrame(out)
 
@@ -270,70 +143,219 @@ def test_engine_table_judges_the_difference_against_the_main_matrix_seed_noise()
     assert summary.loc[("muon", "2bw+ef"), "max |diff|/σ"] == "3.00"
     assert summary.loc[("adamw", "2bw"), "verdict"] == "identical"
     assert study.within_noise(0.015, 0.01) == "within 2σ"
-    # the pairs stay out of the main table
+    # the engine runs stay out of the main table
     ref = study.reference(runs)
-    assert set(study.at_reference(runs, ref)["group"]) == {"main"}
+    assert set(study.at_reference(runs, ref)["runner"]) == {"emulation"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The matrices
+
+
+def test_every_run_of_every_matrix_is_a_valid_config():
+    """Each run's JSON parses as strictly as launch/train.py parses it, with a batch split the engine accepts."""
+    for name in driver.MATRICES:
+        for run in driver.matrix(name):
+            config = run.config()
+            section = config.pop("ds_async")
+            cfg = cfgmod.parse(section)
+            cfgmod.check_batch(config, cfg, cfg.pipeline_stages * data_parallel_degree(config))
+            assert config["scheduler"]["params"]["total_num_steps"] == cfg.train.steps, (name, run.name)
+
+
+def test_matrices_and_split():
+    main = driver.matrix("main")
+    assert len(main) == 18 and len({r.name for r in main}) == 18
+    configs = {r.name: r.config() for r in main}
+    assert {(c["optimizer"]["type"], c["ds_async"]["schedule"], c["ds_async"].get("correction", {}).get("type"))
+            for c in configs.values()} == {(o, s, c) for o in ("AdamW", "Muon")
+                                           for s, c in (("1f1b", None), ("2bw", None), ("2bw", "ef"))}
+    assert {c["ds_async"]["seed"] for c in configs.values()} == {0, 1, 2}
+    extras = driver.matrix("extras")
+    assert len(extras) == 32 and {r.group for r in extras} == {"tokens", "lr", "batch", "depth", "ef_lambda",
+                                                                "nesterov"}
+    depth = [r.config() for r in extras if r.group == "depth"]
+    assert {c["ds_async"]["pipeline_stages"] for c in depth} == {2, 4, 8}
+    assert {(c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"]) for c in depth} == {(48, 1)}
+    # every sweep validates on the same held-out sequences and sees the same tokens per step or in all
+    for run in extras + main:
+        c = run.config()
+        assert c["train_micro_batch_size_per_gpu"] * c["ds_async"]["eval"]["batches"] == 480, run.name
+    batch = {r.name: r.config() for r in extras if r.group == "batch"}
+    assert {n: (c["gradient_accumulation_steps"], c["ds_async"]["train"]["steps"]) for n, c in batch.items()} == {
+        "adamw-sync-batch96": (4, 150), "adamw-2bw-batch96": (4, 150), "adamw-sync-batch192": (8, 75),
+        "adamw-2bw-batch192": (8, 75)}
+    lr = {r.name: r.config()["optimizer"]["params"] for r in extras if r.group == "lr"}
+    assert lr["muon-2bw-lr2x"]["lr"] == pytest.approx(0.04) and lr["muon-2bw-lr2x"]["adam_lr"] == pytest.approx(6e-3)
+    # the engine comparison's points are main's own runs, config for config
+    pairs = driver.matrix("pairs")
+    assert len(pairs) == 9 and all(r.config() == configs[r.name] for r in pairs)
+    for runs in (main, extras):
+        shares = [driver.split(runs, i, 2) for i in range(2)]
+        names = [f"{r.group}/{r.name}" for share in shares for r in share]
+        assert sorted(names) == sorted(f"{r.group}/{r.name}" for r in runs)
+        loads = [sum(driver.cost(r.config()) for r in share) for share in shares]
+        assert max(loads) <= 1.1 * min(loads)
+    assert len(driver.matrix("tiny")) == 21 and len(driver.matrix("tiny-pairs")) == 3
+
+
+def test_override_sets_dotted_keys_and_names_what_is_not_an_object():
+    config = {"a": {"b": 1}, "c": 2}
+    assert driver.override(config, {"a.b": 3, "a.d.e": [4], "f": {"g": 5}}) == {
+        "a": {"b": 3, "d": {"e": [4]}}, "c": 2, "f": {"g": 5}}
+    assert config == {"a": {"b": 1}, "c": 2}
+    with pytest.raises(ValueError, match="c.x: 'c' is not an object"):
+        driver.override(config, {"c.x": 1})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The committed results
+
+
+def test_results_page_shows_what_the_committed_results_give():
+    """Every table of launch/study/RESULTS.md is what ``python notebooks/runs.py report`` computes from
+    launch/study/results/, and the main table is the study's headline (AdamW and Muon, 3 seeds each)."""
+    assert study.main(["report", "--check"]) == 0
+    runs = study.load_results()
+    assert len(runs) == 76 and runs["complete"].all() and not runs["diverged"].any()
+    assert (runs.groupby("group").size()[["main", "tokens", "lr", "batch", "depth", "ef_lambda", "nesterov"]].sum()
+            == 18 + 32)
+    table = study.main_table(runs[runs["group"] == "main"], labels=("sync", "2bw", "2bw+ef"))
+    assert table.loc["muon", "sync (n)"] == "5.091 ± 0.006 (3)"
+    assert table.loc["adamw", "recovered by ef"] == "49% (n=3)"
+    sizes = {p.name: p.stat().st_size for p in (ROOT / "launch" / "study" / "results").iterdir()}
+    assert set(sizes) == {"runs.csv", "curves.json"} and sum(sizes.values()) < 200_000
+
+
+def test_results_round_trip(tmp_path):
+    runs = study.load_results()
+    study.write_results(runs, tmp_path)
+    again = study.load_results(tmp_path)
+    assert (tmp_path / "runs.csv").read_bytes() == (study.RESULTS / "runs.csv").read_bytes()
+    assert (tmp_path / "curves.json").read_bytes() == (study.RESULTS / "curves.json").read_bytes()
+    pd.testing.assert_frame_equal(again.drop(columns="path"), runs.drop(columns="path"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The whole chain on CPU
+
+
+def _corpus():
+    if not (CORPUS / "tokenizers" / "bpe8192.json").exists():
+        pytest.skip(f"shared corpus not found at {CORPUS} (the repo must be cloned next to shared/)")
+
+
+# The engine comparison's point CI runs (``tiny-pairs --runner engine`` runs all three, equally bit-equal).
+PAIR = ["--only", "engine/muon-2bw+ef-s0"]
 
 
 @pytest.fixture(scope="module")
-def engine_tiny_runs(tmp_path_factory):
-    """``--matrix engine-tiny``: its emulation runs (one process, tokenizing into a fresh cache), then its engine
-    runs on 2 gloo ranks under torchrun, which read only the token cache (their --data-dir does not exist)."""
-    if not (CORPUS / "tokenizers" / "bpe8192.json").exists():
-        pytest.skip(f"shared corpus not found at {CORPUS} (the repo must be cloned next to shared/)")
-    out = tmp_path_factory.mktemp("engine_study")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONUNBUFFERED": "1",
-           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                  str(Path.home() / ".cache" / "ds_async_torch_extensions"))}
-    common = ["--matrix", "engine-tiny", "--out", str(out / "runs"), "--token-cache", str(out / "tokens"),
-              "--device", "cpu", "--threads", "1", "--quiet"]
-    emulation = subprocess.run([sys.executable, str(ROOT / "launch" / "study.py"), *common, "--engine", "emulation",
-                                "--data-dir", str(CORPUS)], cwd=ROOT, env=env, capture_output=True, text=True,
-                               timeout=300)
-    assert emulation.returncode == 0, (emulation.stdout + emulation.stderr)[-5000:]
-    assert "[matrix] 3/3 runs" in emulation.stdout
-    engine = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             str(31000 + os.getpid() % 2000), str(ROOT / "launch" / "study.py"), *common,
-                             "--data-dir", str(out / "no-corpus")],
-                            cwd=out, env=env, capture_output=True, text=True, timeout=300)
-    assert engine.returncode == 0, (engine.stdout + engine.stderr)[-5000:]
-    assert "[matrix] 3 engine runs" in engine.stdout
-    return out / "runs"
+def study_out(tmp_path_factory):
+    """The ``tiny`` matrix and the CI pair's emulation side through the emulation runner, in this process (one
+    thread, as the engine's ranks)."""
+    _corpus()
+    out = tmp_path_factory.mktemp("study")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert driver.main(["tiny", "--device", "cpu", "--out", str(out)]) == 0
+        assert driver.main(["tiny-pairs", *PAIR, "--device", "cpu", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return out
 
 
-def test_engine_runs_equal_their_emulation_on_cpu(engine_tiny_runs):
-    """fp32 on CPU: the real engine on 2 processes trains exactly as the emulation of the same spec: identical
-    validation losses at every validation point, per-step training losses within 1e-6 (the engine averages the
-    micro-batch losses in fp32, the emulation in float64), the same logged learning rates."""
-    runs = study.load_runs(engine_tiny_runs)
-    assert len(runs) == 6 and (runs["group"] == "engine").all() and runs["complete"].all()
-    assert sorted(runs["engine"]) == ["deepspeed"] * 3 + ["emulation"] * 3
-    for _, run in runs[runs["engine"] == "deepspeed"].iterrows():
-        eng_dir = Path(run["path"])
-        emu_dir = eng_dir.with_name(eng_dir.name.replace("-deepspeed", "-emulation"))
-        assert sorted(p.name for p in eng_dir.iterdir() if not p.name.startswith("events.")) == [
-            "manifest.json", "summary.json"]
-        m_eng, m_emu = (json.loads((d / "manifest.json").read_text()) for d in (eng_dir, emu_dir))
-        assert m_eng["card"].startswith("2x cpu") and m_eng["world_size"] == 2 and m_eng["code"]["commit"]
-        assert m_eng["run"]["engine"] == "deepspeed" and m_emu["run"]["engine"] == "emulation"
-        assert {k: v for k, v in m_eng["run"].items() if k not in ("name", "engine")} == {
-            k: v for k, v in m_emu["run"].items() if k not in ("name", "engine")}
-        assert m_eng["deepspeed"]["optimizer"] == m_emu["optimizer"] and m_eng["correction"] == m_emu["correction"]
-        assert m_eng["engine"]["schedule"] == m_eng["run"]["schedule"] and m_eng["run"]["precision"] == "fp32"
-        s_eng, s_emu = (json.loads((d / "summary.json").read_text()) for d in (eng_dir, emu_dir))
-        assert s_eng["history"]["validation"] == s_emu["history"]["validation"], run["name"]  # bit-equal
-        assert len(s_eng["history"]["validation"]) == 3
-        train_eng, train_emu = s_eng["history"]["train"], s_emu["history"]["train"]
-        assert [s for s, _ in train_eng] == [s for s, _ in train_emu] == list(range(1, 31))
-        for (_, a), (_, b) in zip(train_eng, train_emu):
-            assert a == pytest.approx(b, rel=1e-6, abs=0)
-        lr_eng, lr_emu = (study._scalars(d, "train/lr") for d in (eng_dir, emu_dir))
-        assert lr_eng == lr_emu and len(lr_eng[0]) == 30
+@pytest.fixture(scope="module")
+def engine_run(study_out):
+    """The CI pair's engine side: ``launch/train.py`` on 2 gloo ranks under torchrun."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        mp.setenv("TORCHDYNAMO_DISABLE", "1")
+        mp.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", str(
+            Path.home() / ".cache" / "ds_async_torch_extensions")))
+        assert driver.main(["tiny-pairs", *PAIR, "--runner", "engine", "--out", str(study_out), "--port",
+                            str(31000 + os.getpid() % 2000)]) == 0
+    return study_out / "engine" / "engine" / "muon-2bw+ef-s0"
+
+
+def test_tiny_matrix_run_folders(study_out):
+    folders = study.find_runs(study_out / "emulation")
+    assert len(folders) == 21 + 1
+    for folder in folders:
+        assert sorted(p.name for p in folder.iterdir() if not p.name.startswith("events.")) == [
+            "config.json", "manifest.json", "summary.json"]
+        manifest = json.loads((folder / "manifest.json").read_text())
+        assert manifest["emulation"]["card"].startswith("cpu") and manifest["code"]["commit"]
+        config = json.loads((folder / "config.json").read_text())
+        assert manifest["ds_async"]["seed"] == config["ds_async"]["seed"] and manifest["total_steps"] >= 10
+        assert manifest["deepspeed"]["optimizer"]["type"] in ("AdamW", "Muon")
+    runs = study.load_runs(study_out / "emulation")
+    assert runs["complete"].all() and not runs["diverged"].any()
+    assert runs["val_steps"].map(len).min() >= 1 and runs["train_steps"].map(len).min() >= 10
+    tiny = runs[runs["group"] != "engine"]
+    table = study.gap_table(study.at_reference(tiny, study.reference(tiny)))
+    assert list(table.index) == ["adamw", "muon"]
+    for col in ("sync", "2bw", "2bw+ef", "gap", "recovered 2bw+ef"):
+        assert table[col].map(math.isfinite).all(), col
+    assert (table["sync n"] == 2).all() and table.loc["adamw", "2bw+nesterov n"] == 1
+    # same seed, same initial weights and data: the variants' first losses agree (no delay at step 1)
+    first = tiny[tiny["group"] == "main"].groupby("seed")["train_loss"].apply(lambda s: {round(x[0], 5) for x in s})
+    assert first.map(len).max() == 1
+
+
+def test_train_py_and_the_emulation_runner_are_bit_equal_under_2bw(engine_run, study_out):
+    """fp32 on CPU: launch/train.py on 2 processes and ``ds_async.emulate`` on one, given the same JSON (Muon, EF,
+    2BW, clipping, DeepSpeed's WarmupCosineLR, the ``parameters`` partition), log the same validation losses at
+    every validation point, the same training loss at every step and the same learning rates."""
+    twin = study_out / "emulation" / "engine" / "muon-2bw+ef-s0"
+    assert sorted(p.name for p in engine_run.iterdir() if not p.name.startswith("events.")) == [
+        "config.json", "manifest.json", "summary.json"]
+    m_eng, m_emu = (json.loads((d / "manifest.json").read_text()) for d in (engine_run, twin))
+    assert m_eng["world_size"] == 2 and "emulation" not in m_eng and m_emu["emulation"]["precision"] == "fp32"
+    assert m_eng["deepspeed"] == m_emu["deepspeed"] and m_eng["ds_async"]["schedule"] == "2bw"
+    assert {k: v for k, v in m_eng["ds_async"].items() if k != "logging"} == {
+        k: v for k, v in m_emu["ds_async"].items() if k != "logging"}
+    s_eng, s_emu = (json.loads((d / "summary.json").read_text()) for d in (engine_run, twin))
+    assert s_eng["history"]["validation"] == s_emu["history"]["validation"]  # bit-equal
+    assert len(s_eng["history"]["validation"]) == 2
+    assert s_eng["history"]["train"] == s_emu["history"]["train"] and len(s_eng["history"]["train"]) == 20
+    lr_eng, lr_emu = (_scalars(d, "train/lr") for d in (engine_run, twin))
+    assert lr_eng == lr_emu and len(lr_eng) == 20
+    runs = study.load_runs(study_out)
     table = study.engine_table(runs)
-    assert len(table) == 3 and (table["diff"] == 0).all() and (table["verdict"] == "identical").all()
-    assert set(zip(table["optimizer"], table["label"])) == {("muon", "2bw+ef"), ("adamw", "2bw"), ("adamw", "sync")}
-    assert list(study.engine_summary(table)["verdict"]) == ["identical"] * 3
-    fig = study.plot_engine(runs)
-    assert len(fig.axes) == 6
-    # none of them is a main-matrix run
-    assert study.at_reference(runs, study.reference(runs)).empty
+    assert len(table) == 1 and table["diff"].tolist() == [0.0] and table["verdict"].tolist() == ["identical"]
+    assert list(study.engine_summary(table)["verdict"]) == ["identical"]
+    assert len(study.plot_engine(runs).axes) == 2
+
+
+def _scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_notebook_executes_on_the_run_folders(study_out, engine_run):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    path = ROOT / "notebooks" / "loss_curves.ipynb"
+    assert path.stat().st_size < 200_000
+    nb = nbformat.read(path, as_version=4)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DS_ASYNC_RUNS", str(study_out))
+        nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                                resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    text, images = [], 0
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            assert out.output_type != "error", f"{out.get('ename')}: {out.get('evalue')}"
+            text.append(out.get("text", "") + out.get("data", {}).get("text/plain", ""))
+            images += "image/png" in out.get("data", {})
+    text = "\n".join(text)
+    assert "23 runs under the given folders" in text and "recovered by ef" in text
+    assert str(study_out) not in text and str(ROOT) not in text  # no absolute paths printed
+    for absent in ("no token-budget", "no LR", "no batch-size", "no PipeDream", "no λ", "no nesterov",
+                   "no engine runs"):
+        assert absent not in text, absent
+    assert images >= 7  # curves, tokens, LR, batch, depth, λ, engine
