@@ -275,7 +275,7 @@ def build_scheduler(block: dict | None, optimizer: torch.optim.Optimizer):
 def tokenize_batch(tokens: int) -> int:
     """Documents a stream tokenizes at a time when a run reads ``tokens`` tokens from it: the stream is the same
     whatever the batch, but a short run (a CPU test) should not tokenize 64 long documents to use a few thousand
-    tokens; a long one takes DeepSpeed-sized batches of 64 for throughput."""
+    tokens; a long one takes the library's default of 64, as ``launch/train.py`` does."""
     return max(1, min(64, tokens // 2 ** 16))
 
 
