@@ -1,0 +1,159 @@
+"""The study's figures, drawn from the rows of :mod:`runs` (beside this file): loss curves over seeds, the sweeps,
+PipeDream's depth, EF's λ and the engine next to its emulation. Each function returns its matplotlib figure."""
+from __future__ import annotations
+
+import pandas as pd
+
+import runs as study
+
+
+
+def _grid_and_legend(axes, fontsize: int) -> None:
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=fontsize)
+
+
+def _finish_pair(top, bottom, title: str, difference: str, fontsize: int) -> None:
+    """Labels of a curves-over-difference panel pair (validation loss on top, a difference below, vs tokens)."""
+    top.set_title(title)
+    top.set_ylabel("validation loss")
+    bottom.set_ylabel(difference)
+    bottom.set_xlabel("training tokens (M)")
+    _grid_and_legend((top, bottom), fontsize=fontsize)
+
+
+def _band(ax, x, d, color, label):
+    n = int(d["n"].max())
+    ax.plot(x, d["mean"], color=color, marker="o", ms=2.5, label=f"{label} (n={n})")
+    if n > 1:
+        ax.fill_between(x, d["mean"] - d["std"], d["mean"] + d["std"], color=color, alpha=0.2)
+
+
+def plot_curves(runs: pd.DataFrame, labels: tuple[str, ...] = ("sync", "2bw", "2bw+ef", "2bw+nesterov"),
+                ref: dict | None = None):
+    """One column per optimizer. Top: validation loss vs training tokens per label (mean over seeds, band ± std).
+    Bottom: each label minus the synchronous run of the same seed (paired). Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    ref = ref or study.reference(runs)
+    sub = study.at_reference(runs, ref)
+    sub = sub[sub["label"].isin(labels)]
+    loss, diff = study.curves(sub), study.gap_curves(sub)
+    optimizers = list(dict.fromkeys(sub["optimizer"])) or ["(no runs)"]
+    fig, axes = plt.subplots(2, len(optimizers), figsize=(5 * len(optimizers), 6), squeeze=False,
+                             sharex="col", gridspec_kw={"height_ratios": [3, 2]})
+    colors = dict(zip(labels, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    for col, opt in enumerate(optimizers):
+        top, bottom = axes[0][col], axes[1][col]
+        for label in labels:
+            d = loss[(loss["optimizer"] == opt) & (loss["label"] == label)].sort_values("tokens")
+            if not d.empty:
+                _band(top, d["tokens"] / 1e6, d, colors[label], label)
+            d = diff[(diff["optimizer"] == opt) & (diff["label"] == label)].sort_values("tokens")
+            if not d.empty:
+                _band(bottom, d["tokens"] / 1e6, d, colors[label], f"{label} − sync")
+        bottom.axhline(0, color=colors.get("sync", "k"), lw=1)
+        _finish_pair(top, bottom, opt, "Δ validation loss vs sync (same seed)", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_sweep(table: pd.DataFrame, x: str, xlabel: str, logx: bool = True, labels: tuple[str, ...] = ("sync", "2bw")):
+    """Two panels for a :func:`sweep` table: final loss of ``labels`` vs ``x`` and the gap vs ``x``, per
+    optimizer (its own x values: Muon's LRs differ from AdamW's)."""
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for opt, part in table.groupby("optimizer"):
+        part = part.sort_values(x)
+        for label, style in zip(labels, ("-", "--")):
+            left.plot(part[x], part[label], style, marker="o", label=f"{opt} {label}")
+        if "gap" in part:
+            right.plot(part[x], part["gap"], marker="o", label=opt)
+    right.axhline(0, color="k", lw=0.8)
+    left.set_ylabel("final validation loss")
+    right.set_ylabel(f"gap: {labels[1]} − {labels[0]}")
+    for ax in (left, right):
+        ax.set_xlabel(xlabel)
+        if logx:
+            ax.set_xscale("log")
+    _grid_and_legend((left, right), fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_depth(table: pd.DataFrame):
+    """Gap vs pipeline depth: PipeDream (variable delay) per P, 2BW (constant delay) as a flat line."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for opt, part in table.groupby("optimizer"):
+        line = ax.plot(part["stages"], part["gap pipedream"], marker="o", label=f"{opt} PipeDream")[0]
+        ax.plot(part["stages"], part["gap 2bw"], "--", color=line.get_color(), label=f"{opt} 2BW")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("pipeline stages p")
+    ax.set_ylabel("gap vs sync (final validation loss)")
+    _grid_and_legend((ax,), fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_lambda(table: pd.DataFrame):
+    """Share of the 2BW gap recovered by EF vs λ (0 = no correction)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for opt, part in table.groupby("optimizer"):
+        ax.plot(part["lambda"], 100 * part["recovered"], marker="o", label=opt)
+    ax.axhline(100, color="k", lw=0.8, ls=":")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xlabel("EF λ")
+    ax.set_ylabel("gap recovered (%)")
+    _grid_and_legend((ax,), fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_engine(runs: pd.DataFrame, ref: dict | None = None, group: str | None = None):
+    """One column per (optimizer, label) of the engine pairs (of ``group`` if given). Top: validation loss of each
+    seed through the engine (solid) and the emulation (dashed). Bottom: engine − emulation per seed, over ± the
+    main matrix's seed std (grey) where the pairs sit at the main point. Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    table = study.engine_table(runs, ref)
+    if group is not None:
+        table = table[table["group"] == group]
+    points = list(dict.fromkeys(zip(table["optimizer"], table["label"]))) or [("(no engine runs)", "")]
+    ref = ref or (study.reference(runs) if len(runs) else {})
+    main = study.curves(study.at_reference(runs, ref)) if len(runs) else study.curves(runs)
+    fig, axes = plt.subplots(2, len(points), figsize=(4.5 * len(points), 5.5), squeeze=False, sharex="col",
+                             gridspec_kw={"height_ratios": [3, 2]})
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    by_path = runs.set_index("path") if len(runs) else runs
+    for col, (opt, label) in enumerate(points):
+        top, bottom = axes[0][col], axes[1][col]
+        band = main[(main["optimizer"] == opt) & (main["label"] == label)].sort_values("tokens")
+        part = table[(table["optimizer"] == opt) & (table["label"] == label)]
+        if not band.empty and len(part) and part["source"].iloc[0] == "main matrix":
+            bottom.fill_between(band["tokens"] / 1e6, -band["std"], band["std"], color="grey", alpha=0.25,
+                                label="± seed std")
+        for k, (_, pair) in enumerate(part.iterrows()):
+            color = colors[k % len(colors)]
+            eng, emu = by_path.loc[pair["engine path"]], by_path.loc[pair["emulation path"]]
+            tps = eng["tokens_per_step"] / 1e6
+            top.plot([s * tps for s in eng["val_steps"]], eng["val_loss"], "-", color=color, marker="o", ms=3,
+                     label=f"seed {pair['seed']} engine")
+            top.plot([s * tps for s in emu["val_steps"]], emu["val_loss"], "--", color=color, marker="x", ms=4,
+                     label=f"seed {pair['seed']} emulation")
+            twin = dict(zip(emu["val_steps"], emu["val_loss"]))
+            steps = [s for s in eng["val_steps"] if s in twin]
+            bottom.plot([s * tps for s in steps],
+                        [v - twin[s] for s, v in zip(eng["val_steps"], eng["val_loss"]) if s in twin],
+                        color=color, marker="o", ms=3, label=f"seed {pair['seed']}")
+        bottom.axhline(0, color="k", lw=0.8)
+        _finish_pair(top, bottom, f"{opt} {label}", "engine − emulation", fontsize=7)
+    fig.tight_layout()
+    return fig
