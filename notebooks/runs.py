@@ -111,6 +111,8 @@ def read_run(folder: str | Path) -> dict:
     ef_lambda = (corr.get("lam") if corr.get("lam") is not None else 1.0) if corr["type"] == "ef" else math.nan
     runner = "emulation" if emulation else "engine"
     config_file = manifest.get("config_file")
+    if config_file and Path(config_file).resolve().is_relative_to(ROOT):  # no machine's paths in the results
+        config_file = str(Path(config_file).resolve().relative_to(ROOT))
     return {
         "path": str(folder), "runner": runner, "group": folder.parent.name, "name": folder.name,
         "optimizer": optimizer.get("type", "none").lower(), "schedule": ds["schedule"],
