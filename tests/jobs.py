@@ -100,9 +100,12 @@ def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: i
                                 correction=correction, **ds_extra)
     if deepspeed_bf16_step:
         from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+        from ds_async.pipe.steps import StepPlan
         engine.optimizer.__class__ = BF16_Optimizer
+        engine.step_plan = StepPlan(engine.module, own_norm=True)  # DeepSpeed's step, computing its own norm
     if clip_at_hand_over is not None:
-        engine.clip_at_hand_over = clip_at_hand_over
+        engine.step_plan.clip_at_hand_over = clip_at_hand_over
     if drop_grad_at is not None:
         gather = engine.versions.gather_grads
 
@@ -127,7 +130,7 @@ def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: i
     if master is not None and engine.grid.data_parallel_id == 0:
         torch.save(torch.cat([t.detach().float().flatten() for t in master]), out / f"master_stage{engine.stage_id}.pt")
     result = {"losses": torch.tensor([0.0 if x is None else x.item() for x in losses], dtype=torch.float64),
-              "clip_at_hand_over": getattr(engine, "clip_at_hand_over", None)}
+              "clip_at_hand_over": getattr(engine.step_plan, "clip_at_hand_over", None)}
     if stats:
         result["optimizer_stats"] = optimizer_stats
     if export:

@@ -51,6 +51,8 @@ CASES = {  # name: (schedule, optimizer, correction, extra keys: DeepSpeed's, an
     "1f1b-muon-ef": ("1f1b", MUON, EF, {}),
     "2bw-muon-ef": ("2bw", MUON, EF, {}),
     "2bw-adamw-bf16-fused": ("2bw", ADAMW, None, BF16_FUSED),
+    # bf16 weights with ds_async's fp32 masters, Muon + EF in a few passes per tensor: masters, momentum, EF buffer.
+    "2bw-muon-ef-bf16-fused": ("2bw", MUON, EF, BF16_FUSED),
 }
 _port = [29400 + os.getpid() % 500 * 2]
 

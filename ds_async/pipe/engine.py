@@ -5,13 +5,12 @@ flush-free rule (``2bw``, ``pipedream``) a :class:`~ds_async.pipe.schedule.Flush
 ``train_batch`` calls, and this class adds only what differs: forwards on stashed weight versions
 (:class:`~ds_async.pipe.versions.WeightVersions`), gradients gathered per batch, the pipeline's gradient norm
 gathered ahead of the step, the optimizer step at the batch boundary while the next batch is in flight (on GPUs on
-a side stream), and a loss report that involves only the last stage's replicas. DeepSpeed's bf16 optimizer is
-driven through :mod:`ds_async.pipe.bf16`.
+a side stream), and a loss report that involves only the last stage's replicas. How the optimizer takes the
+norm and steps is the stage's :mod:`~ds_async.pipe.steps` plan.
 """
 from __future__ import annotations
 
 from contextlib import nullcontext
-from functools import partial
 from types import MethodType
 
 import torch
@@ -19,9 +18,9 @@ from deepspeed import comm as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from ..optim.clip import clip_, clip_coefficient, squared_norm, sum_in_stage_order
+from ..optim.clip import clip_, squared_norm, sum_in_stage_order
 from ..optim.master import MasterWeights
-from . import bf16
+from . import bf16, steps
 from . import schedule as fs
 from . import version_rule
 from .streams import StageStreams, to_device
@@ -49,32 +48,19 @@ class AsyncPipelineEngine(PipelineEngine):
             self.versions = WeightVersions(self.module, slots, first_version=self.global_steps)
             if self.using_bf16_optimizer and type(self.optimizer) is BF16_Optimizer:
                 self.optimizer.__class__ = bf16.PrecomputedNormBF16Optimizer
-        # With one replica and no ZeRO nothing reads DeepSpeed's gradient buffers between the batch boundary and the
-        # step, so the bf16 gradients can wait on the parameters: the norm is read from them (half the bytes), and
-        # the hand-over writes g * clip factor in one pass instead of a copy, a norm read and a clip.
-        bf16_can_wait = (isinstance(self.optimizer, bf16.PrecomputedNormBF16Optimizer) and self.dp_world_size == 1
-                         and not self.zero_optimization() and not self.optimizer.has_moe_layers)
-        self.clip_at_hand_over = bf16_can_wait and self.gradient_clipping() > 0.0
-        # Further, the AdamW step can go from the waiting bf16 gradients to the weights in one pass per tensor.
-        # (ds_async's own bf16 masters, MasterWeights, always take the waiting gradients, fused or not.)
-        self.fused_optimizer_step = fused_optimizer_step and not isinstance(self.optimizer, MasterWeights)
-        if self.fused_optimizer_step:
-            if not (bf16_can_wait and bf16.PrecomputedNormBF16Optimizer.supports_one_pass(self.optimizer.optimizer)):
-                raise ValueError("performance.fused_optimizer_step needs a flush-free schedule, DeepSpeed's bf16 "
-                                 "optimizer (bf16 enabled, ZeRO off) over torch's AdamW (\"torch_adam\": true, no "
-                                 "amsgrad), one data-parallel replica and no MoE layers")
-            self._slot_order = self._slots_of([list(group) for group in self.optimizer.bf16_groups])
-        if self.is_async and isinstance(self.optimizer, MasterWeights):
-            self._slot_order = self._slots_of([self.optimizer.weights])[0]
+        self.step_plan = self._plan_steps(fused_optimizer_step)
 
-    def _slots_of(self, groups: list[list[torch.Tensor]]) -> list[list[int]]:
-        """For lists of the module's weights, each weight's index in a version slot."""
-        slot_of = {id(weight): k for k, (_, _, weight) in enumerate(self.versions.entries)}
-        return [[slot_of[id(w)] for w in group] for group in groups]
-
-    @property
-    def _bf16_grads_wait(self) -> bool:
-        return self.clip_at_hand_over or self.fused_optimizer_step
+    def _plan_steps(self, fused: bool) -> steps.StepPlan:
+        opt, clip = self.optimizer, self.gradient_clipping()
+        if isinstance(opt, MasterWeights):  # fused or not, the plan is the same: MasterWeights steps itself
+            order = steps.slot_indices(self.versions.entries, opt.weights) if self.is_async else None
+            return steps.MasterWeightsStep(opt, self.module, clip, order)
+        if isinstance(opt, bf16.PrecomputedNormBF16Optimizer):
+            can_wait = self.dp_world_size == 1 and not self.zero_optimization() and not opt.has_moe_layers
+            order = [steps.slot_indices(self.versions.entries, g) for g in opt.bf16_groups] if fused else None
+            return steps.DeepSpeedBF16Step(opt, clip, can_wait, fused, order)
+        return steps.StepPlan(self.module, fused=fused,
+                              own_norm=self.using_bf16_optimizer or self.zero_optimization() or self.fp16_enabled())
 
     @property
     def is_reporting_rank(self) -> bool:
@@ -116,12 +102,12 @@ class AsyncPipelineEngine(PipelineEngine):
                                          first_batch=batch, end_batch=end)
             self._reserve_pipe_buffers(sched.num_pipe_buffers())
             self._segment = (sched, iter(sched.steps()))
-        sched, steps = self._segment
+        sched, instructions = self._segment
         flush = sched.end_batch == batch + 1
         self.fwd_outputs, self.total_loss, self._compute_loss = [], None, True  # DeepSpeed's per-call state
         stepped = False
         with self.streams.computing():
-            for cmds in steps:
+            for cmds in instructions:
                 for cmd in cmds:
                     MethodType(self._ASYNC_INSTRUCTIONS[type(cmd)], self)(**cmd.kwargs)
                     stepped |= isinstance(cmd, fs.OptimizerStep)
@@ -177,15 +163,14 @@ class AsyncPipelineEngine(PipelineEngine):
 
     def _reduce_batch_grads(self):
         self.versions.gather_grads()
-        if not self._bf16_grads_wait:
-            if self.using_bf16_optimizer:
-                bf16.hand_over(self.optimizer)
-            if self.dp_world_size > 1 or self.zero_optimization():
-                self._exec_reduce_grads()
-            elif self.pipeline_enable_backward_allreduce:
-                self._cast_like_one_replica_reduce()
+        if not self.step_plan.grads_wait:
+            self.step_plan.hand_over()
+        if self.dp_world_size > 1 or self.zero_optimization():
+            self._exec_reduce_grads()
+        elif self.pipeline_enable_backward_allreduce and not self.step_plan.grads_wait:
+            self._cast_like_one_replica_reduce()
         if self.gradient_clipping() > 0.0:
-            grads = self._grads_for_norm()
+            grads = self.step_plan.norm_grads()
             self._stage_sq = None if grads is None else squared_norm(grads)
 
     def _cast_like_one_replica_reduce(self):
@@ -200,15 +185,6 @@ class AsyncPipelineEngine(PipelineEngine):
             for g in grads:
                 if g.dtype != dtype:
                     g.copy_(g.to(dtype))
-
-    def _grads_for_norm(self) -> list[torch.Tensor] | None:
-        """This stage's gradients for the pipeline's norm, or ``None`` where DeepSpeed's step computes its own."""
-        if isinstance(self.optimizer, bf16.PrecomputedNormBF16Optimizer):
-            return bf16.bf16_grads(self.optimizer) if self._bf16_grads_wait else \
-                self.optimizer.get_grads_for_norm(for_clipping=True)
-        if self.using_bf16_optimizer or self.zero_optimization() or self.fp16_enabled():
-            return None  # DeepSpeed's optimizers compute their own norm at step time (a barrier, but correct)
-        return [p.grad for p in self.module.parameters() if p.grad is not None]
 
     def _global_norm_sq(self, sq: torch.Tensor) -> torch.Tensor:
         """The pipeline's squared norm: the stages' parts gathered and added in stage order, as the emulation adds
@@ -237,10 +213,10 @@ class AsyncPipelineEngine(PipelineEngine):
         if timed:  # after the norm's all-gather: the step, not the wait for the other stages
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        writes_slot = self.fused_optimizer_step or isinstance(self.optimizer, MasterWeights)
-        slot = self.versions.claim(batch + 1, needed_from=needed) if writes_slot else None
-        step = self._master_step(slot) if isinstance(self.optimizer, MasterWeights) else \
-            self._bf16_step(slot) if isinstance(self.optimizer, bf16.PrecomputedNormBF16Optimizer) else None
+        slot = self.versions.claim(batch + 1, needed_from=needed) if self.step_plan.writes_slot else None
+        step = self.step_plan.bind(self._global_sq, slot)
+        if step is not None:
+            self._global_sq = None  # taken; otherwise clip_fp32_gradients takes it
         with bf16.stepping_with(self.optimizer, step) if step is not None else nullcontext():
             self._exec_optimizer_step()
         if slot is None:
@@ -249,50 +225,17 @@ class AsyncPipelineEngine(PipelineEngine):
             end.record()
             self.step_events.append((start, end))
 
-    def _bf16_step(self, slot):
-        """The bf16 optimizer's step for this batch, with the pipeline's norm (and the slot the fused step writes
-        the new version into) as arguments."""
-        sq, self._global_sq = self._global_sq, None
-        if not self._bf16_grads_wait:
-            return partial(self.optimizer.step_with, squared_norm=sq)
-        norm, coef = self._clip(sq)
-        if slot is None:
-            bf16.hand_over(self.optimizer, scale=coef)
-            return partial(self.optimizer.step_with, clipped_norm=norm)
-        outs = [[slot[k] for k in order] for order in self._slot_order]
-        scale = torch.ones((), device=self.device) if coef is None else coef
-        return partial(self.optimizer.step_in_one_pass, bf16.take_bf16_grads(self.optimizer), scale, [outs],
-                       clipped_norm=norm)
-
-    def _clip(self, sq: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(norm, clip factor) from the pipeline's squared gradient norm, ``(None, None)`` with clipping off."""
-        if self.gradient_clipping() <= 0.0:
-            return None, None
-        if sq is None:
-            raise RuntimeError("optimizer step without this batch's gradient norm: its gradients were never "
-                               "reduced (every step must follow its batch's ReduceGrads)")
-        return clip_coefficient(sq, self.gradient_clipping())
-
-    def _master_step(self, slot):
-        """:class:`MasterWeights`' step for this batch: the clip factor from the pipeline's norm, and the slot of the
-        new weight version as an output."""
-        sq, self._global_sq = self._global_sq, None
-        norm, coef = self._clip(sq)
-        outs = [] if slot is None else [[slot[k] for k in self._slot_order]]
-        return partial(self.optimizer.step_with, scale=coef, outs=outs, clipped_norm=norm)
-
     def _take_model_step(self, lr_kwargs=None):
-        if isinstance(self.optimizer, MasterWeights) and not self.is_async:  # flush-free steps bind it themselves
-            if self.gradient_clipping() > 0.0:
-                self._global_sq = self._global_norm_sq(squared_norm(self._grads_for_norm()))
-            with bf16.stepping_with(self.optimizer, self._master_step(None)):
-                return super()._take_model_step(lr_kwargs)
-        return super()._take_model_step(lr_kwargs)
+        if self.is_async or not self.step_plan.grads_wait:  # flush-free steps bind their plan themselves
+            return super()._take_model_step(lr_kwargs)
+        sq = self._global_norm_sq(squared_norm(self.step_plan.norm_grads())) if self.gradient_clipping() else None
+        with bf16.stepping_with(self.optimizer, self.step_plan.bind(sq, None)):
+            return super()._take_model_step(lr_kwargs)
 
     def clip_fp32_gradients(self):
         """Clip by the whole model's gradient norm (DeepSpeed's pipeline averages per-stage norms instead)."""
-        if isinstance(self.optimizer, MasterWeights):
-            return  # its step applies the clip factor as it reads the bf16 gradients
+        if self.step_plan.grads_wait:
+            return  # the plan's step applies the clip factor as it reads the bf16 gradients
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         sq, self._global_sq = self._global_sq, None  # gathered by _step_and_publish under flush-free schedules
         clip_(grads, self._global_norm_sq(squared_norm(grads)) if sq is None else sq, self.gradient_clipping())
