@@ -331,6 +331,26 @@ def check_batch(ds_config: dict, cfg: DsAsyncConfig, world_size: int) -> tuple[i
     return tbs, mbs, gas
 
 
+# DeepSpeed's LR schedulers whose shape depends on the run's length.
+_LENGTH_SCHEDULERS = ("WarmupDecayLR", "WarmupCosineLR")
+
+
+def with_schedule_length(ds_config: dict, total_steps: int) -> dict:
+    """``ds_config`` with its scheduler's ``total_num_steps`` set to the run's length (``train.steps``, or
+    ``train.tokens`` in whole steps), so the two cannot drift apart; a different value written there is refused
+    naming both keys."""
+    block = ds_config.get("scheduler")
+    if not isinstance(block, dict) or block.get("type") not in _LENGTH_SCHEDULERS:
+        return ds_config
+    params = dict(block.get("params") or {})
+    given = params.get("total_num_steps")
+    if given is not None and given != total_steps:
+        raise ConfigError(f"scheduler.params.total_num_steps: {given}, but ds_async.train makes the run {total_steps} "
+                          "steps long; remove it (ds_async fills it in) or make the two agree")
+    params["total_num_steps"] = total_steps
+    return {**ds_config, "scheduler": {**block, "params": params}}
+
+
 def load(path: str) -> tuple[dict, DsAsyncConfig]:
     """Read a DeepSpeed JSON file; return (DeepSpeed's part, parsed ds_async section)."""
     try:
@@ -352,6 +372,9 @@ def load(path: str) -> tuple[dict, DsAsyncConfig]:
     return raw, parse(section)
 
 
-def resolved(cfg: DsAsyncConfig) -> dict:
-    """The config with every default filled in, for the run manifest."""
-    return dataclasses.asdict(cfg)
+def resolved(cfg) -> dict:
+    """The config with every default filled in, as the JSON section that :func:`parse` reads back (the run
+    manifest's ``ds_async``)."""
+    if not dataclasses.is_dataclass(cfg):
+        return cfg
+    return {f.metadata.get("key", f.name): resolved(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}

@@ -331,6 +331,7 @@ def run(config_path: str, max_steps: int | None = None, run_name: str | None = N
         cfg = replace(cfg, logging=replace(cfg.logging, run_name=run_name))
     dp = data_parallel_degree(ds_config)
     _, mbs, gas = cfgmod.check_batch(ds_config, cfg, cfg.pipeline_stages * dp)
+    ds_config = cfgmod.with_schedule_length(ds_config, steps_for(cfg, mbs * gas * dp * cfg.data.seq_len))
     if "optimizer" not in ds_config:
         raise ConfigError("optimizer: the emulation builds the optimizer from this block; it is missing")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

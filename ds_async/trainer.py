@@ -123,7 +123,8 @@ class Trainer:
         self.max_steps = max_steps
         init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        _, self.mbs, self.gas = cfgmod.check_batch(self.ds_config, self.cfg, self.world)
+        tbs, self.mbs, self.gas = cfgmod.check_batch(self.ds_config, self.cfg, self.world)
+        self.ds_config = cfgmod.with_schedule_length(self.ds_config, steps_for(self.cfg, tbs * self.cfg.data.seq_len))
 
     # ------------------------------------------------------------------------------------------------ setup
     def setup(self, resume: str | None = None) -> None:

@@ -1,6 +1,7 @@
 """Train from a DeepSpeed JSON config with a ``"ds_async"`` section.
 
     deepspeed --num_gpus 2 launch/train.py --config ds_configs/demo_cpu.json
+    deepspeed --num_gpus 2 launch/train.py --deepspeed_config ds_configs/demo_cpu.json   # DeepSpeed's flag name
     torchrun --nproc_per_node 2 launch/train.py --config ds_configs/demo_cpu.json
     torchrun --nproc_per_node 2 launch/train.py --config ... --run-name NAME --resume   # after a crash
 
@@ -24,7 +25,8 @@ EXPECTED = (ConfigError, DataError, CheckpointError, NonFiniteLoss, OptimizerSet
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="DeepSpeed JSON with a \"ds_async\" section")
+    parser.add_argument("--config", "--deepspeed_config", "--deepspeed-config", dest="config", required=True,
+                        help="DeepSpeed JSON with a \"ds_async\" section (DeepSpeed's own flag name works too)")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
     parser.add_argument("--run-name", default=None, help="override ds_async.logging.run_name")
     parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",

@@ -108,7 +108,8 @@ def read_run(folder: str | Path) -> dict:
     steps, tps = manifest["total_steps"], manifest["tokens_per_step"]
     autocast = (dsc.get("torch_autocast") or {}).get("enabled") or (dsc.get("bf16") or {}).get("enabled")
     final_val = _finite(summary.get("final_validation_loss"))
-    ef_lambda = (corr.get("lam") if corr.get("lam") is not None else 1.0) if corr["type"] == "ef" else math.nan
+    lam = corr.get("lambda", corr.get("lam"))  # manifests before the config's JSON keys were kept say "lam"
+    ef_lambda = (lam if lam is not None else 1.0) if corr["type"] == "ef" else math.nan
     runner = "emulation" if emulation else "engine"
     config_file = manifest.get("config_file")
     if config_file and Path(config_file).resolve().is_relative_to(ROOT):  # no machine's paths in the results

@@ -130,7 +130,7 @@ def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: i
     if master is not None and engine.grid.data_parallel_id == 0:
         torch.save(torch.cat([t.detach().float().flatten() for t in master]), out / f"master_stage{engine.stage_id}.pt")
     result = {"losses": torch.tensor([0.0 if x is None else x.item() for x in losses], dtype=torch.float64),
-              "clip_at_hand_over": getattr(engine.step_plan, "clip_at_hand_over", None)}
+              "clip_at_hand_over": getattr(getattr(engine, "step_plan", None), "clip_at_hand_over", None)}
     if stats:
         result["optimizer_stats"] = optimizer_stats
     if export:

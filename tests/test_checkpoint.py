@@ -74,7 +74,7 @@ def write_config(work: Path, name: str, schedule="1f1b", optimizer=ADAMW, correc
                  every=0, final=True, family="llama", data="gensim:lee", **section) -> Path:
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 9,
           "gradient_clipping": 1.0, "optimizer": optimizer,
-          "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 12, "warmup_num_steps": 3}},
+          "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 3}},  # as long as train.steps
           "ds_async": {"model": {"family": family, "config": TINY_MIXTRAL if family == "mixtral" else TINY},
                        "tokenizer": str(work / "tokenizer.json"), "pipeline_stages": 2,
                        "partition": {"method": "uniform"}, "schedule": schedule,

@@ -1,10 +1,13 @@
 """The ds_async config section fails at start, with one message naming the key."""
 import json
+from pathlib import Path
 
 import pytest
 
 from ds_async import config
 from ds_async.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 BASE = {"model": {"config": {"hidden_size": 64}}, "train": {"steps": 3}}
 
@@ -89,3 +92,24 @@ def test_compile_scope_needs_compile_and_no_checkpointing():
         parse(performance={"compile_scope": "stage"})
     with pytest.raises(ConfigError, match=r"compile_scope: 'stage' needs activation_checkpoint_interval 0"):
         parse(performance={"compile": True, "compile_scope": "stage", "activation_checkpoint_interval": 1})
+
+
+def test_resolved_config_loads_back():
+    """The manifest's ``ds_async`` (every default filled in) is a valid section that parses to the same config,
+    JSON key names included (``correction.lambda``)."""
+    _, cfg = config.load(str(ROOT / "ds_configs" / "llama_0.9b_4gpu_2bw_muon_ef.json"))
+    section = config.resolved(cfg)
+    assert section["correction"]["lambda"] == 1.0 and "lam" not in section["correction"]
+    assert config.parse(json.loads(json.dumps(section))) == cfg
+
+
+def test_scheduler_length_comes_from_the_run_length():
+    ds = {"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 3}}}
+    assert config.with_schedule_length(ds, 40)["scheduler"]["params"] == {"warmup_num_steps": 3, "total_num_steps": 40}
+    same = {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 40}}}
+    assert config.with_schedule_length(same, 40) == same
+    with pytest.raises(ConfigError, match=r"scheduler.params.total_num_steps: 12, but ds_async.train makes the run "
+                                          r"40 steps long"):
+        config.with_schedule_length({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 12}}}, 40)
+    warmup_only = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}}
+    assert config.with_schedule_length(warmup_only, 40) == warmup_only

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from .corrections import Correction, ErrorFeedback, NesterovLookahead, build_correction
+from .corrections import Correction, ErrorFeedback, NesterovLookahead, build_correction, is_correction
 from .optimizers import SGD, AdamW, Lion, Muon, UpdateOptimizer, muon_param_groups
 from .roles import ROLES, param_roles, role_groups
 
@@ -24,7 +24,7 @@ def needs_client_optimizer(block: dict, correction=None) -> bool:
     """Whether ``build_optimizer(block, ..., correction)`` builds a ds_async optimizer (a Muon/Lion type, or any
     correction), which the engine must pass to DeepSpeed as a client optimizer instead of letting DeepSpeed build
     one from the block."""
-    return block["type"].lower() in OWN_TYPES or build_correction(correction) is not None
+    return block["type"].lower() in OWN_TYPES or is_correction(correction)
 
 
 def build_optimizer(block: dict, model_or_params: nn.Module | Iterable, correction=None) -> torch.optim.Optimizer:

@@ -81,6 +81,8 @@ def client_optimizer(module: nn.Module, ds_config: dict, correction, dp_group, d
                                       "implemented for Muon only (and for torch's AdamW without a correction under "
                                       "DeepSpeed's bf16 optimizer)")
         config = {k: v for k, v in config.items() if k != "bf16"}
+        # DeepSpeed all-reduces gradients in bf16 under its bf16 mode; keep that (it sees fp32 from here on).
+        config.setdefault("communication_data_type", "bf16")
         optimizer = _split_newton_schulz(build_optimizer(block, module, correction), stage, dp_group, dp_world)
         if stage == 1:
             config["zero_optimization"] = {**zero, "stage": 0}

@@ -121,6 +121,15 @@ class NesterovLookahead(Correction):
         return deltas
 
 
+def is_correction(spec) -> bool:
+    """Whether :func:`build_correction` of ``spec`` gives a correction (without building one)."""
+    from ..config import CorrectionConfig, parse_correction
+
+    if spec is None or isinstance(spec, Correction):
+        return spec is not None
+    return (spec if isinstance(spec, CorrectionConfig) else parse_correction(spec)).type != "none"
+
+
 def build_correction(spec) -> Correction | None:
     """A correction from ``None``, a :class:`Correction`, a ``ds_async.config.CorrectionConfig`` or its JSON dict
     (``{"type": "ef", "lambda": 1.0}``, ``{"type": "nesterov", "momentum": 0.9, "delay": 1}``, ``{"type": "none"}``;
