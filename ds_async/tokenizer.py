@@ -1,10 +1,16 @@
-"""Train a byte-level BPE tokenizer on a text stream: `ds-async-train-tokenizer` / `python -m ds_async.tokenizer`."""
+"""Train a byte-level BPE tokenizer on a text stream: `ds-async-train-tokenizer` / `python -m ds_async.tokenizer`.
+
+Also: the tokenizer as a checkpoint and an export save it (:func:`for_generation`), and a checkpoint's tokenizer
+read only after it is checked against the checkpoint's manifest (:func:`load_from_checkpoint`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import logging
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -38,6 +44,37 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str, min_frequenc
     path.parent.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(path))
     return str(path)
+
+
+def for_generation(tokenizer, max_length: int | None):
+    """A copy of ``tokenizer`` set up as Hugging Face users of a causal LM expect it: a pad token (its EOS if it has
+    none, as is usual for causal LMs: padded positions are masked out anyway), padding on the left (batched
+    ``generate`` appends to the right end of every row) and ``model_max_length = max_length`` (the model's
+    ``max_position_embeddings``; a bare ``tokenizer.json`` loads with ~1e30). The copy is what gets saved; the
+    training run's tokenizer is not changed (with a ``model_max_length`` it would warn about long documents)."""
+    tok = copy.deepcopy(tokenizer)
+    if tok.pad_token is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    tok.init_kwargs["padding_side"] = "left"  # save_pretrained writes init kwargs, not the attribute
+    if max_length:
+        tok.model_max_length = int(max_length)
+    return tok
+
+
+def load_from_checkpoint(folder: str | os.PathLike):
+    """The training tokenizer saved in checkpoint ``folder`` (its ``tokenizer.json``, as ``--resume`` of a
+    ``train:<vocab>`` run reads it), after checking the file against the checkpoint's manifest: a missing,
+    truncated, corrupt or unloadable file is a ``CheckpointError`` naming it."""
+    from ds_async.checkpoint import CheckpointError, read_manifest, verify
+    from ds_async.data import load_tokenizer
+
+    file = Path(folder) / "tokenizer.json"
+    verify(folder, [file.name], read_manifest(folder))
+    try:
+        return load_tokenizer(str(file))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own kinds for a bad file
+        raise CheckpointError(f"{file}: cannot be loaded as a tokenizer ({type(e).__name__}: {e})") from None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -163,7 +163,9 @@ def save(engine, root: str | os.PathLike, *, hf_config, data_state: dict | None 
     """Save the (drained) ``engine`` as checkpoint ``engine.global_steps`` under ``root``; collective.
 
     ``data_state``: this rank's training stream position (``PackedBatches.state_dict()``) or None;
-    ``tokenizer``: saved into the folder by rank 0 (``save_pretrained``); ``meta``: more manifest entries;
+    ``tokenizer``: saved into the folder by rank 0 as :func:`ds_async.tokenizer.for_generation` sets it up, its
+    BOS/EOS ids written into ``config.json`` (:func:`~ds_async.models.hf_io.write_model_files`); ``meta``: more
+    manifest entries;
     ``extra``: per-rank trainer state returned by :func:`load`.
     """
     from .. import models
@@ -195,11 +197,8 @@ def save(engine, root: str | os.PathLike, *, hf_config, data_state: dict | None 
         return names
 
     def write_index(tmp: Path) -> list[str]:
-        hf_io.write_index(tmp, stages, hf_config)
-        names = [hf_io.INDEX, "config.json"]
-        if tokenizer is not None:
-            names += [Path(f).name for f in tokenizer.save_pretrained(str(tmp))
-                      if Path(f).parent == tmp and Path(f).is_file()]
+        # config.json with the tokenizer's BOS/EOS, generation_config.json, the tokenizer ready for generate
+        names = hf_io.write_index(tmp, stages, hf_config, tokenizer)
         for n in names:
             fsync(tmp / n)
         return sorted(set(names))

@@ -58,8 +58,10 @@ def compiled_stage(layers, **compile_kwargs):
     return torch.compile(run, **compile_kwargs)
 
 
-def model_config(cfg: DsAsyncConfig):
-    """The HF config object of the model the ``ds_async.model`` section describes."""
+def model_config(cfg: DsAsyncConfig, tokenizer=None):
+    """The HF config object of the model the ``ds_async.model`` section describes; with the run's ``tokenizer``,
+    its BOS/EOS ids are the tokenizer's (:func:`hf_io.match_tokenizer`; the model's computation does not read
+    them, checkpoints and exports carry them to ``generate``)."""
     from transformers import AutoConfig
 
     if cfg.model.path is not None:
@@ -68,6 +70,8 @@ def model_config(cfg: DsAsyncConfig):
         hf = AutoConfig.for_model(cfg.model.family, **{"tie_word_embeddings": False, **cfg.model.config})
     if hf.model_type != cfg.model.family:
         raise ConfigError(f"ds_async.model.family: '{cfg.model.family}' but the config is a '{hf.model_type}'")
+    if tokenizer is not None:
+        hf_io.match_tokenizer(hf, tokenizer)
     return hf
 
 

@@ -2,9 +2,14 @@
 
 Only the safetensors format is read, and only the tensors a stage owns: a sharded checkpoint's index tells which
 file holds each tensor, and ``safe_open`` reads single tensors without loading whole files.
+
+What is written next to the shards (:func:`write_model_files`) is what Hugging Face users need to run the model as
+is: ``config.json`` with the tokenizer's BOS/EOS ids, ``generation_config.json`` (EOS, pad, BOS, a ``max_length``
+the model's positions allow) and the tokenizer with a pad token, left padding and a real ``model_max_length``.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections import defaultdict
@@ -74,8 +79,63 @@ def save_shard(tensors: dict[str, torch.Tensor], out_dir: str | os.PathLike, nam
               metadata={"format": "pt"})
 
 
-def write_index(out_dir: str | os.PathLike, stages: int, config) -> None:
-    """Index the ``stages`` shards in ``out_dir`` and write ``config.json`` so ``from_pretrained`` loads it."""
+def match_tokenizer(config, tokenizer):
+    """Point ``config``'s ``bos_token_id``/``eos_token_id`` at ``tokenizer``'s (in place; returns ``config``).
+
+    The tokenizer is the truth: the training data ends every document with its EOS, and HF's LLaMA/Mixtral config
+    defaults (BOS 1, EOS 2) are ids of other tokens in ds_async's BPE (EOS ``<|endoftext|>`` is id 0, no BOS).
+    An EOS list that already holds the tokenizer's EOS (LLaMA 3 style) is kept; a tokenizer without BOS gives
+    ``bos_token_id = None``. ``pad_token_id`` is left as it is: LLaMA and Mixtral make it the embedding's
+    ``padding_idx``, whose row is zero at init and gets no gradient, so pad = EOS there would freeze EOS's embedding
+    in training and in any fine-tuning of the export. The pad id lives in the tokenizer and the generation config.
+    """
+    eos = tokenizer.eos_token_id
+    if eos is not None and not (isinstance(config.eos_token_id, (list, tuple)) and eos in config.eos_token_id):
+        config.eos_token_id = eos
+    config.bos_token_id = tokenizer.bos_token_id
+    return config
+
+
+def generation_config(config, tokenizer=None):
+    """The ``GenerationConfig`` of the model: BOS/EOS from ``config``, pad from ``tokenizer`` (else the config's
+    pad, else EOS), ``max_length`` the model's ``max_position_embeddings`` (HF's default is 20 tokens)."""
+    from transformers import GenerationConfig
+
+    eos = config.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer is not None else None
+    if pad is None:
+        pad = config.pad_token_id
+    if pad is None:
+        pad = eos[0] if isinstance(eos, (list, tuple)) else eos
+    kwargs = {"bos_token_id": config.bos_token_id, "eos_token_id": eos, "pad_token_id": pad}
+    if getattr(config, "max_position_embeddings", None):
+        kwargs["max_length"] = config.max_position_embeddings
+    return GenerationConfig(**kwargs)
+
+
+def write_model_files(out_dir: str | os.PathLike, config, tokenizer=None) -> list[str]:
+    """Write ``config.json``, ``generation_config.json`` and (if given) the tokenizer into ``out_dir``, consistent
+    with each other (see the module docstring); returns the names written. ``config`` and ``tokenizer`` are not
+    changed: copies are."""
+    root = Path(out_dir)
+    config = copy.deepcopy(config)
+    if tokenizer is not None:
+        from ..tokenizer import for_generation
+
+        tokenizer = for_generation(tokenizer, getattr(config, "max_position_embeddings", None))
+        match_tokenizer(config, tokenizer)
+    config.save_pretrained(root)
+    generation_config(config, tokenizer).save_pretrained(root)
+    names = ["config.json", "generation_config.json"]
+    if tokenizer is not None:
+        names += [Path(f).name for f in tokenizer.save_pretrained(str(root))
+                  if Path(f).parent == root and Path(f).is_file()]
+    return sorted(set(names))
+
+
+def write_index(out_dir: str | os.PathLike, stages: int, config, tokenizer=None) -> list[str]:
+    """Index the ``stages`` shards in ``out_dir`` and write the files of :func:`write_model_files`, so that
+    ``from_pretrained`` loads the folder and ``generate`` runs as is; returns the names written."""
     root = Path(out_dir)
     weight_map, total_size = {}, 0
     for stage in range(stages):
@@ -85,4 +145,4 @@ def write_index(out_dir: str | os.PathLike, stages: int, config) -> None:
             weight_map.update({k: file for k in f.keys()})
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     (root / INDEX).write_text(json.dumps(index, indent=2))
-    config.save_pretrained(root)
+    return [INDEX] + write_model_files(root, config, tokenizer)
