@@ -13,7 +13,13 @@ makes it) is dropped on every stage and replica: :class:`SkipNonFinite` asks all
 step (one scalar all-reduce and a host sync there) and reports the skip to DeepSpeed as its ``overflow``, which
 counts it in ``engine.skipped_steps`` and leaves the LR schedule where it was. Under 2BW the step still publishes
 the (unchanged) weights as the next version. DeepSpeed's own ZeRO and bf16 optimizer wrappers clip and step
-inside, so ``skip`` is refused with them at start.
+inside, so ``skip`` is refused with them at start. At the end of a run that skipped steps the trainer prints a
+warning with their count and steps, and if the last step's update was skipped (its loss or gradient was not finite,
+so the run ends on a non-finite loss) it ends with :class:`NonFiniteLoss` instead of a final evaluation and save.
+
+Either way, a checkpoint is written only when :func:`weights_nonfinite` finds this step's weights finite on every
+rank: the loss a step reports was computed before its update, and an update can overflow the weights while that
+loss is finite (:class:`NonFiniteWeights`). So every checkpoint of a run is a good one.
 """
 from __future__ import annotations
 
@@ -25,6 +31,26 @@ import torch.distributed as tdist
 
 class NonFiniteLoss(RuntimeError):
     """The training loss became NaN or inf and ``on_nonfinite`` is ``stop``."""
+
+
+class NonFiniteWeights(NonFiniteLoss):
+    """The weights about to be saved are NaN or inf (the update of a step whose loss was still finite)."""
+
+
+@torch.no_grad()
+def weights_nonfinite(params, group=None) -> str | None:
+    """``"NaN"`` or ``"inf"`` if any of ``params`` holds one on any rank (NaN wins), else None; the same answer on
+    every rank (one all-reduce of two flags over ``group`` and a host sync: for drained pipelines, before a save)."""
+    tensors = [p.detach() for p in params if p.numel()]
+    flags = torch.zeros(2)
+    if tensors:
+        bad = torch.stack([t.isfinite().all() for t in tensors]).logical_not()
+        if bad.any():
+            flags[0] = 1.0
+            flags[1] = float(any(t.isnan().any() for t, b in zip(tensors, bad.tolist()) if b))
+    if tdist.is_initialized() and tdist.get_world_size(group) > 1:
+        tdist.all_reduce(flags, op=tdist.ReduceOp.MAX, group=group)
+    return None if not flags[0] else "NaN" if flags[1] else "inf"
 
 
 class LossMonitor:
@@ -75,6 +101,8 @@ class SkipNonFinite:
         self.optimizer, self.group = optimizer, group
         self.overflow = False
         self.skipped = 0
+        self.calls = 0
+        self.skipped_calls: list[int] = []  # which of this process's steps (1, 2, ...) were skipped
 
     def __getattr__(self, name):
         if name == "optimizer":  # not set yet (unpickling, copy): do not recurse
@@ -93,8 +121,10 @@ class SkipNonFinite:
         if tdist.is_initialized() and tdist.get_world_size(self.group) > 1:
             tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=self.group)
         self.overflow = bool(flag.item())
+        self.calls += 1
         if self.overflow:
             self.skipped += 1
+            self.skipped_calls.append(self.calls)
             return None
         return self.optimizer.step(closure)
 

@@ -64,8 +64,9 @@ def tokenizer_fingerprint(tok) -> dict:
 
 
 def _resume_from(resume: str, cfg: DsAsyncConfig, ckpt_root: Path) -> Path | None:
-    """The checkpoint ``--resume`` means: ``latest`` is the newest complete one in the run's checkpoint folder;
-    anything else is a checkpoint folder or a folder of them."""
+    """The checkpoint ``--resume`` means: ``latest`` is the newest complete one in the run's checkpoint folder
+    (None if it has none: the run starts at step 0); anything else is a checkpoint folder, a folder of them, or a
+    run folder (its ``checkpoints/``), which must hold a complete checkpoint (CheckpointError naming it if not)."""
     from . import checkpoint
 
     if resume == "latest":
@@ -74,9 +75,17 @@ def _resume_from(resume: str, cfg: DsAsyncConfig, ckpt_root: Path) -> Path | Non
                               "set ds_async.checkpoint.dir or ds_async.logging.run_name (--run-name), or pass "
                               "--resume PATH")
         return checkpoint.resolve(ckpt_root)
-    if not Path(resume).exists():
+    path = Path(resume)
+    if not path.exists():
         raise checkpoint.CheckpointError(f"--resume {resume}: no such checkpoint or folder")
-    return checkpoint.resolve(resume)
+    found = checkpoint.resolve(path)
+    if found is None and (path / "checkpoints").is_dir():  # a run folder
+        found = checkpoint.resolve(path / "checkpoints")
+    if found is None:
+        raise checkpoint.CheckpointError(
+            f"--resume {resume}: no complete checkpoint there (a checkpoint folder step_N with {checkpoint.MANIFEST}, "
+            "a folder of them, or a run folder with them in checkpoints/); nothing to resume from")
+    return found
 
 
 def _agree(value, group):
@@ -132,9 +141,11 @@ class Trainer:
 
         seed_everything(self.cfg.seed)
         self.group = tdist.new_group(backend="gloo")  # host-side agreement: checkpoint files, loss flags
+        self.weights_ok_at, self.end_checked = None, False  # see _check_weights, _stop_if_nonfinite
         self._locate_run(resume)
         self._build_engine()
         self._build_data()
+        self._check_validation_source()
         self.start = self._restore() if self.resume_from is not None else 0
         self.last_saved = self.start if self.resume_from is not None else None
         self._start_logging()
@@ -149,18 +160,70 @@ class Trainer:
                   f"{time.strftime('%Y%m%d-%H%M%S')}"
         self.run_dir = Path(cfg.logging.dir) / _agree(cfg.logging.run_name or default, self.group)
         self.ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
-        self.resume_from = None
-        if resume is not None:
+        found = None
+        if self.rank == 0:
             try:
-                found = _resume_from(resume, cfg, self.ckpt_root) if self.rank == 0 else None
+                found = self._claim_checkpoint_dir(resume)
             except (ConfigError, checkpoint.CheckpointError) as e:
                 found = e
-            self.resume_from = _agree(found, self.group)
-            if self.resume_from is None and self.rank == 0:
-                print(f"ds_async: no complete checkpoint in {self.ckpt_root}; starting from step 0", flush=True)
+        self.resume_from = _agree(found, self.group)
+        if resume is not None and self.resume_from is None and self.rank == 0:
+            print(f"ds_async: no complete checkpoint in {self.ckpt_root}; starting from step 0", flush=True)
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         dist.barrier()
+
+    def _claim_checkpoint_dir(self, resume: str | None) -> Path | None:
+        """Rank 0, before anything is built: a run that saves checks that its checkpoint folder can hold files
+        (created, a probe file written and removed) and locks it for the job's life (a second job on the folder is
+        refused); then finds the checkpoint to resume from, and refuses to start afresh over an earlier run's
+        checkpoints (its first save would move them aside). Returns the checkpoint to resume from or None."""
+        from . import checkpoint
+        from .checkpoint import folder
+
+        cfg, root = self.cfg, self.ckpt_root
+        saves = cfg.checkpoint.every > 0 or cfg.checkpoint.final
+        if saves:
+            try:
+                folder.prepare(root)
+            except OSError as e:
+                raise ConfigError(f"ds_async.checkpoint.dir: {root} cannot hold checkpoints ({type(e).__name__}: "
+                                  f"{e.strerror or e}); point it at a writable folder") from None
+            folder.lock(root)
+        found = _resume_from(resume, cfg, root) if resume is not None else None
+        newest = checkpoint.latest(root) if saves and resume is None else None
+        if newest is not None:
+            raise checkpoint.CheckpointError(
+                f"{root}: holds checkpoints of an earlier run (newest {newest.name}), which this run's first save "
+                "would move aside; pass --resume to continue that run, or give this one another run name "
+                "(--run-name) or ds_async.checkpoint.dir; to start over, move that folder away first")
+        return found
+
+    def _check_validation_source(self) -> None:
+        """Open the validation source and read a micro-batch from it now, on the ranks that read data, so that a
+        missing or unreadable one stops the job at start rather than at the first evaluation, after training. Every
+        rank raises the first failing rank's error. The RNG states are left as they were."""
+        from .checkpoint import folder
+        from .checkpoint.state import rng_state, set_rng_state
+        from .data import DataError
+
+        source, error = self.cfg.data.validation, None
+        if source and self.needs_data:
+            key = "ds_async.data.validation"
+            saved = rng_state()
+            try:
+                next(iter(self._stream("validation", source, False)))
+            except StopIteration:
+                error = DataError(f"{key}: {source}: not enough text for one micro-batch")
+            except (ConfigError, DataError, FileNotFoundError) as e:
+                error = e if str(e).startswith(key) else type(e)(f"{key}: {e}")
+            except Exception as e:  # noqa: BLE001 - whatever the reader raised, as a one-line DataError
+                error = DataError(f"{key}: {source}: cannot be read ({type(e).__name__}: {e})")
+            finally:
+                set_rng_state(saved)
+        errors = [e for e in folder.gather(error, self.group) if e is not None]
+        if errors:
+            raise errors[0]
 
     def _build_engine(self) -> None:
         from deepspeed import comm as dist
@@ -281,16 +344,67 @@ class Trainer:
             self.log.train_step(s, float("nan") if loss is None else loss, lr)
 
     def _stop_if_nonfinite(self, upto: int | None = None) -> None:
-        from . import checkpoint
+        """``stop``: raise NonFiniteLoss if a step's loss up to ``upto`` was NaN/inf. At the end (``upto`` the last
+        step, drained) also: warn about skipped steps and refuse a last step that was skipped (``skip``), and
+        refuse non-finite weights."""
         from .nonfinite import NonFiniteLoss
 
         bad = self.monitor.check(upto) if self.monitor is not None else None
         if bad is not None:
             step, kind = bad
-            kept = f"the newest checkpoint is {checkpoint.step_dir(self.ckpt_root, self.last_saved)}" \
-                if self.last_saved is not None else "no checkpoint was saved"
             raise NonFiniteLoss(f"step {step}: the training loss is {kind}; training stopped there "
-                                f"(ds_async.train.on_nonfinite = 'stop') and saved nothing after it: {kept}")
+                                f"(ds_async.train.on_nonfinite = 'stop') and saved nothing after it: {self._kept()}")
+        if upto is not None and upto == self.total_steps and not self.end_checked:
+            self.end_checked = True
+            self._check_skipped()
+            self._check_weights(upto)
+
+    def _kept(self) -> str:
+        """Which checkpoint a run that stops now leaves as its newest (each one saved was checked finite)."""
+        from . import checkpoint
+
+        if self.last_saved is None:
+            return "no checkpoint was saved"
+        folder = self.resume_from if self.resume_from is not None and self.last_saved == self.start else \
+            checkpoint.step_dir(self.ckpt_root, self.last_saved)
+        return f"the newest checkpoint is {folder}"
+
+    def _check_weights(self, step: int) -> None:
+        """Every rank: raise NonFiniteWeights unless the (drained) weights after ``step`` are finite on all ranks.
+        A step's loss is computed before its update, so it cannot tell whether the update overflowed."""
+        from .nonfinite import NonFiniteWeights, weights_nonfinite
+
+        if self.weights_ok_at == step:
+            return
+        kind = weights_nonfinite(self.engine.module.parameters(), self.group)
+        if kind is not None:
+            raise NonFiniteWeights(f"step {step}: the weights are {kind} after this step's update (its loss, "
+                                   "computed before the update, did not show it); training stopped there and "
+                                   f"saved nothing after it: {self._kept()}")
+        self.weights_ok_at = step
+
+    def _check_skipped(self) -> None:
+        """``skip``, at the end: a warning line naming the skipped steps, and NonFiniteLoss if the last step was
+        one of them (the run would end on a non-finite loss; nothing is saved after the newest checkpoint)."""
+        from .nonfinite import NonFiniteLoss, SkipNonFinite
+
+        opt = self.engine.optimizer
+        if not isinstance(opt, SkipNonFinite) or not opt.skipped_calls:
+            return
+        steps = [self.start + c for c in opt.skipped_calls]
+        shown = ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
+        if self.rank == 0:
+            print(f"ds_async: warning: {len(steps)} of the {opt.calls} steps this job ran had a non-finite loss or "
+                  f"gradient and their updates were skipped (ds_async.train.on_nonfinite = 'skip'): step "
+                  f"{shown}", flush=True)
+        if opt.overflow:  # the last step's
+            trailing = 0
+            while trailing < len(steps) and opt.skipped_calls[-1 - trailing] == opt.calls - trailing:
+                trailing += 1
+            raise NonFiniteLoss(f"step {self.total_steps}: the last step's loss or gradient was not finite (the "
+                                f"last {trailing} step(s) were all skipped, {len(steps)} in this job), so the run "
+                                "ends on a non-finite loss; ended without the final evaluation and save "
+                                f"(ds_async.train.on_nonfinite = 'skip'): {self._kept()}")
 
     def validate(self) -> float:
         """Mean validation loss over ``eval.batches`` micro-batches per replica (the pipeline must be drained)."""
@@ -301,6 +415,7 @@ class Trainer:
         from . import checkpoint
 
         self._stop_if_nonfinite(upto=step)
+        self._check_weights(step)  # a checkpoint holds finite weights, or is not written
         checkpoint.save(self.engine, self.ckpt_root, hf_config=self.hf_config, tokenizer=self.tok,
                         keep=self.cfg.checkpoint.keep, group=self.group,
                         data_state=self.train_iter.state_dict() if self.train_iter is not None else None,

@@ -5,8 +5,8 @@
     torchrun --nproc_per_node 2 launch/train.py --config ds_configs/demo_cpu.json
     torchrun --nproc_per_node 2 launch/train.py --config ... --run-name NAME --resume   # after a crash
 
-Bad input (config, data, tokenizer, checkpoint) and a NaN/inf loss under on_nonfinite "stop" end the job with one
-line "ds_async: error: ..." on stderr and exit status 1.
+Bad input (config, data, tokenizer, checkpoint folder) is found at start, before training, and a NaN/inf loss or
+weights end the job at that step; either way with one line "ds_async: error: ..." on stderr and exit status 1.
 """
 import argparse
 import sys
@@ -31,11 +31,14 @@ def main() -> None:
     parser.add_argument("--run-name", default=None, help="override ds_async.logging.run_name")
     parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                         help="continue from the newest complete checkpoint in the run's checkpoint folder (starting "
-                             "afresh if there is none), or from PATH: a checkpoint folder or a folder of them")
+                             "afresh if there is none), or from PATH: a checkpoint folder, a folder of them, or a run "
+                             "folder (its checkpoints/), which must hold one")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help="set by the deepspeed launcher; the rank is read from the environment")
     args = parser.parse_args()
     try:
+        if args.max_steps is not None and args.max_steps < 1:
+            raise ConfigError(f"--max-steps: must be >= 1, got {args.max_steps}")
         train(args.config, max_steps=args.max_steps, run_name=args.run_name, resume=args.resume)
     except EXPECTED as e:
         print(f"ds_async: error: {e}", file=sys.stderr, flush=True)

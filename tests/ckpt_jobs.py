@@ -26,7 +26,7 @@ from ds_async.data import DataError
 from ds_async.models import llama, mixtral
 from ds_async.nonfinite import NonFiniteLoss
 
-EXPECTED = (ConfigError, DataError, CheckpointError, NonFiniteLoss)
+EXPECTED = (ConfigError, DataError, CheckpointError, NonFiniteLoss, FileNotFoundError)  # launch/train.py's
 _ORIGINAL = {llama: llama.loss_fn, mixtral: mixtral.loss_fn}
 
 

@@ -543,3 +543,215 @@ def test_sharded_optimizer_reload_keeps_the_lr_schedule_attached(tmp_path):
     mp.start_processes(_sharded_reload_worker, args=(port, str(tmp_path / "r.pt")), nprocs=1, start_method="fork")
     got = torch.load(tmp_path / "r.pt", weights_only=True)
     assert got == {"lr": 0.125, "shared": True}
+
+
+# ------------------------------------------------------------------- issue 23: data loss (found before training)
+HUGE_LR = {"type": "AdamW", "params": {"lr": 1e6, "weight_decay": 0.1, "torch_adam": True}}
+
+
+def _finite(folder: Path) -> bool:
+    return all(torch.isfinite(t).all() for f in folder.glob("*.safetensors") for t in load_file(f).values())
+
+
+def test_diverging_runs_never_save_nonfinite_weights(work):
+    """AdamW at lr 1e6 overflows the weights in an update whose loss (computed before it) is still finite: no
+    checkpoint may hold them, and the error names the newest checkpoint, a good one. ``skip`` ends with a warning
+    line and an error when the last step was skipped, not silently with a NaN final loss."""
+    runs = []
+    for name, schedule, section in (("diverge-1f1b", "1f1b", {}), ("diverge-2bw", "2bw", {}),
+                                    ("diverge-skip", "2bw", {"train": {"steps": 8, "on_nonfinite": "skip"}})):
+        config = write_config(work, name, schedule, HUGE_LR, steps=8, every=1, **section)
+        raw = json.loads(config.read_text())
+        raw["ds_async"]["checkpoint"]["keep"] = 0
+        config.write_text(json.dumps(raw))
+        runs.append({"name": name, "config": str(config)})
+    results = launch(work, "diverge", runs)
+    log = (work / "diverge.log").read_text()
+    for name in ("diverge-1f1b", "diverge-2bw", "diverge-skip"):
+        saved = checkpoint.complete_checkpoints(ckpt_root(work, name))
+        assert saved, name
+        assert all(_finite(folder) for _, folder in saved), f"{name}: a checkpoint with non-finite weights"
+        for rank in results[name]:
+            assert rank["error"] is not None and rank["error"].startswith("NonFinite"), rank
+            assert rank["error"].endswith(f"the newest checkpoint is {saved[-1][1]}"), rank
+    assert [s for s, _ in checkpoint.complete_checkpoints(ckpt_root(work, "diverge-skip"))][-1] < 8
+    assert "the last step's loss or gradient was not finite" in results["diverge-skip"][0]["error"]
+    assert "ds_async: warning: " in log and "steps this job ran had a non-finite loss or gradient and their " \
+        "updates were skipped" in log, log[-3000:]
+
+
+def test_bad_checkpoint_folders_and_sources_stop_the_job_at_start(work):
+    """One job of several trainer runs (plus a second job holding a checkpoint folder): each refusal happens at
+    setup, names what is wrong and leaves the checkpoints that exist as they were."""
+    base = write_config(work, "base", "1f1b", steps=4, every=2)
+    longer = json.loads(base.read_text())
+    longer["ds_async"]["train"]["steps"] = 6
+    (work / "base6.json").write_text(json.dumps(longer))
+    root = ckpt_root(work, "base")
+    junk = checkpoint.step_dir(root, 6)  # a step folder without a manifest, in the way of the save of step 6
+    junk.mkdir(parents=True)
+    (junk / "model.safetensors").write_bytes(b"half")
+    (work / "empty").mkdir()
+    (work / "a-file").write_text("not a folder")
+    val_missing = write_config(work, "val-missing", "1f1b", steps=2)
+    raw = json.loads(val_missing.read_text())
+    raw["ds_async"]["data"]["validation"] = str(work / "absent-validation.jsonl")
+    val_missing.write_text(json.dumps(raw))
+    file_dir = write_config(work, "ckdir-file", "1f1b", steps=2, checkpoint={"dir": str(work / "a-file")})
+
+    # A first job holds the checkpoint folder of "held" (it hangs in step 2): a second one must be refused.
+    held = write_config(work, "held", "1f1b", steps=4)
+    holder = launch(work, "holder", [{"name": "held", "config": str(held), "stall_at": 2}], wait=False)
+    lock_file = ckpt_root(work, "held") / ".lock"
+    try:
+        deadline = time.time() + 300
+        while not (lock_file.exists() and lock_file.read_text()):
+            assert holder.poll() is None, (work / "holder.log").read_text()[-4000:]
+            assert time.time() < deadline, "the first job did not lock its checkpoint folder"
+            time.sleep(0.1)
+        results = launch(work, "setup", [
+            {"name": "base", "config": str(base)},
+            {"name": "rerun", "config": str(base)},
+            {"name": "resume-empty", "config": str(base), "resume": str(work / "empty")},
+            {"name": "resume-run-folder", "config": str(work / "base6.json"), "resume": str(work / "runs" / "base")},
+            {"name": "val-missing", "config": str(val_missing)},
+            {"name": "ckdir-file", "config": str(file_dir)},
+            {"name": "second-job", "config": str(held)},
+        ])
+        holder_pid = int((work / "holder" / "pid.rank0").read_text())
+    finally:
+        kill_job(holder, work / "holder")
+    log = (work / "setup.log").read_text()
+
+    assert all(r["error"] is None for r in results["base"]), results["base"]
+    for rank in results["rerun"]:  # re-running a run name without --resume: refused, nothing moved aside
+        assert rank["error"].startswith(f"CheckpointError: {root}: holds checkpoints of an earlier run "
+                                        "(newest step_00000004)") and "--resume" in rank["error"], rank
+    for rank in results["resume-empty"]:
+        assert rank["error"].startswith(f"CheckpointError: --resume {work / 'empty'}: no complete checkpoint"), rank
+    # --resume of a run folder: its checkpoints/; the manifest-less step 6 folder is moved aside, not in the way.
+    summary = results["resume-run-folder"][1]["summary"]
+    assert summary is not None and summary["resumed_from"] == str(checkpoint.step_dir(root, 4)), results
+    assert [s for s, _ in checkpoint.complete_checkpoints(root)] == [4, 6]
+    aside = [p for p in root.iterdir() if p.name.startswith("step_00000006.incomplete-")]
+    assert len(aside) == 1 and (aside[0] / "model.safetensors").read_bytes() == b"half"
+    assert f"ds_async: warning: {junk} had no checkpoint.json" in log
+    assert not [p for p in root.iterdir() if "superseded" in p.name]
+    for rank in results["val-missing"]:  # found at setup: no step was trained or saved
+        assert rank["error"].startswith("FileNotFoundError: ds_async.data.validation: ") and \
+            "absent-validation.jsonl" in rank["error"], rank
+    assert checkpoint.complete_checkpoints(ckpt_root(work, "val-missing")) == []
+    for rank in results["ckdir-file"]:
+        assert rank["error"].startswith(f"ConfigError: ds_async.checkpoint.dir: {work / 'a-file'} cannot hold "
+                                        "checkpoints"), rank
+    for rank in results["second-job"]:
+        assert rank["error"].startswith(f"CheckpointError: {ckpt_root(work, 'held')}: in use by another job "
+                                        f"(pid {holder_pid} on host "), rank
+    # The killed holder left no stale lock (once its processes are gone: SIGKILL takes effect asynchronously).
+    from ds_async.checkpoint import folder
+    deadline = time.time() + 60
+    while True:
+        try:
+            folder.lock(ckpt_root(work, "held"))
+            break
+        except CheckpointError:
+            assert time.time() < deadline, "the killed job's lock was not released"
+            time.sleep(0.1)
+    folder.release(ckpt_root(work, "held"))
+
+
+def test_incomplete_step_folder_is_moved_aside_by_the_next_save(tmp_path, capsys):
+    _write(tmp_path, 1)
+    junk = checkpoint.step_dir(tmp_path, 2)
+    junk.mkdir()
+    (junk / "state.pt").write_bytes(b"partial")
+    assert checkpoint.resolve(tmp_path) == checkpoint.step_dir(tmp_path, 1)
+    def files(tmp):
+        torch.save({"w": torch.ones(3)}, tmp / "state.pt")
+        return ["state.pt"]
+
+    for _ in range(2):  # the second save of step 2 supersedes the first; neither fails on the folder
+        checkpoint.write(tmp_path, 2, files, {"note": "test"}, keep=0)
+    assert [s for s, _ in checkpoint.complete_checkpoints(tmp_path)] == [1, 2]
+    aside = [p.name for p in tmp_path.iterdir() if ".incomplete-" in p.name]
+    assert len(aside) == 1 and (tmp_path / aside[0] / "state.pt").read_bytes() == b"partial"
+    assert f"ds_async: warning: {junk} had no checkpoint.json" in capsys.readouterr().out
+
+
+def test_checkpoint_folder_lock_refuses_a_second_holder_until_it_dies(tmp_path):
+    from ds_async.checkpoint import folder
+
+    ready = tmp_path / "ready"
+    pid = os.fork()
+    if pid == 0:  # child: hold the lock, then wait to be killed
+        try:
+            folder.lock(tmp_path)
+            ready.write_text("1")
+            time.sleep(600)
+        finally:
+            os._exit(0)
+    try:
+        deadline = time.time() + 60
+        while not ready.exists():
+            assert time.time() < deadline
+            time.sleep(0.02)
+        with pytest.raises(CheckpointError, match=f"{tmp_path}: in use by another job \\(pid {pid} on host "):
+            folder.lock(tmp_path)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    folder.lock(tmp_path)  # the OS released the killed holder's lock
+    folder.lock(tmp_path)  # this process holds it already: fine
+    folder.release(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    for unusable in (tmp_path / "a-file", tmp_path / "a-file" / "below"):
+        with pytest.raises(OSError):
+            folder.prepare(unusable)
+
+
+def test_resume_path_takes_a_run_folder_and_refuses_one_without_checkpoints(tmp_path):
+    from ds_async.config import parse
+    from ds_async.trainer import _resume_from
+
+    cfg = parse({"model": {"config": TINY}, "train": {"steps": 3}})
+    run = tmp_path / "runs" / "R"
+    for step in (2, 4):
+        checkpoint.write(run / "checkpoints", step, lambda tmp: [], {"note": "test"})
+    for spec in (run, run / "checkpoints", checkpoint.step_dir(run / "checkpoints", 4)):
+        assert _resume_from(str(spec), cfg, tmp_path / "elsewhere") == checkpoint.step_dir(run / "checkpoints", 4)
+    (tmp_path / "none").mkdir()
+    with pytest.raises(CheckpointError, match=f"--resume {tmp_path / 'none'}: no complete checkpoint there"):
+        _resume_from(str(tmp_path / "none"), cfg, tmp_path / "elsewhere")
+    assert _resume_from("latest", parse({"model": {"config": TINY}, "train": {"steps": 3},
+                                         "logging": {"run_name": "R"}}), tmp_path / "fresh") is None
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"train": {"steps": 0}}, "ds_async.train.steps: must be >= 1, got 0"),
+    ({"train": {"steps": -3}}, "ds_async.train.steps: must be >= 1, got -3"),
+    ({"train": {"tokens": 0}}, "ds_async.train.tokens: must be >= 1, got 0"),
+    ({"train": {"steps": 3}, "eval": {"every": -1}}, "ds_async.eval.every: must be >= 0, got -1"),
+    ({"train": {"steps": 3}, "eval": {"batches": 0}}, "ds_async.eval.batches: must be >= 1, got 0"),
+    ({"train": {"steps": 3}, "logging": {"every": 0}}, "ds_async.logging.every: must be >= 1, got 0"),
+])
+def test_nonsense_run_lengths_and_cadences_are_refused(section, message):
+    from ds_async.config import ConfigError, parse
+
+    with pytest.raises(ConfigError, match=message):
+        parse({"model": {"config": TINY}, **section})
+
+
+def test_max_steps_below_one_is_refused(tmp_path, capsys):
+    import runpy
+
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"ds_async": {"model": {"config": TINY}, "train": {"steps": 3}}}))
+    argv = sys.argv
+    sys.argv = ["train.py", "--config", str(config), "--max-steps", "0"]
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_path(str(ROOT / "launch" / "train.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "ds_async: error: --max-steps: must be >= 1, got 0"

@@ -9,17 +9,25 @@ hashes, writes the manifest, and renames the folder to ``step_N/`` (``os.replace
 then prunes all but the newest ``keep``. A save killed at any point leaves at most a ``.tmp`` folder that nothing
 reads (the next save removes it), so the previous checkpoint stays the newest complete one.
 
+A step folder without a manifest (not written by this protocol, or left by older code) is never read, and a save
+of that step moves it aside as ``step_N.incomplete-<time>`` with a warning instead of failing on it.
+
+One job at a time: :func:`lock` takes an advisory lock (``fcntl.flock`` on ``<root>/.lock``, which records the
+holder's pid and host) for the life of the process; the OS drops it when the process ends, however it ends.
+
 Reading: :func:`verify` checks the sizes and sha256 of the files a rank reads against the manifest, and
 :func:`load_file` loads ``.pt`` files with ``torch.load(weights_only=True)``; a missing, truncated or corrupt file
 is refused with its path.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -28,6 +36,7 @@ import torch.distributed as tdist
 
 FORMAT = 1
 MANIFEST = "checkpoint.json"
+LOCK = ".lock"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
 
@@ -97,6 +106,65 @@ def resolve(spec: str | os.PathLike) -> Path | None:
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint folder")
     return latest(path)
+
+
+def prepare(root: str | os.PathLike) -> Path:
+    """Create checkpoint folder ``root`` if needed and check that files can be written and removed in it (a probe
+    file); raises OSError otherwise. For a job's start, so that an unusable folder is found before training."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    probe = root / f".probe-{socket.gethostname()}-{os.getpid()}"
+    with open(probe, "wb") as f:
+        f.write(b"ds_async")
+        f.flush()
+        os.fsync(f.fileno())
+    probe.unlink()
+    return root
+
+
+_held: dict[str, int] = {}  # real path of a checkpoint folder -> the descriptor of its lock file, in this process
+
+
+def lock(root: str | os.PathLike) -> None:
+    """Hold checkpoint folder ``root`` for this process: an exclusive ``fcntl.flock`` on ``root/.lock``, kept until
+    the process ends (the OS releases it however the process ends, so a killed job leaves no stale lock) or
+    :func:`release`. Raises CheckpointError naming the folder and the holder (pid, host, since when) if another
+    process holds it. Taking a lock this process already holds does nothing (one job's trainer runs, one after
+    the other). On a filesystem without ``flock`` it warns and goes on unlocked."""
+    root = Path(root)
+    key = os.path.realpath(root)
+    if key in _held:
+        return
+    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            who = f"pid {holder['pid']} on host {holder['host']}, since {holder['since']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            who = "holder unknown"
+        os.close(fd)
+        raise CheckpointError(f"{root}: in use by another job ({who}), which holds {root / LOCK}; two jobs on one "
+                              "checkpoint folder would delete each other's saves. Wait for it to end (or stop it), "
+                              "or give this job another run name or ds_async.checkpoint.dir") from None
+    except OSError as e:
+        os.close(fd)
+        print(f"ds_async: warning: {root / LOCK}: cannot lock ({e.strerror or e}); this filesystem does not support "
+              "flock, so nothing stops a second job from using the same checkpoint folder", flush=True)
+        return
+    info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                       "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, info, 0)
+    _held[key] = fd
+
+
+def release(root: str | os.PathLike) -> None:
+    """Give up this process's lock on ``root`` (if it holds one)."""
+    fd = _held.pop(os.path.realpath(root), None)
+    if fd is not None:
+        os.close(fd)  # closing the only descriptor of the open file releases the flock
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
@@ -229,10 +297,24 @@ def _finish(root: Path, tmp: Path, final: Path, step: int, manifest: dict, keep:
     # checkpoint): move them aside, so that a later --resume continues this run and not that one.
     for other_step, other in complete_checkpoints(root):
         if other_step >= step:
-            other.rename(other.with_name(f"{other.name}.superseded-{time.strftime('%Y%m%d-%H%M%S')}"))
+            other.rename(_aside(other, "superseded"))
+    if os.path.lexists(final):  # a step folder without a manifest: nothing reads it, and it would block the rename
+        aside = _aside(final, "incomplete")
+        final.rename(aside)
+        print(f"ds_async: warning: {final} had no {MANIFEST} (an incomplete checkpoint, not written by a finished "
+              f"save); moved it aside to {aside.name} and saved step {step} in its place", flush=True)
     os.replace(tmp, final)
     fsync(root)
     _prune(root, keep)
+
+
+def _aside(folder: Path, why: str) -> Path:
+    """A free name ``<folder>.<why>-<time>`` next to ``folder``."""
+    base = f"{folder.name}.{why}-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside, n = folder.with_name(base), 1
+    while os.path.lexists(aside):
+        aside, n = folder.with_name(f"{base}-{n}"), n + 1
+    return aside
 
 
 def _prune(root: Path, keep: int) -> None:
