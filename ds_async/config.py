@@ -265,10 +265,13 @@ def parse(section: dict) -> DsAsyncConfig:
     if (cfg.train.steps is None) == (cfg.train.tokens is None):
         raise ConfigError("ds_async.train: set exactly one of 'steps' and 'tokens'")
     for key, value in (("ds_async.pipeline_stages", cfg.pipeline_stages), ("ds_async.data.seq_len", cfg.data.seq_len),
-                       ("ds_async.data.min_chars", cfg.data.min_chars)):
-        if value < 1:
+                       ("ds_async.data.min_chars", cfg.data.min_chars), ("ds_async.train.steps", cfg.train.steps),
+                       ("ds_async.train.tokens", cfg.train.tokens), ("ds_async.eval.batches", cfg.eval.batches),
+                       ("ds_async.logging.every", cfg.logging.every)):
+        if value is not None and value < 1:
             raise ConfigError(f"{key}: must be >= 1, got {value}")
-    for key, value in (("ds_async.checkpoint.every", cfg.checkpoint.every),
+    for key, value in (("ds_async.checkpoint.every", cfg.checkpoint.every), ("ds_async.eval.every", cfg.eval.every),
+                       ("ds_async.logging.optimizer_every", cfg.logging.optimizer_every),
                        ("ds_async.checkpoint.keep", cfg.checkpoint.keep),
                        ("ds_async.performance.loss_chunk", cfg.performance.loss_chunk),
                        ("ds_async.performance.activation_checkpoint_interval",
