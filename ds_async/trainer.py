@@ -293,28 +293,49 @@ class Trainer:
         return self.engine.global_steps
 
     def _start_logging(self) -> None:
-        from . import metrics
+        """The run's logs (:mod:`ds_async.metrics`) and what they measure (:mod:`ds_async.telemetry`): every rank
+        times its steps and passes (idle per stage); the reporting rank reads the gradient norm and the rates."""
+        import torch.distributed as tdist
 
-        cfg, engine = self.cfg, self.engine
+        from . import metrics, telemetry
+        from .flops import model_flops_per_token
+
+        cfg, engine, log_cfg = self.cfg, self.engine, self.cfg.logging
+        layout = [None] * self.world  # (stage, replica, reports) of every rank
+        tdist.all_gather_object(layout, (engine.stage_id, engine.grid.data_parallel_id, engine.is_reporting_rank),
+                                group=self.group)
+        self.stage_of_rank = [stage for stage, _, _ in layout]
+        self.clock = telemetry.StageClock(engine.device.type == "cuda", warmup=log_cfg.warmup_steps,
+                                          window=log_cfg.window, start_step=self.start)
+        telemetry.time_passes(engine, self.clock)
+        self.grad_norm = telemetry.GradNormTap(engine) if engine.is_reporting_rank else None
+        self.ds_monitor = metrics.DeepSpeedMonitor(engine, next(r for r, (*_, reports) in enumerate(layout) if reports))
+        peak = telemetry.peak_flops(log_cfg.peak_tflops, engine.device)
         self.log = metrics.RunLogger(self.run_dir, self.total_steps, self.tokens_per_step,
-                                     enabled=engine.is_reporting_rank, progress=cfg.logging.progress,
-                                     every=cfg.logging.every, start_step=self.start)
+                                     enabled=engine.is_reporting_rank, progress=log_cfg.progress,
+                                     every=log_cfg.every, start_step=self.start, window=log_cfg.window,
+                                     warmup=log_cfg.warmup_steps,
+                                     flops_per_step=model_flops_per_token(self.hf_config, cfg.data.seq_len)
+                                     * self.tokens_per_step,
+                                     peak_flops=None if peak is None else peak * self.world, monitor=self.ds_monitor)
         self.log.manifest(config_file=str(self.config_path), ds_async=cfgmod.resolved(cfg), deepspeed=self.ds_config,
                           world_size=self.world, pipeline_stages=cfg.pipeline_stages,
                           data_parallel=engine.grid.data_parallel_size, micro_batch_size=self.mbs,
                           micro_batches=self.gas, tokens_per_step=self.tokens_per_step, total_steps=self.total_steps,
                           model=self.hf_config.to_dict(),
                           resumed_from=str(self.resume_from) if self.resume_from else None)
-        # (step, loss on its way to the host, lr). Under flush-free schedules a step's loss is read after the next
-        # step is queued (a drain reads at once), so the last stage's host never waits for its GPU to empty.
-        self.in_flight: list[tuple[int, object, float]] = []
+        # (step, loss and gradient norm on their way to the host, lr). Under flush-free schedules a step's loss is
+        # read after the next step is queued (a drain reads at once), so the last stage's host never waits for its
+        # GPU to empty. Its norm exists later on the GPU (once stage 0 has finished the batch): the step is logged
+        # once the norm has landed (``ready``), at the latest when the next step's loss has, or at a drain.
+        self.in_flight: list[tuple[int, object, float, object]] = []
+        self.to_log: list[tuple[int, float | None, float, object]] = []
 
     # ----------------------------------------------------------------------------------------------- the loop
     def run(self) -> dict | None:
         for step in range(self.start + 1, self.total_steps + 1):
             self.train_step(step)
-            if self.cfg.logging.optimizer_every and step % self.cfg.logging.optimizer_every == 0:
-                self.log.scalars(step, {f"optimizer/{k}": v for k, v in self.engine.optimizer_stats().items()})
+            self._log_gathered(step)
             if step != self.total_steps and self.cadence.evaluates(step):
                 self.log.validation(step, self.validate())
             if step != self.total_steps and self.cadence.saves(step):
@@ -328,20 +349,65 @@ class Trainer:
         engine = self.engine
         next_drain = self.cadence.next_drain(step)
         engine.drain_after(next_drain - 1)  # flush-free: drain only where the pipeline must be empty
+        self.clock.begin(step)
         loss = engine.train_batch(self.train_iter)  # None off the last stage under flush-free schedules
-        self.in_flight.append((step, None if loss is None else metrics.HostValue(loss), engine.get_lr()[0]))
+        self.clock.end(step)  # before the loss's copy is queued: once the loss is on the host, so is this mark
+        norm = self.grad_norm.take() if self.grad_norm is not None else None
+        self.in_flight.append((step, None if loss is None else metrics.HostValue(loss), engine.get_lr()[0], norm))
         drained = next_drain == step or not engine.is_async
-        self._report(step if drained else step - 1)
+        self._report(step if drained else step - 1, drained)
         if self.monitor is not None:
             self._stop_if_nonfinite(upto=step if drained else None)
 
-    def _report(self, upto: int) -> None:
+    def _report(self, upto: int, drained: bool = True) -> None:
         while self.in_flight and self.in_flight[0][0] <= upto:
-            s, value, lr = self.in_flight.pop(0)
+            s, value, lr, norm = self.in_flight.pop(0)
             loss = None if value is None else float(value)
             if self.monitor is not None:
                 self.monitor.submit(s, loss)
-            self.log.train_step(s, float("nan") if loss is None else loss, lr)
+            if self.log.enabled:
+                self.to_log.append((s, loss, lr, norm))
+        # A step is logged once its norm is on the host, at the latest when the next step's loss is (by then stage 0
+        # has long finished the step's batch, so reading it does not wait), or at a drain.
+        while self.to_log and (drained or self.to_log[0][0] < upto or not hasattr(self.to_log[0][3], "ready")
+                               or self.to_log[0][3].ready()):
+            s, loss, lr, norm = self.to_log.pop(0)  # its loss was on the host, so is its end mark: its span folds
+            self.log.train_step(s, float("nan") if loss is None else loss, lr,
+                                grad_norm=None if norm is None else float(norm), step_time=self.clock.window_mean(s))
+        self.ds_monitor.flush()
+
+    def _log_gathered(self, step: int) -> None:
+        """The figures that need every rank (collectives, on their steps only): the optimizer's and the stages'."""
+        log_cfg = self.cfg.logging
+        if log_cfg.optimizer_every and step % log_cfg.optimizer_every == 0:
+            self.log.optimizer(step, self.engine.optimizer_stats())
+        if step != self.total_steps and (log_cfg.stages_every and step % log_cfg.stages_every == 0
+                                         or self.cadence.evaluates(step)):
+            self.log.stages(step, self._gather_stages()[0])
+
+    def _gather_stages(self, final: bool = False) -> tuple[dict, dict]:
+        """Each stage's peak memory and idle fraction on the reporting rank (an object all-gather over all
+        ranks): over the steps folded since the last gather, and over the whole run (after the warm-up). A stage's
+        replicas: the largest peak, the idle time of all of them over their wall time."""
+        import torch.distributed as tdist
+
+        from . import telemetry
+
+        self.clock.fold(wait=final)
+        mine = {"peak_memory_gib": telemetry.peak_memory_gib(self.engine.device), "window": self.clock.take_window(),
+                "run": {"busy_s": self.clock.total_busy, "wall_s": self.clock.total_wall,
+                        "steps": self.clock.total_steps}}
+        gathered = [None] * self.world
+        tdist.all_gather_object(gathered, mine, group=self.group)
+        out = ({}, {})
+        for stage in sorted(set(self.stage_of_rank)):
+            ranks = [g for r, g in enumerate(gathered) if self.stage_of_rank[r] == stage]
+            peak = max(g["peak_memory_gib"] for g in ranks)
+            for k, part in enumerate(("window", "run")):
+                busy, wall = sum(g[part]["busy_s"] for g in ranks), sum(g[part]["wall_s"] for g in ranks)
+                out[k][stage] = {"peak_memory_gib": round(peak, 4),
+                                 "idle_fraction": telemetry.idle_fraction(busy, wall), "steps": ranks[0][part]["steps"]}
+        return out
 
     def _stop_if_nonfinite(self, upto: int | None = None) -> None:
         """``stop``: raise NonFiniteLoss if a step's loss up to ``upto`` was NaN/inf. At the end (``upto`` the last
@@ -440,9 +506,15 @@ class Trainer:
         tdist.all_gather_object(counts, self.train_iter.skipped if self.train_iter is not None
                                 and engine.is_last_stage() else None, group=self.group)
         skipped_docs = {k: sum(c[k] for c in counts if c) for k in data.SKIP_REASONS}
+        window, run = self._gather_stages(final=True)
+        self.log.stages(total, window)
+        clock = self.clock
         summary = self.log.close(total, plot=self.cfg.logging.plot, extra={
+            "stages": {f"stage{s}": figures for s, figures in run.items()},
             "skipped_docs": skipped_docs, "skipped_steps": int(engine.skipped_steps),
             "checkpoint": str(checkpoint.step_dir(self.ckpt_root, self.last_saved))
             if self.last_saved is not None else None,
-            "resumed_from": str(self.resume_from) if self.resume_from else None})
+            "resumed_from": str(self.resume_from) if self.resume_from else None},
+            step_time=clock.total_wall / clock.total_steps if clock.total_steps else None)
+        self.ds_monitor.close()
         return summary if engine.is_reporting_rank else None

@@ -1,0 +1,201 @@
+"""What the trainer measures beyond the loss: step time, time in forward/backward passes, peak memory, the gradient
+norm and the peak FLOP rate MFU is quoted against. CPU-safe; on ordinary steps nothing here makes a host wait for
+its GPU (the pipeline relies on the host running ahead).
+
+- **Step time** (:class:`StageClock`): per train step, the span between two marks on the current stream, one
+  before ``engine.train_batch`` and one after it (on GPUs CUDA events: the span is the GPU's time for the call's
+  work, since the engine's compute stream waits for the caller's stream on entry and the caller's stream for it on
+  exit; on CPU ``time.perf_counter``). Evaluations, saves and logging between steps fall outside every span.
+  Spans are read only once their end event has completed (``query()``, never a wait) or after a value that was
+  queued behind it reached the host (the loss).
+- **Idle fraction** of a stage: ``1 - (time inside forward and backward passes) / (sum of step spans)`` over a
+  window of steps, the benchmark's definition (``launch/bench/bench_pipeline.py``): p2p waits, the batch reduce,
+  the optimizer step on the compute stream and pipeline bubbles all count as idle. The passes are timed by
+  wrapping this engine's instruction tables (:func:`time_passes`), per instance.
+- The first ``warmup`` steps of a process (compilation, allocator growth) are left out of both.
+- **Gradient norm** (:class:`GradNormTap`): the pipeline's global norm that the engine clips by, on every rank
+  (the stages all-gather their squared norms ahead of the step).
+
+Cost per step, on every rank: two CUDA events around ``train_batch`` and two around each forward and backward pass,
+and event queries; on the reporting rank a pinned-memory copy of the norm, read once it has landed (at the latest
+one step later). No host waits for its GPU. Collectives: the per-stage figures are an object all-gather over all
+ranks, on ``logging.stages_every`` steps, at evaluations and at the end only (the trainer's ``_gather_stages``).
+"""
+from __future__ import annotations
+
+import resource
+import time
+from collections import deque
+
+import torch
+
+from .metrics import HostValue
+
+# Dense bf16 peak of one card, TFLOP/s, matched in order against the device name (first match wins).
+PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),
+                    ("A100", 312.0))
+
+
+def peak_flops(configured_tflops: float | None, device: torch.device) -> float | None:
+    """One device's peak FLOP/s: ``configured_tflops`` if set, else the dense bf16 peak of a known GPU by name
+    (:data:`PEAK_BF16_TFLOPS`); ``None`` on CPU and unknown cards (no MFU then)."""
+    if configured_tflops is not None:
+        return configured_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_BF16_TFLOPS:
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this rank so far, GiB: torch's peak allocated GPU memory on a GPU, the process's peak resident
+    set size on CPU (``ru_maxrss``, KiB on Linux)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+class StageClock:
+    """Step spans and time in passes of one rank, folded in order as their events complete (see the module doc).
+
+    ``begin(step)`` / ``end(step)`` bracket ``engine.train_batch``; ``pass_begin`` / ``pass_end`` bracket each
+    forward and backward pass (:func:`time_passes`) and count only inside a step. ``window_mean(step)`` is the mean
+    span of the last ``window`` steps up to ``step`` after the warm-up; :meth:`take_window` the busy and wall time
+    since its previous call; :attr:`total_busy`, :attr:`total_wall`, :attr:`total_steps` those of the whole run.
+    """
+
+    def __init__(self, cuda: bool, warmup: int, window: int, start_step: int = 0):
+        self.cuda, self.window = cuda, window
+        self.first_counted = start_step + warmup + 1  # steps before this one are warm-up
+        self._open: tuple[int, object, list] | None = None
+        self._pending: deque = deque()  # (step, start, end, pass pairs), not yet folded
+        self.spans: deque = deque(maxlen=window + 4)  # (step, seconds), counted steps only
+        self.busy = self.wall = 0.0
+        self.steps = 0
+        self.total_busy = self.total_wall = 0.0
+        self.total_steps = 0
+
+    def _mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1000 if self.cuda else b - a
+
+    def begin(self, step: int) -> None:
+        self._open = (step, self._mark(), [])
+
+    def end(self, step: int) -> None:
+        opened, start, pairs = self._open
+        self._open = None
+        self._pending.append((opened, start, self._mark(), pairs))
+        self.fold()
+
+    def pass_begin(self):
+        return None if self._open is None else self._mark()
+
+    def pass_end(self, start) -> None:
+        if start is not None and self._open is not None:
+            self._open[2].append((start, self._mark()))
+
+    def fold(self, wait: bool = False) -> None:
+        """Add the steps whose end mark has completed (``wait``: all of them, waiting for the GPU)."""
+        while self._pending:
+            step, start, end, pairs = self._pending[0]
+            if self.cuda:
+                if wait:
+                    end.synchronize()
+                elif not end.query():
+                    return
+            self._pending.popleft()
+            if step < self.first_counted:
+                continue
+            span = self._seconds(start, end)
+            busy = sum(self._seconds(a, b) for a, b in pairs)
+            self.spans.append((step, span))
+            self.busy += busy
+            self.wall += span
+            self.steps += 1
+            self.total_busy += busy
+            self.total_wall += span
+            self.total_steps += 1
+
+    def window_mean(self, step: int) -> float | None:
+        """Mean span of the last ``window`` counted steps up to ``step``; ``None`` before any."""
+        self.fold()
+        spans = [s for k, s in self.spans if k <= step][-self.window:]
+        return sum(spans) / len(spans) if spans else None
+
+    def take_window(self) -> dict:
+        """Busy and wall seconds and steps folded since the last call (then reset)."""
+        self.fold()
+        out = {"busy_s": self.busy, "wall_s": self.wall, "steps": self.steps}
+        self.busy = self.wall = 0.0
+        self.steps = 0
+        return out
+
+
+def idle_fraction(busy: float, wall: float) -> float | None:
+    return None if wall <= 0 else min(max(1.0 - busy / wall, 0.0), 1.0)
+
+
+PASSES = ("ForwardPass", "BackwardPass")
+
+
+def time_passes(engine, clock: StageClock) -> None:
+    """Time every forward and backward pass of ``engine`` (DeepSpeed's instruction table and a flush-free engine's)
+    on ``clock``: this instance's tables are replaced by copies whose pass entries are wrapped; the class's are
+    untouched."""
+
+    def wrap(fn):
+        def timed(eng, *args, **kwargs):
+            start = clock.pass_begin()
+            try:
+                return fn(eng, *args, **kwargs)
+            finally:
+                clock.pass_end(start)
+        return timed
+
+    for attr in ("_INSTRUCTION_MAP", "_ASYNC_INSTRUCTIONS"):
+        table = getattr(type(engine), attr, None)
+        if table:
+            setattr(engine, attr, {kind: wrap(fn) if kind.__name__ in PASSES else fn for kind, fn in table.items()})
+
+
+class GradNormTap:
+    """The pipeline's gradient norm of each step, as the engine clips by it, on its way to the host.
+
+    ds_async's engine computes the pipeline's squared norm in ``_global_norm_sq`` (the stages' shares all-gathered
+    ahead of the step, on every rank), under every schedule and for every optimizer whose norm it computes; the tap
+    wraps that method of this instance and starts a non-blocking copy of the norm on the stream that computed it
+    (the side stream under 2BW). Where DeepSpeed's optimizer computes the norm itself (ZeRO, fp16) the engine's
+    ``get_global_grad_norm()`` is taken instead. ``None`` with clipping off: no norm is computed then.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._value: HostValue | None = None
+        inner = getattr(engine, "_global_norm_sq", None)
+        if inner is not None:
+            def tapped(sq):
+                total = inner(sq)
+                self._value = HostValue(total.sqrt())
+                return total
+            engine._global_norm_sq = tapped
+
+    def take(self):
+        """This step's norm (a :class:`HostValue`, a float or ``None``); call once after each ``train_batch``."""
+        value, self._value = self._value, None
+        if value is not None:
+            return value
+        norm = self.engine.get_global_grad_norm()
+        if torch.is_tensor(norm):
+            streams = getattr(self.engine, "streams", None)
+            return HostValue(norm, stream=getattr(streams, "side", None))
+        return None if norm is None else float(norm)
