@@ -45,12 +45,42 @@ class PartitionConfig:
 
 
 @dataclass
+class DataSource:
+    """A dataset as ``datasets.load_dataset(path, name=..., revision=..., data_dir=..., data_files=..., split=...,
+    streaming=True)`` takes it, or (``data.validation`` only) ``from_train``: documents held out of the training
+    data. ``ds_async/data.py`` resolves and checks it (``resolve_source``)."""
+
+    path: str | None = None
+    """What ``load_dataset`` takes: a hub dataset (``allenai/c4``, ``hf://datasets/HuggingFaceFW/fineweb``), a local
+    dataset folder, or a builder (``parquet``, ``json``, ``text``, ``csv``) with ``data_files``; or a file or glob
+    ending in .parquet/.json/.jsonl/.txt/.cor, local or a URL (``hf://datasets/owner/name@rev/dir/*.parquet``), or
+    ``gensim:lee``. In ``data.validation`` without ``path``: the dataset of ``data.train``, another ``split``."""
+    name: str | None = None
+    """The dataset's config name (``en`` for ``allenai/c4``, ``wikitext-103-raw-v1`` for ``wikitext``)."""
+    revision: str | None = None
+    """Branch, tag or commit of a hub dataset."""
+    split: str | None = None
+    """The split to stream (default: ``train`` for ``data.train``, ``validation`` for ``data.validation``)."""
+    data_files: str | list[str] | dict[str, Any] | None = None
+    """Files or globs within ``path`` (or of a builder ``path``): one pattern, a list, or ``{split: pattern(s)}``."""
+    data_dir: str | None = None
+    """Subfolder of the dataset to read."""
+    text_field: str | None = None
+    """The column holding the text in this dataset (default: ``data.text_field``)."""
+    from_train: int | None = None
+    """``data.validation`` only, alone: the first this many documents of the training data in file order, which
+    training then skips (for datasets with no validation split, such as FineWeb)."""
+
+
+@dataclass
 class DataConfig:
-    train: str = "gensim:lee"
-    """Training text: a local parquet/json(l)/txt file or glob, a hub dataset name, or ``gensim:lee`` (the Lee
-    news corpus that ships inside gensim's wheel; ``pip install ds_async[demo]``)."""
-    validation: str | None = "gensim:lee"
-    """Held-out text for validation loss (same forms as ``train``); null disables evaluation."""
+    train: str | DataSource = "gensim:lee"
+    """Training text: a local parquet/json(l)/txt file or glob, a hub dataset name, an ``hf://`` path, ``gensim:lee``
+    (the Lee news corpus that ships inside gensim's wheel; ``pip install ds_async[demo]``), or a ``DataSource``
+    object (``{"path": "allenai/c4", "name": "en"}``)."""
+    validation: str | DataSource | None = "gensim:lee"
+    """Held-out text for validation loss (same forms as ``train``; an object may name only another ``split`` of the
+    training dataset, or hold documents out of it with ``from_train``); null disables evaluation."""
     text_field: str = "text"
     """Column holding the document text."""
     seq_len: int = 128
@@ -105,37 +135,15 @@ class LoggingConfig:
     run_name: str | None = None
     """Run folder name (default: schedule-optimizer-timestamp)."""
     every: int = 1
-    """Write train scalars (loss, lr, tokens, gradient norm, step time, tokens/s, MFU) every this many steps, and
-    print them then when ``progress`` is off."""
+    """Write train scalars every this many steps."""
     optimizer_every: int = 50
     """Write the optimizer figures (``optimizer/...``: update RMS, correction buffer norm, staleness) every this
     many steps, 0 for never. Gathering them involves every rank, a barrier across the stages of a flush-free
     pipeline, so keep it sparse."""
-    stages_every: int = 50
-    """Gather each stage's peak memory and idle fraction (``stage<s>/...``) to the reporting rank every this many
-    steps, and at each evaluation and the end (0: only then). An object all-gather over all ranks, a barrier across
-    the stages of a flush-free pipeline, so keep it sparse."""
-    window: int = 20
-    """Step time, tokens/s and MFU are averages over the last this many steps (per-step rates of a flush-free
-    pipeline jump with the host's lead over the GPU)."""
-    warmup_steps: int = 2
-    """The first this many steps of each process (compilation, allocator growth) count in no average: step time,
-    tokens/s, MFU and idle fractions are not logged until a later step."""
-    peak_tflops: float | None = None
-    """One device's peak TFLOP/s for MFU (model FLOPs/s over world size x this). null: the dense bf16 peak of
-    H100 (989; PCIe 756, NVL 835), H200 (989) and A100 (312) from the GPU's name; no MFU on CPU or other cards."""
     progress: bool = True
     """Show a tqdm progress bar on the reporting rank."""
     plot: bool = True
     """Write ``loss.png`` with the train/validation curves at the end."""
-
-    def __post_init__(self):
-        for key, value, least in (("window", self.window, 1), ("stages_every", self.stages_every, 0),
-                                  ("warmup_steps", self.warmup_steps, 0)):
-            if value < least:
-                raise ConfigError(f"ds_async.logging.{key}: must be >= {least}, got {value}")
-        if self.peak_tflops is not None and self.peak_tflops <= 0:
-            raise ConfigError(f"ds_async.logging.peak_tflops: must be > 0, got {self.peak_tflops}")
 
 
 @dataclass
@@ -240,12 +248,16 @@ def _check(value, tp, key: str):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
+        arms, errors = [a for a in args if a is not type(None)], []
+        for arg in arms:
             try:
                 return _check(value, arg, key)
             except ConfigError as e:
-                errors.append(str(e))
+                errors.append(e)
+        # An object where one of the types is a dataclass: that dataclass's error names the nested key.
+        nested = [e for e, arm in zip(errors, arms) if dataclasses.is_dataclass(arm)]
+        if isinstance(value, dict) and len(nested) == 1:
+            raise nested[0]
         raise errors[0] if len(errors) == 1 else ConfigError(
             f"{key}: expected {' or '.join(_type_name(a) for a in args)}, got {type(value).__name__} {value!r}")
     if origin is Literal:

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import glob
+import hashlib
 import importlib.util
 import itertools
+import json
+import logging
 import os
+import warnings
 from collections.abc import Sequence
 
 import datasets
+import numpy as np
 import torch
 from datasets.distributed import split_dataset_by_node
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from .config import ConfigError, DataConfig, DataSource, _from_dict
 
 EMBEDDED_CORPUS = "gensim:lee"
 EOS_TOKEN = "<|endoftext|>"
@@ -21,6 +30,7 @@ EOS_TOKEN = "<|endoftext|>"
 _LEE_FILES = {"train": "lee_background.cor", "validation": "lee.cor"}
 _LEE_ENCODING = "latin-1"
 _BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".txt": "text", ".cor": "text"}
+_DEFAULT_SPLIT = {"train": "train", "validation": "validation"}
 
 
 class DataError(ValueError):
@@ -29,6 +39,10 @@ class DataError(ValueError):
 
 def _builder_for(path: str) -> str | None:
     return _BUILDERS.get(os.path.splitext(path)[1].lower())
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
 
 
 def _embedded_file(split: str) -> str:
@@ -46,8 +60,10 @@ def _embedded_file(split: str) -> str:
 def resolve_files(source: str | Sequence[str], split: str) -> tuple[str, str | list[str] | None]:
     """Map a data source to (datasets builder name, data_files).
 
-    `source` is the embedded corpus "gensim:lee", a local path or glob (or a list of them) ending in .parquet,
-    .json, .jsonl, .txt or .cor, or else a hub dataset name, returned as (name, None).
+    `source` is the embedded corpus "gensim:lee", a path or glob (or a list of them) ending in .parquet, .json,
+    .jsonl, .txt or .cor, or else a dataset for ``datasets.load_dataset`` (hub name, ``hf://datasets/owner/name``,
+    local folder, builder name), returned as (source, None). Local globs are expanded here; URLs such as
+    ``hf://datasets/owner/name@revision/dir/*.parquet`` go to ``datasets`` unchanged, which resolves them.
     """
     if isinstance(source, str):
         if source == EMBEDDED_CORPUS:
@@ -65,6 +81,9 @@ def resolve_files(source: str | Sequence[str], split: str) -> tuple[str, str | l
         raise ValueError(f"local data files must share one of the extensions {sorted(_BUILDERS)}: {patterns}")
     files = []
     for pattern in patterns:
+        if _is_url(pattern):
+            files.append(pattern)
+            continue
         matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
         if not matches:
             raise FileNotFoundError(f"no data files match {pattern!r}")
@@ -90,23 +109,140 @@ def _check_readable(file: str, builder: str) -> None:
         raise DataError(f"{file}: not a readable {builder} file ({type(e).__name__}: {e})") from None
 
 
-def load_text_stream(source: str | Sequence[str], split: str, text_field: str = "text") -> datasets.IterableDataset:
-    """Stream `split` of `source` (see `resolve_files`) as rows holding each document under `text_field`."""
-    builder, files = resolve_files(source, split)
-    if files is None:
-        return datasets.load_dataset(builder, split=split, streaming=True)
-    for file in [files] if isinstance(files, str) else files:
-        _check_readable(file, builder)
+def describe(source) -> str:
+    """A data source in one short line, for messages: the string itself, or the set fields of a DataSource."""
+    if isinstance(source, DataSource):
+        fields = {k: v for k, v in dataclasses.asdict(source).items() if v is not None}
+        path = fields.pop("path", None)
+        rest = ", ".join(f"{k}={v!r}" for k, v in fields.items())
+        return f"{path} ({rest})" if path and rest else path or f"({rest})"
+    if source is None or isinstance(source, str):
+        return str(source)
+    return ", ".join(map(str, source))
+
+
+def _one_line(e: BaseException, limit: int = 400) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+def _is_files(path: str) -> bool:
+    """A path that names its files itself (so no config name, data_files, data_dir or revision apply)."""
+    return path.startswith("gensim:") or _builder_for(path) is not None
+
+
+def resolve_source(data: DataConfig, role: str) -> tuple[DataSource, int]:
+    """The dataset that ``data.<role>`` (``train`` or ``validation``) reads, every field filled in, and how many of
+    its first documents are held out for validation (``validation.from_train``; 0 without): the training stream
+    skips them, the validation stream reads only them. Raises ConfigError naming the key."""
+    if role not in _DEFAULT_SPLIT:
+        raise ValueError(f"role must be 'train' or 'validation', not {role!r}")
+    train = _as_source(data.train, "ds_async.data.train")
+    if train.from_train is not None:
+        raise ConfigError("ds_async.data.train.from_train: only in ds_async.data.validation")
+    if train.path is None:
+        raise ConfigError("ds_async.data.train.path: required (a dataset, files or gensim:lee)")
+    train = _filled(train, "train", "ds_async.data.train")
+    val = None if data.validation is None else _as_source(data.validation, "ds_async.data.validation")
+    held_out = 0
+    if val is not None and val.from_train is not None:
+        if val.from_train < 1:
+            raise ConfigError(f"ds_async.data.validation.from_train: must be >= 1, got {val.from_train}")
+        others = [f.name for f in dataclasses.fields(val)
+                  if f.name != "from_train" and getattr(val, f.name) is not None]
+        if others:
+            raise ConfigError(f"ds_async.data.validation.{others[0]}: not with from_train (the held-out documents "
+                              "are the first documents of ds_async.data.train)")
+        held_out = val.from_train
+    if held_out:
+        return train, held_out
+    if val is None:
+        if role == "validation":
+            raise ConfigError("ds_async.data.validation: null (no validation data)")
+        return train, 0
+    if val.path is None:  # another split of the training dataset
+        if _is_files(train.path) and not train.path.startswith("gensim:"):
+            raise ConfigError("ds_async.data.validation.path: required, since ds_async.data.train "
+                              f"({train.path}) names files, which have no splits; name the validation files, or "
+                              "hold documents out with from_train")
+        val = dataclasses.replace(val, **{f.name: getattr(train, f.name) for f in dataclasses.fields(val)
+                                          if f.name != "split" and getattr(val, f.name) is None})
+    val = _filled(val, "validation", "ds_async.data.validation")
+    return (train, 0) if role == "train" else (val, 0)
+
+
+def _as_source(value, key: str) -> DataSource:
+    if isinstance(value, DataSource):
+        return value
+    if isinstance(value, str):
+        return DataSource(path=value)
+    if isinstance(value, dict):  # a DataConfig built in code: parsed as the JSON is
+        return _from_dict(DataSource, value, key)
+    raise ConfigError(f"{key}: expected a string or an object, got {type(value).__name__} {value!r}")
+
+
+def _filled(src: DataSource, role: str, key: str) -> DataSource:
+    """``src`` with its split defaulted, after checking that its fields go together."""
+    if src.path is not None and _is_files(src.path):
+        for name in ("name", "revision", "data_files", "data_dir"):
+            if getattr(src, name) is not None:
+                hint = " (an hf:// path takes @revision after the repository name)" if name == "revision" else ""
+                raise ConfigError(f"{key}.{name}: does not apply to {src.path!r}, which names its files itself{hint}")
+    files = src.data_files
+    if isinstance(files, dict):
+        for split, patterns in files.items():
+            if not (isinstance(patterns, str) or
+                    isinstance(patterns, list) and patterns and all(isinstance(p, str) for p in patterns)):
+                raise ConfigError(f"{key}.data_files.{split}: expected a file pattern or a list of them, "
+                                  f"got {patterns!r}")
+    return dataclasses.replace(src, split=src.split or _DEFAULT_SPLIT[role])
+
+
+def load_text_stream(source: str | Sequence[str] | DataSource, split: str, text_field: str = "text",
+                     key: str | None = None) -> datasets.IterableDataset:
+    """Stream `split` of `source` as rows holding each document under `text_field`.
+
+    `source` is a string or list (see `resolve_files`) or a DataSource (its own ``split`` and ``text_field``, when
+    set, take precedence; one without ``path`` needs the training source: see `open_batches`). `key` (the config
+    key, e.g. ``ds_async.data.train``) starts the messages of DataError, FileNotFoundError and ConfigError.
+    """
+    label = f"{key}: " if key else ""
+    src = source if isinstance(source, DataSource) else None
+    if src is not None:
+        if src.path is None or src.from_train is not None:
+            raise ConfigError(f"{key or 'data source'}: {describe(src)} has no path of its own; a validation source "
+                              "without one reads data.train's dataset: open it with ds_async.data.open_batches")
+        source, split = src.path, src.split or split
+    try:
+        builder, files = resolve_files(source, split)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{label}{e}") from None
+    except ValueError as e:
+        raise DataError(f"{label}{e}") from None
+    if files is None:  # a dataset: load_dataset(path, name=..., revision=..., data_files=..., data_dir=...)
+        fields = dataclasses.asdict(src) if src is not None else {}
+        kwargs = {k: fields[k] for k in ("name", "revision", "data_files", "data_dir") if fields.get(k) is not None}
+    else:
+        for file in [files] if isinstance(files, str) else files:
+            if not _is_url(file):
+                try:
+                    _check_readable(file, builder)
+                except DataError as e:
+                    raise DataError(f"{label}{e}") from None
+        kwargs = {"data_files": {split: files}}
     # Bytes of a text line that are not UTF-8 become U+FFFD instead of stopping the stream; PackedBatches skips
     # and counts such lines.
-    encoding = {"encoding": _LEE_ENCODING} if source == EMBEDDED_CORPUS else \
-        {"encoding_errors": "replace"} if builder == "text" else {}
+    if source == EMBEDDED_CORPUS:
+        kwargs["encoding"] = _LEE_ENCODING
+    elif builder == "text":
+        kwargs["encoding_errors"] = "replace"
+    column = "text" if builder == "text" else src.text_field if src is not None and src.text_field else text_field
     try:
-        ds = datasets.load_dataset(builder, data_files={split: files}, split=split, streaming=True, **encoding)
-    except Exception as e:  # noqa: BLE001 - datasets/pyarrow errors rarely name the file
-        raise DataError(f"{source}: cannot open the data files ({type(e).__name__}: {e})") from None
-    if builder == "text" and text_field != "text":
-        ds = ds.rename_column("text", text_field)
+        ds = datasets.load_dataset(builder, split=split, streaming=True, **kwargs)
+        if column != text_field:
+            ds = ds.rename_column(column, text_field)
+    except Exception as e:  # noqa: BLE001 - datasets/pyarrow/hub errors rarely name the source
+        raise DataError(f"{label}{describe(src or source)}: cannot open the data ({_one_line(e)})") from None
     return ds
 
 
@@ -132,6 +268,8 @@ def eos_id(tokenizer) -> int:
 
 
 SKIP_REASONS = ("empty", "short", "non_utf8", "not_text")
+HELD_OUT = "held_out"  # a further skip reason, counted only by streams with held-out documents
+_REASONS = (*SKIP_REASONS, HELD_OUT)
 REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -155,20 +293,145 @@ def usable_text(value, min_chars: int) -> tuple[str | None, str | None]:
     return value, None
 
 
+def text_digest(text: str) -> bytes:
+    """What identifies a held-out document: a 16-byte BLAKE2b digest of its text."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+class _QuietRefill(logging.Filter):
+    """datasets warns that a loaded shuffle-buffer state has no buffer content. Our streams use datasets' shuffle
+    only with buffer_size=1 (a pass-through that keeps its shard shuffle) and save the buffer themselves."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Loading a state dict of a shuffle buffer")
+
+
+logging.getLogger("datasets.iterable_dataset").addFilter(_QuietRefill())
+_END = object()
+
+
+class _Documents:
+    """One data-parallel rank's documents in training order, epoch after epoch, and where it stands.
+
+    Order: datasets' shard order (``shuffle(seed, buffer_size=1)``: shards shuffled per epoch, up to 10 interleaved;
+    no example buffer), then a shuffle buffer of ``shuffle_buffer`` documents run here with datasets 5's algorithm
+    (fill, permute, emit all but half, keep half; permute the rest at the end) and its seeds. Ranks take whole shards
+    when the shard count is a multiple of the rank count, else every ``world``-th document after the buffer, as
+    ``split_dataset_by_node`` does. Each document is what `classify` makes of a row: the text, or the index of a
+    skip reason.
+
+    ``state_dict`` holds the source's ``IterableDataset.state_dict()`` (as JSON text), the buffered documents and
+    the buffer's RNG, so ``load_state_dict`` continues exactly without re-reading consumed documents (datasets
+    reopens the saved shard at the saved record batch). Where the stream reports no state (an iterable that does
+    not implement one) or its shard count changed since the save, the source is re-read up to the saved count.
+    """
+
+    def __init__(self, dataset: datasets.IterableDataset, classify, *, seed: int, shuffle_buffer: int,
+                 dp_rank: int, dp_world_size: int):
+        self._shards = dataset.num_shards
+        by_shard = self._shards % dp_world_size == 0
+        self._step, self._offset = (1, 0) if by_shard else (dp_world_size, dp_rank)
+        source = dataset.shuffle(seed=seed, buffer_size=1) if shuffle_buffer else dataset
+        # Always a new IterableDataset: set_epoch and load_state_dict change the object.
+        self._source = split_dataset_by_node(source, rank=dp_rank if by_shard else 0,
+                                             world_size=dp_world_size if by_shard else 1)
+        self._classify, self._seed, self._size = classify, seed, shuffle_buffer
+        self.open(0)
+
+    def open(self, epoch: int) -> None:
+        self._source.set_epoch(epoch)
+        self._rows = iter(self._source)
+        self.epoch, self.read, self.emitted, self.exhausted = epoch, 0, 0, False
+        self._kept: list = []
+        self._pending: collections.deque = collections.deque()
+        self._rng = None
+        if self._size:
+            # datasets' buffer generator: default_rng(seed), shifted per epoch as shift_ex_examples_rngs does.
+            rng = np.random.default_rng(self._seed)
+            self._rng = rng if epoch == 0 else np.random.default_rng(int(rng.integers(0, 1 << 63)) - epoch)
+
+    def next(self):
+        """The next document of this rank, or None at the end of the epoch."""
+        while True:
+            if self._pending:
+                doc, index = self._pending.popleft(), self.emitted
+                self.emitted += 1
+                if index % self._step == self._offset:
+                    return doc
+            elif self.exhausted:
+                return None
+            else:
+                self._fill()
+
+    def _fill(self) -> None:
+        size = max(self._size, 1)
+        while len(self._kept) < size:
+            row = next(self._rows, _END)
+            if row is _END:
+                self.exhausted = True
+                break
+            self.read += 1
+            self._kept.append(self._classify(row))
+        keep = 0 if self.exhausted else size // 2
+        order = self._rng.permutation(len(self._kept)) if self._rng is not None and self._kept else \
+            range(len(self._kept))
+        cut = len(self._kept) - keep
+        self._pending.extend(self._kept[i] for i in order[:cut])
+        self._kept = [self._kept[i] for i in order[cut:]]
+
+    def state_dict(self) -> dict:
+        source = None
+        if self.read:
+            # As JSON text: the layout is datasets' own, and differs between equal positions reached differently
+            # (read through, or resumed), which nothing outside datasets should compare.
+            try:
+                source = json.dumps(_plain(self._source.state_dict()))
+            except (AttributeError, NotImplementedError, RuntimeError, TypeError):
+                source = None  # no state for this stream: resume re-reads `read` rows
+        return {"epoch": self.epoch, "read": self.read, "emitted": self.emitted, "exhausted": self.exhausted,
+                "shards": self._shards, "source": source, "kept": list(self._kept), "pending": list(self._pending),
+                "rng": self._rng.bit_generator.state if self._rng is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.open(state["epoch"])
+        if state["read"] and not state["exhausted"]:
+            if state["source"] is not None and state["shards"] == self._shards:
+                self._source.load_state_dict(json.loads(state["source"]))
+                self._rows = iter(self._source)
+            else:
+                self._rows = itertools.islice(self._rows, state["read"], None)
+        self.read, self.emitted, self.exhausted = state["read"], state["emitted"], state["exhausted"]
+        self._kept = list(state["kept"])
+        self._pending = collections.deque(state["pending"])
+        if self._rng is not None:
+            self._rng.bit_generator.state = state["rng"]
+
+
+def _plain(state):
+    """A datasets state as JSON- and ``torch.load(weights_only=True)``-safe data (numpy scalars as Python's)."""
+    if isinstance(state, dict):
+        return {k: _plain(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return [_plain(v) for v in state]
+    return state.item() if isinstance(state, np.generic) else state
+
+
 class PackedBatches:
     """Iterator of micro-batches (input_ids, labels), each a LongTensor [micro_batch_size, seq_len].
 
     Documents are tokenized without special tokens, each followed by EOS, and concatenated into one stream that is
     cut into rows: row k has input_ids = stream[k*T : k*T+T] and labels = stream[k*T+1 : k*T+T+1], so every token
-    is an input exactly once, in order. The document order is `dataset.shuffle(seed, shuffle_buffer)` (no shuffle
-    when shuffle_buffer=0), split across data-parallel ranks by `split_dataset_by_node` so ranks read disjoint
-    documents. With `repeat` the stream restarts after each epoch in a new order (`set_epoch`); without it,
-    iteration stops at the end and the last partial batch is dropped. Documents that are empty or
-    whitespace-only, have fewer than `min_chars` non-whitespace characters, are not valid UTF-8 (text-file lines
-    decoded with U+FFFD replacements, or bytes; so a document containing U+FFFD is taken as not UTF-8) or are not
-    text at all are skipped and counted by reason (`skipped`).
+    is an input exactly once, in order. The document order is datasets' shard shuffle and a streaming shuffle buffer
+    of `shuffle_buffer` documents seeded by `seed` (for buffers under 20 documents the order of
+    ``dataset.shuffle(seed, shuffle_buffer)``; no shuffle when shuffle_buffer=0), split across data-parallel ranks
+    as `split_dataset_by_node` splits, so ranks read disjoint documents (see `_Documents`). With `repeat` the stream
+    restarts after each epoch in a new order (`set_epoch`); without it, iteration stops at the end and the last
+    partial batch is dropped. Documents that are empty or whitespace-only, have fewer than `min_chars`
+    non-whitespace characters, are not valid UTF-8 (text-file lines decoded with U+FFFD replacements, or bytes; so
+    a document containing U+FFFD is taken as not UTF-8), are not text at all, or whose `text_digest` is in
+    `held_out` (reason ``HELD_OUT``) are skipped and counted by reason (`skipped`).
     A file that fails to read mid-stream raises DataError naming `source`. `state_dict` / `load_state_dict`
-    resume exactly where the iterator stood.
+    resume exactly where the iterator stood, from the stream's own position (no re-reading; see `_Documents`).
     """
 
     def __init__(
@@ -185,15 +448,13 @@ class PackedBatches:
         text_field: str = "text",
         tokenize_batch: int = 64,
         min_chars: int = 1,
-        source: str | None = None,
+        source=None,
+        held_out: frozenset[bytes] | None = None,
     ):
         if seq_len < 1 or micro_batch_size < 1 or tokenize_batch < 1 or min_chars < 1:
             raise ValueError("seq_len, micro_batch_size, tokenize_batch and min_chars must be positive")
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(f"dp_rank {dp_rank} is outside dp_world_size {dp_world_size}")
-        if shuffle_buffer > 0:
-            dataset = dataset.shuffle(seed=seed, buffer_size=shuffle_buffer)
-        self._dataset = split_dataset_by_node(dataset, rank=dp_rank, world_size=dp_world_size)
         self._tokenizer = tokenizer
         self._eos = eos_id(tokenizer)
         self._seq_len = seq_len
@@ -203,52 +464,60 @@ class PackedBatches:
         self._text_field = text_field
         self._tokenize_batch = tokenize_batch
         self._min_chars = min_chars
-        self._source = source or "the data stream"
+        self._held_out = held_out or frozenset()
+        self._source = describe(source) if source is not None else "the data stream"
+        self._docs = _Documents(dataset, self._classify, seed=seed, shuffle_buffer=max(shuffle_buffer, 0),
+                                dp_rank=dp_rank, dp_world_size=dp_world_size)
 
         self._tokens = 0
-        self._skipped = dict.fromkeys(SKIP_REASONS, 0)
+        self._skipped = dict.fromkeys(self._reasons(), 0)
+        self._epoch_has_text = False
         # Tokens not yet emitted are self._buffer[self._pos:]; consumed ones are dropped in bulk at refill time
         # so that taking a batch never shifts the whole list.
         self._buffer: list[int] = []
         self._pos = 0
-        self._open_epoch(0, skip=0)
 
-    def _open_epoch(self, epoch: int, skip: int) -> None:
-        self._dataset.set_epoch(epoch)
-        # Skipped by reading rather than with IterableDataset.skip(): when documents (not files) are split across
-        # ranks, skip() applies before the split and would drop other ranks' documents, and it also freezes the
-        # file order that set_epoch() reshuffles, so the resumed order would differ from the uninterrupted one.
-        self._rows = itertools.islice(iter(self._dataset), skip, None)
-        self._epoch = epoch
-        self._docs = skip
-        # A resumed epoch may already have produced text before the checkpoint; assume so.
-        self._epoch_has_text = skip > 0
+    def _reasons(self) -> tuple[str, ...]:
+        return _REASONS if self._held_out else SKIP_REASONS
+
+    def _classify(self, row) -> str | int:
+        """A row as its text, or the index in SKIP_REASONS of why it is skipped."""
+        value = row.get(self._text_field)
+        text, reason = usable_text(value, self._min_chars)
+        if reason is None and self._held_out and text_digest(value) in self._held_out:
+            reason = HELD_OUT
+        return text if reason is None else _REASONS.index(reason)
+
+    def _next_doc(self):
+        try:
+            return self._docs.next()
+        except Exception as e:  # noqa: BLE001 - datasets/pyarrow errors mid-stream rarely name the file
+            raise DataError(f"{self._source}: reading failed after document {self._docs.read} of epoch "
+                            f"{self._docs.epoch} ({type(e).__name__}: {e})") from None
 
     def _refill(self, needed: int) -> bool:
         """Buffer at least `needed` unemitted tokens; False when a non-repeating stream runs out first."""
         del self._buffer[: self._pos]
         self._pos = 0
         while len(self._buffer) < needed:
-            try:
-                rows = list(itertools.islice(self._rows, self._tokenize_batch))
-            except Exception as e:  # noqa: BLE001 - datasets/pyarrow errors mid-stream rarely name the file
-                raise DataError(f"{self._source}: reading failed after document {self._docs} of epoch "
-                                f"{self._epoch} ({type(e).__name__}: {e})") from None
-            if not rows:
+            texts, taken = [], 0
+            while taken < self._tokenize_batch:
+                doc = self._next_doc()
+                if doc is None:
+                    break
+                taken += 1
+                if isinstance(doc, str):
+                    texts.append(doc)
+                else:
+                    self._skipped[_REASONS[doc]] += 1
+            if not taken:
                 if not self._repeat:
                     return False
                 if not self._epoch_has_text:
                     raise ValueError(f"data-parallel rank {self._dp_rank} read no non-empty documents in an epoch")
-                self._open_epoch(self._epoch + 1, skip=0)
+                self._docs.open(self._docs.epoch + 1)
+                self._epoch_has_text = False
                 continue
-            self._docs += len(rows)
-            texts = []
-            for row in rows:
-                text, reason = usable_text(row.get(self._text_field), self._min_chars)
-                if reason is None:
-                    texts.append(text)
-                else:
-                    self._skipped[reason] += 1
             if not texts:
                 continue
             self._epoch_has_text = True
@@ -283,24 +552,69 @@ class PackedBatches:
 
     @property
     def skipped(self) -> dict[str, int]:
-        """Documents skipped so far, by reason (``SKIP_REASONS``)."""
+        """Documents skipped so far, by reason (``SKIP_REASONS``, and ``HELD_OUT`` with `held_out` documents)."""
         return dict(self._skipped)
 
     def state_dict(self) -> dict:
+        """Plain data (JSON- and ``torch.load(weights_only=True)``-safe): the stream's position, the documents in the
+        shuffle buffer, the tokens not yet emitted and the counters."""
         return {
-            "epoch": self._epoch,
-            "docs": self._docs,
+            "version": 2,
+            "epoch": self._docs.epoch,
+            "docs": self._docs.emitted,
             "tokens": self._tokens,
             "skipped_docs": sum(self._skipped.values()),
             "skipped": dict(self._skipped),
+            "has_text": self._epoch_has_text,
             "buffer": self._buffer[self._pos :],
+            "stream": self._docs.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state_dict()` of an iterator built with the same dataset and arguments."""
-        self._open_epoch(state["epoch"], skip=state["docs"])
+        if state.get("version", 1) >= 2:
+            self._docs.load_state_dict(state["stream"])
+            self._epoch_has_text = state["has_text"]
+        else:  # before the stream's own state was saved: `docs` documents read past, in today's order
+            warnings.warn("data stream state of an older ds_async: re-reading to the saved document count; the "
+                          "document order may differ from the interrupted run's", stacklevel=2)
+            self._docs.open(state["epoch"])
+            for _ in range(state["docs"]):
+                if self._next_doc() is None:
+                    break
+            self._epoch_has_text = state["docs"] > 0
         self._tokens = state["tokens"]
-        self._skipped = dict.fromkeys(SKIP_REASONS, 0)
+        self._skipped = dict.fromkeys(self._reasons(), 0)
         self._skipped.update(state.get("skipped", {"empty": state["skipped_docs"]}))
         self._buffer = list(state["buffer"])
         self._pos = 0
+
+
+def open_batches(data: DataConfig, role: str, tokenizer, micro_batch_size: int, *, dp_rank: int = 0,
+                 dp_world_size: int = 1, seed: int = 0, tokenize_batch: int = 64) -> PackedBatches:
+    """One data-parallel rank's micro-batches of ``data.train`` (shuffled by ``data.shuffle_buffer``, repeating, the
+    ``validation.from_train`` documents skipped) or of ``data.validation`` (file order, one pass), for a DataConfig
+    ``data``. Errors name the config key: ConfigError for the config, DataError or FileNotFoundError for the data."""
+    source, held_out = resolve_source(data, role)
+    key = "ds_async.data.train" if held_out else f"ds_async.data.{role}"
+    stream = load_text_stream(source, source.split, data.text_field, key=key)
+    exclude = None
+    if held_out:
+        texts = [t for t in _first_texts(stream, held_out, data.text_field, key) if isinstance(t, str)]
+        if role == "validation":
+            stream = datasets.Dataset.from_dict({data.text_field: texts}).to_iterable_dataset()
+        else:
+            exclude = frozenset(text_digest(t) for t in texts)
+    train = role == "train"
+    return PackedBatches(stream, tokenizer, data.seq_len, micro_batch_size, dp_rank=dp_rank,
+                         dp_world_size=dp_world_size, seed=seed, shuffle_buffer=data.shuffle_buffer if train else 0,
+                         repeat=train, text_field=data.text_field, tokenize_batch=tokenize_batch,
+                         min_chars=data.min_chars, source=f"{key}: {describe(source)}", held_out=exclude)
+
+
+def _first_texts(stream: datasets.IterableDataset, n: int, text_field: str, key: str) -> list:
+    """The `text_field` values of the first `n` rows of `stream` in file order (the held-out documents)."""
+    try:
+        return [row.get(text_field) for row in itertools.islice(stream, n)]
+    except Exception as e:  # noqa: BLE001 - datasets/pyarrow errors rarely name the source
+        raise DataError(f"{key}: reading the held-out documents failed ({_one_line(e)})") from None

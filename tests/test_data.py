@@ -9,13 +9,17 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models
 
+from ds_async.config import ConfigError, DataConfig, DataSource, parse
 from ds_async.data import (
     EMBEDDED_CORPUS,
+    DataError,
     PackedBatches,
     eos_id,
     load_text_stream,
     load_tokenizer,
+    open_batches,
     resolve_files,
+    resolve_source,
 )
 from ds_async.tokenizer import main as train_tokenizer_main
 from ds_async.tokenizer import train_bpe
@@ -263,3 +267,204 @@ def test_load_tokenizer(corpus, tmp_path):
         load_tokenizer(str(no_eos))
     with pytest.raises(FileNotFoundError):
         load_tokenizer(str(tmp_path / "absent.json"))
+
+
+# ------------------------------------------------------------------ hub-style sources (issue 22): DataSource objects
+def write_configs_dataset(root: Path, texts: list[str]) -> Path:
+    """A script-free dataset folder as the hub holds them: README.md YAML declaring two configs with their own
+    data_files (``alpha`` with train and validation splits, ``beta`` train only)."""
+    (root / "alpha").mkdir(parents=True)
+    (root / "beta").mkdir()
+    write_docs(root / "alpha" / "train.parquet", texts[0:6])
+    write_docs(root / "alpha" / "validation.parquet", texts[6:8])
+    write_docs(root / "beta" / "train-0.parquet", texts[8:12], field="body")
+    (root / "README.md").write_text(
+        "---\nconfigs:\n- config_name: alpha\n  data_files:\n  - split: train\n    path: alpha/train.parquet\n"
+        "  - split: validation\n    path: alpha/validation.parquet\n  default: true\n"
+        "- config_name: beta\n  data_files: beta/*.parquet\n---\n# two configs\n")
+    return root
+
+
+def texts_of(batches: PackedBatches, tokenizer, n: int | None = None) -> list[str]:
+    """The documents a non-repeating stream packs, decoded back (the last one may be cut off)."""
+    tokens = flat_inputs(list(batches) if n is None else take(batches, n))
+    return [tokenizer.decode(list(doc)) for doc in documents(tokens, eos_id(tokenizer))]
+
+
+def test_data_source_objects_are_parsed_strictly():
+    cfg = parse({"model": {"config": {"vocab_size": 8}}, "data": {
+        "train": {"path": "allenai/c4", "name": "en", "revision": "main", "data_files": {"train": ["a/*.json.gz"]}},
+        "validation": {"split": "validation"}}})
+    assert cfg.data.train == DataSource(path="allenai/c4", name="en", revision="main",
+                                        data_files={"train": ["a/*.json.gz"]})
+    with pytest.raises(ConfigError, match=r"ds_async\.data\.train\.naem: unknown key \(did you mean "
+                                          r"'ds_async\.data\.train\.name'\?\)"):
+        parse({"data": {"train": {"path": "allenai/c4", "naem": "en"}}})
+    with pytest.raises(ConfigError, match=r"ds_async\.data\.validation\.from_train: expected int"):
+        parse({"data": {"validation": {"from_train": "10"}}})
+    with pytest.raises(ConfigError, match=r"ds_async\.data\.validation: expected str or DataSource"):
+        parse({"data": {"validation": 5}})
+
+    def error(train, validation=None) -> str:
+        with pytest.raises(ConfigError) as e:
+            resolve_source(DataConfig(train=train, validation=validation), "validation")
+        return str(e.value)
+
+    assert error(DataSource(name="en")).startswith("ds_async.data.train.path: required")
+    assert error("c4", DataSource(from_train=0)).startswith("ds_async.data.validation.from_train: must be >= 1")
+    assert error("c4", DataSource(from_train=5, split="test")).startswith("ds_async.data.validation.split: not with "
+                                                                          "from_train")
+    assert error(DataSource(path="c4", from_train=5)).startswith("ds_async.data.train.from_train: only in")
+    assert error(DataSource(path="x/*.parquet", name="en")).startswith("ds_async.data.train.name: does not apply")
+    assert error("x/*.parquet", DataSource(split="validation")).startswith("ds_async.data.validation.path: required")
+    assert error("c4", None).startswith("ds_async.data.validation: null")
+    # Another split of the training dataset: every other field comes from data.train.
+    train = DataSource(path="allenai/c4", name="en", revision="r1", data_dir="d", text_field="body")
+    assert resolve_source(DataConfig(train=train, validation=DataSource(split="validation")), "validation") == \
+        (DataSource(path="allenai/c4", name="en", revision="r1", data_dir="d", text_field="body",
+                    split="validation"), 0)
+    assert resolve_source(DataConfig(train="allenai/c4", validation=DataSource(from_train=7)), "train") == \
+        (DataSource(path="allenai/c4", split="train"), 7)
+
+
+def test_config_names_splits_and_data_files_of_a_local_dataset_folder(tmp_path, tokenizer, lee_texts):
+    texts = [t[:80] for t in lee_texts[:12]]
+    root = str(write_configs_dataset(tmp_path / "ds", texts))
+
+    def read(train, validation=None, role="train", **data):
+        cfg = DataConfig(train=train, validation=validation, shuffle_buffer=0, seq_len=8, **data)
+        batches = open_batches(cfg, role, tokenizer, 1)
+        if role == "train":  # the training stream repeats: one epoch's worth
+            batches._repeat = False
+        return texts_of(batches, tokenizer)
+
+    def close(got, expected):  # the stream drops its last partial batch: at most one document short, cut off
+        return got[: len(got) - 1] == expected[: len(got) - 1] and len(got) >= len(expected) - 1
+
+    assert close(read({"path": root}), texts[0:6])  # the default config
+    assert close(read(DataSource(path=root, name="alpha"), DataSource(split="validation"), role="validation"),
+                 texts[6:8])
+    assert close(read(DataSource(path=root, name="beta", text_field="body")), texts[8:12])
+    assert close(read(DataSource(path=root, data_files="beta/*.parquet", text_field="body")), texts[8:12])
+    assert close(read(DataSource(path="parquet", data_files={"train": [f"{root}/alpha/*.parquet"]})),
+                 texts[0:6] + texts[6:8])
+    with pytest.raises(DataError, match=r"^ds_async\.data\.train: .*name='gamma'.*BuilderConfig 'gamma' not found"):
+        read(DataSource(path=root, name="gamma"))
+    with pytest.raises(DataError, match=r"^ds_async\.data\.validation: .*Bad split: validation"):
+        read(DataSource(path=root, name="beta"), DataSource(split="validation"), role="validation")
+
+
+def test_every_load_dataset_argument_is_passed_through(monkeypatch):
+    import datasets
+
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: calls.append((args, kwargs)) or
+                        datasets.Dataset.from_dict({"text": ["x"]}).to_iterable_dataset())
+    source = DataSource(path="allenai/c4", name="en", revision="607bd4c", data_files={"train": "en/c4-train.0000*"},
+                        data_dir="en", split="train")
+    load_text_stream(source, "validation")
+    assert calls == [(("allenai/c4",), {"name": "en", "revision": "607bd4c", "data_dir": "en", "split": "train",
+                                        "data_files": {"train": "en/c4-train.0000*"}, "streaming": True})]
+
+
+def test_hf_paths_go_to_datasets_unchanged_and_fail_in_one_line():
+    import os
+    import subprocess
+    import sys
+
+    files = "hf://datasets/HuggingFaceFW/fineweb@v1.4.0/sample/10BT/*.parquet"
+    assert resolve_files(files, "train") == ("parquet", [files])
+    # Offline (as here, and made sure of by HF_HUB_OFFLINE): datasets' own error, in one line that names the key and
+    # the source. A subprocess, as huggingface_hub reads HF_HUB_OFFLINE when imported.
+    code = ("import sys; from ds_async.data import DataError, load_text_stream; from ds_async.config import DataSource\n"
+            "for source in sys.argv[1:]:\n"
+            "    try: load_text_stream(DataSource(path=source, name='sample-10BT') if source.endswith('fineweb') else "
+            "source, 'train', key='ds_async.data.train')\n"
+            "    except DataError as e: print(e)")
+    out = subprocess.run([sys.executable, "-c", code, files, "hf://datasets/HuggingFaceFW/fineweb"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"}).stdout
+    lines = out.splitlines()
+    assert len(lines) == 2, out
+    assert lines[0].startswith(f"ds_async.data.train: {files}: cannot open the data (")
+    assert lines[1].startswith("ds_async.data.train: hf://datasets/HuggingFaceFW/fineweb (name='sample-10BT'): "
+                               "cannot open the data (") and "HuggingFaceFW/fineweb" in lines[1][70:]
+
+
+@pytest.mark.parametrize("dp_world_size", [1, 2])
+def test_validation_held_out_of_a_train_only_dataset(tmp_path, tokenizer, lee_texts, dp_world_size):
+    texts = [t[:100] for t in lee_texts[:24]]
+    for i in range(2):
+        write_docs(tmp_path / f"part{i}.jsonl", texts[i * 12 : (i + 1) * 12])
+    cfg = DataConfig(train=str(tmp_path / "*.jsonl"), validation=DataSource(from_train=5), shuffle_buffer=6,
+                     seq_len=16)
+    held = set(texts[:5])  # the first documents in file order
+
+    validation = [texts_of(open_batches(cfg, "validation", tokenizer, 1, dp_rank=r, dp_world_size=dp_world_size),
+                           tokenizer) for r in range(dp_world_size)]
+    read = [t for docs in validation for t in docs]
+    assert set(read) <= held and len(read) >= 5 - dp_world_size and len(set(read)) == len(read)
+
+    skipped = 0
+    for r in range(dp_world_size):
+        train = open_batches(cfg, "train", tokenizer, 2, dp_rank=r, dp_world_size=dp_world_size, seed=1)
+        seen = texts_of(train, tokenizer, 60)  # several epochs, each in another order
+        assert train.state_dict()["epoch"] >= 2
+        assert not held & set(seen) and set(seen) <= set(texts[5:])
+        skipped += train.skipped["held_out"]
+    assert skipped >= 2 * 5  # in two epochs or more
+
+
+@pytest.mark.parametrize(("shuffle_buffer", "dp_rank", "dp_world_size"), [(0, 0, 1), (8, 0, 1), (8, 1, 2), (5, 2, 3)])
+def test_resume_continues_from_the_streams_own_position(tmp_path, tokenizer, lee_texts, shuffle_buffer, dp_rank,
+                                                        dp_world_size):
+    """Exact resume from the stream's own state: after loading it, the documents read before the save do not pass
+    through the dataset again, where the fallback for streams without a state re-reads them all."""
+    from ds_async.checkpoint.state import data_state_from_file, data_state_to_file
+
+    texts = [t[:90] for t in lee_texts[:48]]
+    for i in range(4):  # 4 files: ranks take whole files (1 or 2 ranks) or every third document (3 ranks)
+        write_docs(tmp_path / f"part{i}.txt", texts[i * 12 : (i + 1) * 12])
+    passed = [0]
+
+    def count(row):
+        passed[0] += 1
+        return row
+
+    ds = load_text_stream(str(tmp_path / "*.txt"), "train", text_field="body").map(count)
+
+    def fresh():
+        return PackedBatches(ds, tokenizer, seq_len=24, micro_batch_size=2, dp_rank=dp_rank,
+                             dp_world_size=dp_world_size, seed=4, shuffle_buffer=shuffle_buffer, tokenize_batch=3,
+                             text_field="body")
+
+    def resume_and_compare(state, k) -> int:
+        """Rows that pass through the dataset while the resumed stream yields 12 batches equal to the reference's."""
+        resumed = fresh()
+        passed[0] = 0
+        resumed.load_state_dict(state)
+        for (x, y), (ref_x, ref_y) in zip(take(resumed, 12), reference[k : k + 12]):
+            assert torch.equal(x, ref_x) and torch.equal(y, ref_y)
+        return passed[0]
+
+    reference = take(fresh(), 60)
+    mid_epoch = 0
+    for k in (4, 9, 25, 33):
+        interrupted = fresh()
+        take(interrupted, k)
+        state = interrupted.state_dict()
+        stream = state["stream"]
+        assert stream["source"] is not None or stream["read"] == 0
+        # Through a checkpoint file as ds_async.checkpoint writes it (torch.load weights_only), and through JSON.
+        path = tmp_path / "data.pt"
+        torch.save(data_state_to_file(state), path)
+        with_state = resume_and_compare(data_state_from_file(torch.load(path, weights_only=True)), k)
+        assert resume_and_compare(json.loads(json.dumps(state)), k) == with_state
+        # A stream without a state: the same batches, after re-reading up to the saved count.
+        interrupted._docs._source.state_dict = lambda: (_ for _ in ()).throw(NotImplementedError)
+        fallback = interrupted.state_dict()
+        assert fallback["stream"]["source"] is None
+        rereading = resume_and_compare(fallback, k)
+        if stream["read"] and not stream["exhausted"]:
+            mid_epoch += 1
+            assert rereading - with_state >= stream["read"] - 4  # at most one look-ahead row per file differs
+    assert mid_epoch >= 2
