@@ -11,7 +11,7 @@ its GPU (the pipeline relies on the host running ahead).
 - **Idle fraction** of a stage: ``1 - (time inside forward and backward passes) / (sum of step spans)`` over a
   window of steps, the benchmark's definition (``launch/bench/bench_pipeline.py``): p2p waits, the batch reduce,
   the optimizer step on the compute stream and pipeline bubbles all count as idle. The passes are timed by
-  wrapping this engine's instruction tables (:func:`time_passes`), per instance.
+  through the engine's ``pass_timer`` hook (:func:`time_passes`).
 - The first ``warmup`` steps of a process (compilation, allocator growth) are left out of both.
 - **Gradient norm** (:class:`GradNormTap`): the pipeline's global norm that the engine clips by, on every rank
   (the stages all-gather their squared norms ahead of the step).
@@ -22,6 +22,8 @@ one step later). No host waits for its GPU. Collectives: the per-stage figures a
 ranks, on ``logging.stages_every`` steps, at evaluations and at the end only (the trainer's ``_gather_stages``).
 """
 from __future__ import annotations
+
+import contextlib
 
 import resource
 import time
@@ -149,53 +151,34 @@ PASSES = ("ForwardPass", "BackwardPass")
 
 
 def time_passes(engine, clock: StageClock) -> None:
-    """Time every forward and backward pass of ``engine`` (DeepSpeed's instruction table and a flush-free engine's)
-    on ``clock``: this instance's tables are replaced by copies whose pass entries are wrapped; the class's are
-    untouched."""
-
-    def wrap(fn):
-        def timed(eng, *args, **kwargs):
-            start = clock.pass_begin()
-            try:
-                return fn(eng, *args, **kwargs)
-            finally:
-                clock.pass_end(start)
-        return timed
-
-    for attr in ("_INSTRUCTION_MAP", "_ASYNC_INSTRUCTIONS"):
-        table = getattr(type(engine), attr, None)
-        if table:
-            setattr(engine, attr, {kind: wrap(fn) if kind.__name__ in PASSES else fn for kind, fn in table.items()})
+    """Time every forward and backward pass of ``engine`` on ``clock`` (the engine's ``pass_timer`` hook)."""
+    engine.pass_timer = clock
 
 
 class GradNormTap:
     """The pipeline's gradient norm of each step, as the engine clips by it, on its way to the host.
 
-    ds_async's engine computes the pipeline's squared norm in ``_global_norm_sq`` (the stages' shares all-gathered
-    ahead of the step, on every rank), under every schedule and for every optimizer whose norm it computes; the tap
-    wraps that method of this instance and starts a non-blocking copy of the norm on the stream that computed it
+    ds_async's engine keeps the pipeline's squared norm it last computed (``last_grad_norm_sq``: the stages' shares
+    all-gathered ahead of the step, on every rank), under every schedule and for every optimizer whose norm it
+    computes; after each ``train_batch`` the tap starts a non-blocking copy of it on the stream that computes it
     (the side stream under 2BW). Where DeepSpeed's optimizer computes the norm itself (ZeRO, fp16) the engine's
     ``get_global_grad_norm()`` is taken instead. ``None`` with clipping off: no norm is computed then.
     """
 
     def __init__(self, engine):
         self.engine = engine
-        self._value: HostValue | None = None
-        inner = getattr(engine, "_global_norm_sq", None)
-        if inner is not None:
-            def tapped(sq):
-                total = inner(sq)
-                self._value = HostValue(total.sqrt())
-                return total
-            engine._global_norm_sq = tapped
+        self._seen = None  # the squared norm already taken
 
     def take(self):
         """This step's norm (a :class:`HostValue`, a float or ``None``); call once after each ``train_batch``."""
-        value, self._value = self._value, None
-        if value is not None:
-            return value
+        side = getattr(getattr(self.engine, "streams", None), "side", None)
+        sq = getattr(self.engine, "last_grad_norm_sq", None)
+        if sq is not None and sq is not self._seen:
+            self._seen = sq
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                norm = sq.sqrt()  # on the stream that computes sq
+            return HostValue(norm, stream=side)
         norm = self.engine.get_global_grad_norm()
         if torch.is_tensor(norm):
-            streams = getattr(self.engine, "streams", None)
-            return HostValue(norm, stream=getattr(streams, "side", None))
+            return HostValue(norm, stream=side)
         return None if norm is None else float(norm)

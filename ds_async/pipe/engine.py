@@ -35,6 +35,8 @@ class AsyncPipelineEngine(PipelineEngine):
         self.is_async = self.rule.flush_free
         self.stats_every = 0  # measure the staleness of the weights at every this many steps (0: never)
         self.step_events: list | None = None  # set to a list to collect CUDA (start, end) events around each step
+        self.pass_timer = None  # an object with pass_begin() -> token and pass_end(token), around every pass
+        self.last_grad_norm_sq: torch.Tensor | None = None  # the pipeline's, as last computed (telemetry reads it)
         self._segment = None  # (FlushFreeSchedule, its step iterator) while the pipeline is not drained
         self._drain_at: int | None = None  # last batch of the current segment, when known in advance
         self._next_forward = 0  # global index of the next micro-batch this stage will forward
@@ -143,7 +145,7 @@ class AsyncPipelineEngine(PipelineEngine):
         self.streams.wait_for_version(version)
         self.versions.activate(version)
         self._next_forward = micro_batch + 1
-        super()._exec_forward_pass(buffer_id)
+        self._exec_forward_pass(buffer_id)
         if self.is_last_stage():
             batch = micro_batch // self.micro_batches
             self._batch_losses[batch] = self._batch_losses.get(batch, 0.0) + self.loss.detach().float()
@@ -151,7 +153,7 @@ class AsyncPipelineEngine(PipelineEngine):
     def _exec_stashed_backward(self, buffer_id: int, micro_batch: int, version: int):
         if self.module.activation_checkpoint_interval:
             self.versions.point_at(version)  # the recomputed forward runs on the original forward's weights
-        super()._exec_backward_pass(buffer_id)
+        self._exec_backward_pass(buffer_id)
         self.versions.backward_done(version)
 
     # ----------------------------------------------------------------------------------- the batch boundary
@@ -191,7 +193,20 @@ class AsyncPipelineEngine(PipelineEngine):
         them (an all-reduce adds in its backend's order, e.g. gloo with 4 ranks: s0 + (s1 + (s2 + s3)))."""
         parts = [torch.empty_like(sq) for _ in range(self.num_stages)]
         dist.all_gather(parts, sq, group=self.grid.get_pipe_parallel_group())
-        return sum_in_stage_order(parts)
+        self.last_grad_norm_sq = sum_in_stage_order(parts)
+        return self.last_grad_norm_sq
+
+    def _exec_forward_pass(self, buffer_id: int):
+        token = self.pass_timer.pass_begin() if self.pass_timer is not None else None
+        super()._exec_forward_pass(buffer_id)
+        if self.pass_timer is not None:
+            self.pass_timer.pass_end(token)
+
+    def _exec_backward_pass(self, buffer_id: int):
+        token = self.pass_timer.pass_begin() if self.pass_timer is not None else None
+        super()._exec_backward_pass(buffer_id)
+        if self.pass_timer is not None:
+            self.pass_timer.pass_end(token)
 
     def _exec_batch_step(self, batch: int):
         self.versions.restore_master()  # DeepSpeed's step reads the module's parameters (fp32 clipping)
@@ -298,5 +313,9 @@ class AsyncPipelineEngine(PipelineEngine):
             self._grad_layer_buf = shared
 
 
-# Flush-free schedules add four instructions to DeepSpeed's; the rest (p2p, loads) run DeepSpeed's own methods.
-AsyncPipelineEngine._ASYNC_INSTRUCTIONS = {**PipelineEngine._INSTRUCTION_MAP, **AsyncPipelineEngine._ASYNC_INSTRUCTIONS}
+# DeepSpeed's instruction table holds PipelineEngine's own functions: rebuild it by name on this class, so that the
+# overridden passes are what DeepSpeed's TrainSchedule executes too; flush-free schedules add four instructions.
+AsyncPipelineEngine._INSTRUCTION_MAP = {kind: getattr(AsyncPipelineEngine, fn.__name__)
+                                        for kind, fn in PipelineEngine._INSTRUCTION_MAP.items()}
+AsyncPipelineEngine._ASYNC_INSTRUCTIONS = {**AsyncPipelineEngine._INSTRUCTION_MAP,
+                                           **AsyncPipelineEngine._ASYNC_INSTRUCTIONS}
