@@ -135,15 +135,37 @@ class LoggingConfig:
     run_name: str | None = None
     """Run folder name (default: schedule-optimizer-timestamp)."""
     every: int = 1
-    """Write train scalars every this many steps."""
+    """Write train scalars (loss, lr, tokens, gradient norm, step time, tokens/s, MFU) every this many steps, and
+    print them then when ``progress`` is off."""
     optimizer_every: int = 50
     """Write the optimizer figures (``optimizer/...``: update RMS, correction buffer norm, staleness) every this
     many steps, 0 for never. Gathering them involves every rank, a barrier across the stages of a flush-free
     pipeline, so keep it sparse."""
+    stages_every: int = 50
+    """Gather each stage's peak memory and idle fraction (``stage<s>/...``) to the reporting rank every this many
+    steps, and at each evaluation and the end (0: only then). An object all-gather over all ranks, a barrier across
+    the stages of a flush-free pipeline, so keep it sparse."""
+    window: int = 20
+    """Step time, tokens/s and MFU are averages over the last this many steps (per-step rates of a flush-free
+    pipeline jump with the host's lead over the GPU)."""
+    warmup_steps: int = 2
+    """The first this many steps of each process (compilation, allocator growth) count in no average: step time,
+    tokens/s, MFU and idle fractions are not logged until a later step."""
+    peak_tflops: float | None = None
+    """One device's peak TFLOP/s for MFU (model FLOPs/s over world size x this). null: the dense bf16 peak of
+    H100 (989; PCIe 756, NVL 835), H200 (989) and A100 (312) from the GPU's name; no MFU on CPU or other cards."""
     progress: bool = True
     """Show a tqdm progress bar on the reporting rank."""
     plot: bool = True
     """Write ``loss.png`` with the train/validation curves at the end."""
+
+    def __post_init__(self):
+        for key, value, least in (("window", self.window, 1), ("stages_every", self.stages_every, 0),
+                                  ("warmup_steps", self.warmup_steps, 0)):
+            if value < least:
+                raise ConfigError(f"ds_async.logging.{key}: must be >= {least}, got {value}")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ConfigError(f"ds_async.logging.peak_tflops: must be > 0, got {self.peak_tflops}")
 
 
 @dataclass

@@ -228,17 +228,18 @@ class Trainer:
     def _build_engine(self) -> None:
         from deepspeed import comm as dist
 
-        from . import data
+        from . import tokenizer
         from .builder import initialize
         from .models import build_pipeline, model_config
         from .nonfinite import LossMonitor, SkipNonFinite, check_skip_supported
 
         cfg = self.cfg
         if self.resume_from is not None and cfg.tokenizer.startswith("train:"):
-            self.tok = data.load_tokenizer(str(self.resume_from / "tokenizer.json"))  # the one the saved run trained
+            # The one the saved run trained, checked against the checkpoint's manifest.
+            self.tok = tokenizer.load_from_checkpoint(self.resume_from)
         else:
             self.tok = resolve_tokenizer(cfg, self.run_dir, dist)
-        self.hf_config = model_config(cfg)
+        self.hf_config = model_config(cfg, self.tok)
         check_vocab(self.tok, self.hf_config, cfg.tokenizer)
         module = build_pipeline(cfg, self.hf_config)
         self.engine = engine = initialize(module, self.ds_config, schedule=cfg.schedule, correction=cfg.correction,
