@@ -163,14 +163,17 @@ class Trainer:
         found = None
         if self.rank == 0:
             try:
+                try:
+                    self.run_dir.mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    raise ConfigError(f"ds_async.logging.dir: cannot create the run folder {self.run_dir} "
+                                      f"({type(e).__name__}: {e.strerror or e})") from None
                 found = self._claim_checkpoint_dir(resume)
             except (ConfigError, checkpoint.CheckpointError) as e:
                 found = e
         self.resume_from = _agree(found, self.group)
         if resume is not None and self.resume_from is None and self.rank == 0:
             print(f"ds_async: no complete checkpoint in {self.ckpt_root}; starting from step 0", flush=True)
-        if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
         dist.barrier()
 
     def _claim_checkpoint_dir(self, resume: str | None) -> Path | None:

@@ -598,6 +598,10 @@ def test_bad_checkpoint_folders_and_sources_stop_the_job_at_start(work):
     raw["ds_async"]["data"]["validation"] = str(work / "absent-validation.jsonl")
     val_missing.write_text(json.dumps(raw))
     file_dir = write_config(work, "ckdir-file", "1f1b", steps=2, checkpoint={"dir": str(work / "a-file")})
+    log_file = write_config(work, "logdir-file", "1f1b", steps=2)
+    raw = json.loads(log_file.read_text())
+    raw["ds_async"]["logging"]["dir"] = str(work / "a-file")
+    log_file.write_text(json.dumps(raw))
 
     # A first job holds the checkpoint folder of "held" (it hangs in step 2): a second one must be refused.
     held = write_config(work, "held", "1f1b", steps=4)
@@ -616,6 +620,7 @@ def test_bad_checkpoint_folders_and_sources_stop_the_job_at_start(work):
             {"name": "resume-run-folder", "config": str(work / "base6.json"), "resume": str(work / "runs" / "base")},
             {"name": "val-missing", "config": str(val_missing)},
             {"name": "ckdir-file", "config": str(file_dir)},
+            {"name": "logdir-file", "config": str(log_file)},
             {"name": "second-job", "config": str(held)},
         ])
         holder_pid = int((work / "holder" / "pid.rank0").read_text())
@@ -644,6 +649,9 @@ def test_bad_checkpoint_folders_and_sources_stop_the_job_at_start(work):
     for rank in results["ckdir-file"]:
         assert rank["error"].startswith(f"ConfigError: ds_async.checkpoint.dir: {work / 'a-file'} cannot hold "
                                         "checkpoints"), rank
+    for rank in results["logdir-file"]:
+        assert rank["error"].startswith(f"ConfigError: ds_async.logging.dir: cannot create the run folder "
+                                        f"{work / 'a-file' / 'logdir-file'}"), rank
     for rank in results["second-job"]:
         assert rank["error"].startswith(f"CheckpointError: {ckpt_root(work, 'held')}: in use by another job "
                                         f"(pid {holder_pid} on host "), rank
