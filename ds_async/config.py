@@ -54,7 +54,8 @@ class DataSource:
     """What ``load_dataset`` takes: a hub dataset (``allenai/c4``, ``hf://datasets/HuggingFaceFW/fineweb``), a local
     dataset folder, or a builder (``parquet``, ``json``, ``text``, ``csv``) with ``data_files``; or a file or glob
     ending in .parquet/.json/.jsonl/.txt/.cor, local or a URL (``hf://datasets/owner/name@rev/dir/*.parquet``), or
-    ``gensim:lee``. In ``data.validation`` without ``path``: the dataset of ``data.train``, another ``split``."""
+    an embedded corpus (``python:docs``, ``gensim:lee``). In ``data.validation`` without ``path``: the dataset of
+    ``data.train``, another ``split``."""
     name: str | None = None
     """The dataset's config name (``en`` for ``allenai/c4``, ``wikitext-103-raw-v1`` for ``wikitext``)."""
     revision: str | None = None
@@ -74,11 +75,12 @@ class DataSource:
 
 @dataclass
 class DataConfig:
-    train: str | DataSource = "gensim:lee"
-    """Training text: a local parquet/json(l)/txt file or glob, a hub dataset name, an ``hf://`` path, ``gensim:lee``
-    (the Lee news corpus that ships inside gensim's wheel; ``pip install ds_async[demo]``), or a ``DataSource``
-    object (``{"path": "allenai/c4", "name": "en"}``)."""
-    validation: str | DataSource | None = "gensim:lee"
+    train: str | DataSource = "python:docs"
+    """Training text: a local parquet/json(l)/txt file or glob, a hub dataset name, an ``hf://`` path, an embedded
+    corpus (``python:docs``: Python's own documentation, which every Python installation carries, see
+    ``ds_async.corpus``; ``gensim:lee``: the Lee news corpus inside gensim's wheel, ``pip install gensim``), or a
+    ``DataSource`` object (``{"path": "allenai/c4", "name": "en"}``)."""
+    validation: str | DataSource | None = "python:docs"
     """Held-out text for validation loss (same forms as ``train``; an object may name only another ``split`` of the
     training dataset, or hold documents out of it with ``from_train``); null disables evaluation."""
     text_field: str = "text"

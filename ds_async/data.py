@@ -22,7 +22,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from .config import ConfigError, DataConfig, DataSource, _from_dict
 
-EMBEDDED_CORPUS = "gensim:lee"
+EMBEDDED_CORPUS = "python:docs"  # ships with Python itself (ds_async.corpus): the default, nothing to install
+LEE_CORPUS = "gensim:lee"  # the Lee news corpus inside gensim's wheel (pip install gensim)
 EOS_TOKEN = "<|endoftext|>"
 
 # gensim's wheel ships the Lee news corpus (one article per line) as test data. It is ASCII but for one
@@ -47,12 +48,12 @@ def _is_url(path: str) -> bool:
 
 def _embedded_file(split: str) -> str:
     if split not in _LEE_FILES:
-        raise ValueError(f"{EMBEDDED_CORPUS} has splits {sorted(_LEE_FILES)}, not {split!r}")
+        raise ValueError(f"{LEE_CORPUS} has splits {sorted(_LEE_FILES)}, not {split!r}")
     # find_spec locates the package without importing it: importing gensim pulls in scipy and takes seconds.
     spec = importlib.util.find_spec("gensim")
     if spec is None:
         raise ModuleNotFoundError(
-            f"the embedded corpus {EMBEDDED_CORPUS!r} ships with gensim: `pip install ds_async[demo]`"
+            f"the corpus {LEE_CORPUS!r} ships with gensim: `pip install gensim` (or use {EMBEDDED_CORPUS!r})"
         )
     return os.path.join(spec.submodule_search_locations[0], "test", "test_data", _LEE_FILES[split])
 
@@ -60,16 +61,21 @@ def _embedded_file(split: str) -> str:
 def resolve_files(source: str | Sequence[str], split: str) -> tuple[str, str | list[str] | None]:
     """Map a data source to (datasets builder name, data_files).
 
-    `source` is the embedded corpus "gensim:lee", a path or glob (or a list of them) ending in .parquet, .json,
+    `source` is an embedded corpus ("python:docs", "gensim:lee"), a path or glob (or a list of them) ending in .parquet, .json,
     .jsonl, .txt or .cor, or else a dataset for ``datasets.load_dataset`` (hub name, ``hf://datasets/owner/name``,
     local folder, builder name), returned as (source, None). Local globs are expanded here; URLs such as
     ``hf://datasets/owner/name@revision/dir/*.parquet`` go to ``datasets`` unchanged, which resolves them.
     """
     if isinstance(source, str):
         if source == EMBEDDED_CORPUS:
+            from .corpus import SPLITS, corpus_files
+            if split not in SPLITS:
+                raise ValueError(f"{EMBEDDED_CORPUS} has splits {list(SPLITS)}, not {split!r}")
+            return "json", str(corpus_files()[split])
+        if source == LEE_CORPUS:
             return "text", _embedded_file(split)
-        if source.startswith("gensim:"):
-            raise ValueError(f"unknown embedded corpus {source!r}; the only one is {EMBEDDED_CORPUS!r}")
+        if source.startswith(("gensim:", "python:")):
+            raise ValueError(f"unknown embedded corpus {source!r}; there are {EMBEDDED_CORPUS!r} and {LEE_CORPUS!r}")
         if _builder_for(source) is None:
             return source, None
         patterns = [source]
@@ -128,7 +134,7 @@ def _one_line(e: BaseException, limit: int = 400) -> str:
 
 def _is_files(path: str) -> bool:
     """A path that names its files itself (so no config name, data_files, data_dir or revision apply)."""
-    return path.startswith("gensim:") or _builder_for(path) is not None
+    return path.startswith(("gensim:", "python:")) or _builder_for(path) is not None
 
 
 def resolve_source(data: DataConfig, role: str) -> tuple[DataSource, int]:
@@ -141,7 +147,7 @@ def resolve_source(data: DataConfig, role: str) -> tuple[DataSource, int]:
     if train.from_train is not None:
         raise ConfigError("ds_async.data.train.from_train: only in ds_async.data.validation")
     if train.path is None:
-        raise ConfigError("ds_async.data.train.path: required (a dataset, files or gensim:lee)")
+        raise ConfigError("ds_async.data.train.path: required (a dataset, files or python:docs)")
     train = _filled(train, "train", "ds_async.data.train")
     val = None if data.validation is None else _as_source(data.validation, "ds_async.data.validation")
     held_out = 0
@@ -161,7 +167,7 @@ def resolve_source(data: DataConfig, role: str) -> tuple[DataSource, int]:
             raise ConfigError("ds_async.data.validation: null (no validation data)")
         return train, 0
     if val.path is None:  # another split of the training dataset
-        if _is_files(train.path) and not train.path.startswith("gensim:"):
+        if _is_files(train.path) and not train.path.startswith(("gensim:", "python:")):
             raise ConfigError("ds_async.data.validation.path: required, since ds_async.data.train "
                               f"({train.path}) names files, which have no splits; name the validation files, or "
                               "hold documents out with from_train")
@@ -232,7 +238,7 @@ def load_text_stream(source: str | Sequence[str] | DataSource, split: str, text_
         kwargs = {"data_files": {split: files}}
     # Bytes of a text line that are not UTF-8 become U+FFFD instead of stopping the stream; PackedBatches skips
     # and counts such lines.
-    if source == EMBEDDED_CORPUS:
+    if source == LEE_CORPUS:
         kwargs["encoding"] = _LEE_ENCODING
     elif builder == "text":
         kwargs["encoding_errors"] = "replace"

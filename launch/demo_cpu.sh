@@ -1,15 +1,36 @@
 #!/usr/bin/env bash
-# The embedded default: a small LLaMA trained over 2 pipeline stages on this machine's CPU, on the Lee news
-# corpus that ships inside gensim's wheel (no hub access needed). Extra arguments go to launch/train.py,
-# e.g. --max-steps 3. Logs land in runs/<run name>/ (tensorboard events, loss.png, manifest.json).
+# The demo: one small LLaMA (2 pipeline stages on this machine's CPU) trained twice on the same data and tokens,
+# once under synchronous 1F1B with Muon and once under PipeDream-2BW with Muon + error feedback (the paper's recipe),
+# then a side-by-side summary (final losses, tokens/s, the pipeline bubble each schedule leaves) and one plot.
+# The text is Python's own documentation (the embedded corpus "python:docs": nothing to download).
+# Usage: bash launch/demo_cpu.sh [--max-steps N] [--run-name NAME]   (runs land in runs/NAME-1f1b, runs/NAME-2bw)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-if ! "$PYTHON" -c "import ds_async, gensim" 2>/dev/null; then
-  # Install a CPU build of torch first if you have no GPU (TORCH_SPEC, e.g. torch==2.13.0+cpu): an unpinned
-  # torch from PyPI is the multi-GB CUDA build.
-  "$PYTHON" -c "import torch" 2>/dev/null || "$PYTHON" -m pip install "${TORCH_SPEC:-torch>=2.11}"
-  "$PYTHON" -m pip install -e ".[demo]"
+if ! "$PYTHON" -c "import ds_async" 2>/dev/null; then
+  if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+    # Without a GPU take PyTorch's CPU build: the default wheel from PyPI is the multi-GB CUDA build.
+    if command -v nvidia-smi >/dev/null 2>&1; then
+      "$PYTHON" -m pip install "torch>=2.11,<2.14"
+    else
+      "$PYTHON" -m pip install "torch>=2.11,<2.14" --index-url https://download.pytorch.org/whl/cpu
+    fi
+  fi
+  "$PYTHON" -m pip install -e .
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec deepspeed --num_gpus 2 launch/train.py --config ds_configs/demo_cpu.json "$@"
+name=demo
+args=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --run-name) name=$2; shift 2 ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+for schedule in 1f1b 2bw; do
+  config=ds_configs/demo_cpu.json
+  [ $schedule = 2bw ] && config=ds_configs/demo_cpu_2bw.json
+  echo "== $schedule: $config"
+  deepspeed --num_gpus 2 launch/train.py --config $config --run-name "$name-$schedule" ${args[@]+"${args[@]}"}
+done
+"$PYTHON" launch/demo_compare.py "runs/$name-1f1b" "runs/$name-2bw" --out "runs/$name-compare.png"

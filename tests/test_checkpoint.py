@@ -61,11 +61,11 @@ _port = [29400 + os.getpid() % 500 * 2]
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     """A folder with a small BPE tokenizer trained on the Lee corpus."""
-    from ds_async.data import EMBEDDED_CORPUS, load_text_stream
+    from ds_async.data import LEE_CORPUS, load_text_stream
     from ds_async.tokenizer import train_bpe
 
     path = tmp_path_factory.mktemp("ckpt")
-    texts = [row["text"] for row in load_text_stream(EMBEDDED_CORPUS, "train")]
+    texts = [row["text"] for row in load_text_stream(LEE_CORPUS, "train")]
     train_bpe(iter(texts), TINY["vocab_size"], str(path / "tokenizer.json"))
     return path
 
@@ -260,9 +260,9 @@ def test_export_refuses_a_corrupt_checkpoint(work, references, tmp_path):
 # ----------------------------------------------------------------------------------------- NaN / inf loss
 def test_nonfinite_loss_stop_and_skip(work):
     # Training text with documents to skip: empty, too short (min_chars 3) and not UTF-8.
-    from ds_async.data import EMBEDDED_CORPUS, load_text_stream
+    from ds_async.data import LEE_CORPUS, load_text_stream
 
-    texts = [row["text"] for row in load_text_stream(EMBEDDED_CORPUS, "train")]
+    texts = [row["text"] for row in load_text_stream(LEE_CORPUS, "train")]
     lines = b"".join(t.encode() + b"\n" + (b"\n" if i % 10 == 0 else b"") + (b"ok\n" if i % 10 == 1 else b"")
                      + (b"caf\xe9 au lait\n" if i % 10 == 2 else b"") for i, t in enumerate(texts))
     (work / "mixed.txt").write_bytes(lines)

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, models
 
 from ds_async.config import ConfigError, DataConfig, DataSource, parse
 from ds_async.data import (
-    EMBEDDED_CORPUS,
+    LEE_CORPUS,
     DataError,
     PackedBatches,
     eos_id,
@@ -41,7 +41,7 @@ def tokenizer(corpus):
 
 @pytest.fixture(scope="module")
 def lee_texts() -> list[str]:
-    return [row["text"] for row in load_text_stream(EMBEDDED_CORPUS, "train")]
+    return [row["text"] for row in load_text_stream(LEE_CORPUS, "train")]
 
 
 def token_stream(tokenizer, texts) -> list[int]:
@@ -81,13 +81,13 @@ def write_docs(path: Path, texts: list[str], field: str = "text") -> None:
 
 
 def test_embedded_corpus_splits():
-    builder, train = resolve_files(EMBEDDED_CORPUS, "train")
+    builder, train = resolve_files(LEE_CORPUS, "train")
     assert builder == "text" and train.endswith("lee_background.cor")
-    assert resolve_files(EMBEDDED_CORPUS, "validation")[1].endswith("lee.cor")
-    texts = [row["text"] for row in load_text_stream(EMBEDDED_CORPUS, "validation")]
+    assert resolve_files(LEE_CORPUS, "validation")[1].endswith("lee.cor")
+    texts = [row["text"] for row in load_text_stream(LEE_CORPUS, "validation")]
     assert len(texts) == 50 and all(len(t) > 100 for t in texts)
     with pytest.raises(ValueError, match="splits"):
-        resolve_files(EMBEDDED_CORPUS, "test")
+        resolve_files(LEE_CORPUS, "test")
 
 
 def test_resolve_local_files_and_hub_names(tmp_path):
@@ -121,7 +121,7 @@ def test_every_builder_streams_the_documents(tmp_path, lee_texts, suffix):
 @pytest.mark.parametrize("shuffle_buffer", [0, 16])
 def test_packing_emits_every_token_once_in_order(corpus, tokenizer, shuffle_buffer):
     if shuffle_buffer:
-        ds = load_text_stream(EMBEDDED_CORPUS, "train")
+        ds = load_text_stream(LEE_CORPUS, "train")
     else:
         ds = load_text_stream(str(corpus / "enwiki-validation.parquet"), "validation")
     batches = take(PackedBatches(ds, tokenizer, seq_len=96, micro_batch_size=3, seed=5,
@@ -140,7 +140,7 @@ def test_packing_emits_every_token_once_in_order(corpus, tokenizer, shuffle_buff
 
 
 def test_end_of_stream_drops_only_the_last_partial_batch(tokenizer):
-    ds = load_text_stream(EMBEDDED_CORPUS, "validation")
+    ds = load_text_stream(LEE_CORPUS, "validation")
     batches = list(PackedBatches(ds, tokenizer, seq_len=64, micro_batch_size=2, shuffle_buffer=0, repeat=False))
     expected = token_stream(tokenizer, [row["text"] for row in ds])
     assert len(batches) == (len(expected) - 1) // 128
@@ -171,7 +171,7 @@ def test_data_parallel_ranks_read_disjoint_documents(tmp_path, tokenizer, lee_te
 
 
 def test_same_seed_same_batches_other_seed_other_batches(tokenizer):
-    ds = load_text_stream(EMBEDDED_CORPUS, "train")
+    ds = load_text_stream(LEE_CORPUS, "train")
 
     def first_batches(seed):
         return flat_inputs(take(PackedBatches(ds, tokenizer, seq_len=128, micro_batch_size=2, seed=seed,
@@ -254,7 +254,7 @@ def test_train_bpe_and_load_it_back(tmp_path, lee_texts):
 
 def test_tokenizer_command(tmp_path):
     out = tmp_path / "tok" / "tokenizer.json"
-    train_tokenizer_main(["--data", EMBEDDED_CORPUS, "--split", "validation", "--vocab-size", "300",
+    train_tokenizer_main(["--data", LEE_CORPUS, "--split", "validation", "--vocab-size", "300",
                           "--max-docs", "40", "--out", str(out)])
     assert Tokenizer.from_file(str(out)).get_vocab_size() == 300
 

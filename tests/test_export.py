@@ -43,11 +43,11 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
     """A tokenizer trained on the Lee corpus and a 2-stage 2BW run of the trainer that saves its final step."""
-    from ds_async.data import EMBEDDED_CORPUS, load_text_stream
+    from ds_async.data import LEE_CORPUS, load_text_stream
     from ds_async.tokenizer import train_bpe
 
     work = tmp_path_factory.mktemp("export")
-    train_bpe((row["text"] for row in load_text_stream(EMBEDDED_CORPUS, "train")), TINY["vocab_size"],
+    train_bpe((row["text"] for row in load_text_stream(LEE_CORPUS, "train")), TINY["vocab_size"],
               str(work / "tokenizer.json"))
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 9,
               "gradient_clipping": 1.0,

@@ -57,11 +57,11 @@ def write_config(work: Path, schedule: str) -> Path:
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     """Both schedules trained in one torchrun job; the folder holds their configs, run folders and csv files."""
-    from ds_async.data import EMBEDDED_CORPUS, load_text_stream
+    from ds_async.data import LEE_CORPUS, load_text_stream
     from ds_async.tokenizer import train_bpe
 
     path = tmp_path_factory.mktemp("metrics")
-    texts = [row["text"] for row in load_text_stream(EMBEDDED_CORPUS, "train")]
+    texts = [row["text"] for row in load_text_stream(LEE_CORPUS, "train")]
     train_bpe(iter(texts), TINY["vocab_size"], str(path / "tokenizer.json"))
     runs = [{"name": s, "config": str(write_config(path, s))} for s in SCHEDULES]
     (path / "runs.json").write_text(json.dumps(runs))
