@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import glob
 import hashlib
 import importlib.util
@@ -413,6 +414,15 @@ class _Documents:
             self._rng.bit_generator.state = state["rng"]
 
 
+def _classify(row, text_field: str, min_chars: int, held_out: frozenset[bytes]) -> str | int:
+    """A row as its text, or the index in ``_REASONS`` of why it is skipped."""
+    value = row.get(text_field)
+    text, reason = usable_text(value, min_chars)
+    if reason is None and held_out and text_digest(value) in held_out:
+        reason = HELD_OUT
+    return text if reason is None else _REASONS.index(reason)
+
+
 def _plain(state):
     """A datasets state as JSON- and ``torch.load(weights_only=True)``-safe data (numpy scalars as Python's)."""
     if isinstance(state, dict):
@@ -467,12 +477,14 @@ class PackedBatches:
         self._micro_batch_size = micro_batch_size
         self._dp_rank = dp_rank
         self._repeat = repeat
-        self._text_field = text_field
         self._tokenize_batch = tokenize_batch
-        self._min_chars = min_chars
         self._held_out = held_out or frozenset()
         self._source = describe(source) if source is not None else "the data stream"
-        self._docs = _Documents(dataset, self._classify, seed=seed, shuffle_buffer=max(shuffle_buffer, 0),
+        # A function of its own, not a bound method: no reference cycle, so a dropped PackedBatches closes its
+        # stream at once, on its own thread (a cycle left it to the garbage collector, on whatever thread runs it,
+        # where closing datasets' reader threads can deadlock a thread that is starting).
+        classify = functools.partial(_classify, text_field=text_field, min_chars=min_chars, held_out=self._held_out)
+        self._docs = _Documents(dataset, classify, seed=seed, shuffle_buffer=max(shuffle_buffer, 0),
                                 dp_rank=dp_rank, dp_world_size=dp_world_size)
 
         self._tokens = 0
@@ -485,14 +497,6 @@ class PackedBatches:
 
     def _reasons(self) -> tuple[str, ...]:
         return _REASONS if self._held_out else SKIP_REASONS
-
-    def _classify(self, row) -> str | int:
-        """A row as its text, or the index in SKIP_REASONS of why it is skipped."""
-        value = row.get(self._text_field)
-        text, reason = usable_text(value, self._min_chars)
-        if reason is None and self._held_out and text_digest(value) in self._held_out:
-            reason = HELD_OUT
-        return text if reason is None else _REASONS.index(reason)
 
     def _next_doc(self):
         try:
