@@ -378,11 +378,8 @@ def run(config_path: str, max_steps: int | None = None, run_name: str | None = N
 
     def stream(split: str, source: str, rank: int, train: bool):
         tokens = total_steps * mbs * gas * seq_len if train else cfg.eval.batches * mbs * seq_len
-        return data.PackedBatches(data.load_text_stream(source, split, cfg.data.text_field), tok, seq_len, mbs,
-                                  dp_rank=rank, dp_world_size=dp, seed=cfg.seed,
-                                  shuffle_buffer=cfg.data.shuffle_buffer if train else 0, repeat=train,
-                                  text_field=cfg.data.text_field, min_chars=cfg.data.min_chars, source=source,
-                                  tokenize_batch=tokenize_batch(tokens))
+        return data.open_batches(cfg.data, split, tok, mbs, dp_rank=rank, dp_world_size=dp, seed=cfg.seed,
+                                 tokenize_batch=tokenize_batch(tokens))
 
     train_streams = [stream("train", cfg.data.train, r, True) for r in range(dp)]
     held_out: list[list] = []  # the validation micro-batches of each replica: the same every evaluation

@@ -215,7 +215,7 @@ class Trainer:
             key = "ds_async.data.validation"
             saved = rng_state()
             try:
-                next(iter(self._stream("validation", source, False)))
+                next(iter(self._stream("validation")))
             except StopIteration:
                 error = DataError(f"{key}: {source}: not enough text for one micro-batch")
             except (ConfigError, DataError, FileNotFoundError) as e:
@@ -261,19 +261,17 @@ class Trainer:
         self.cadence = Cadence(self.total_steps, eval_every=cfg.eval.every, save_every=cfg.checkpoint.every,
                                evaluate=bool(cfg.data.validation), final_save=cfg.checkpoint.final)
 
-    def _stream(self, split: str, source: str, train: bool):
+    def _stream(self, role: str):
+        """This rank's micro-batches of ``data.train`` (shuffled, repeating) or ``data.validation`` (one pass)."""
         from . import data
 
         cfg, engine = self.cfg, self.engine
-        return data.PackedBatches(data.load_text_stream(source, split, cfg.data.text_field), self.tok,
-                                  cfg.data.seq_len, self.mbs, dp_rank=engine.grid.data_parallel_id,
-                                  dp_world_size=engine.grid.data_parallel_size, seed=cfg.seed,
-                                  shuffle_buffer=cfg.data.shuffle_buffer if train else 0, repeat=train,
-                                  text_field=cfg.data.text_field, min_chars=cfg.data.min_chars, source=source)
+        return data.open_batches(cfg.data, role, self.tok, self.mbs, dp_rank=engine.grid.data_parallel_id,
+                                 dp_world_size=engine.grid.data_parallel_size, seed=cfg.seed)
 
     def _build_data(self) -> None:
         self.needs_data = self.engine.is_first_stage() or self.engine.is_last_stage()
-        self.train_iter = self._stream("train", self.cfg.data.train, True) if self.needs_data else None
+        self.train_iter = self._stream("train") if self.needs_data else None
         self.fingerprint = tokenizer_fingerprint(self.tok)
 
     def _restore(self) -> int:
@@ -478,7 +476,7 @@ class Trainer:
 
     def validate(self) -> float:
         """Mean validation loss over ``eval.batches`` micro-batches per replica (the pipeline must be drained)."""
-        it = self._stream("validation", self.cfg.data.validation, False) if self.needs_data else None
+        it = self._stream("validation") if self.needs_data else None
         return self.engine.eval_batch(it, num_micro_batches=self.cfg.eval.batches).item()
 
     def save(self, step: int) -> None:
