@@ -392,12 +392,12 @@ def test_resume_needs_the_same_layout_and_tokenizer(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- bad input
-def _train_cli(config: Path, capsys) -> str:
-    """``launch/train.py --config CONFIG`` in this process: must exit 1 with one error line."""
+def _train_cli(config: Path, capsys, *args: str) -> str:
+    """``launch/train.py --config CONFIG [ARGS]`` in this process: must exit 1 with one error line."""
     import runpy
 
     argv = sys.argv
-    sys.argv = ["train.py", "--config", str(config)]
+    sys.argv = ["train.py", "--config", str(config), *args]
     try:
         with pytest.raises(SystemExit) as exit_info:
             runpy.run_path(str(ROOT / "launch" / "train.py"), run_name="__main__")
@@ -750,16 +750,6 @@ def test_nonsense_run_lengths_and_cadences_are_refused(section, message):
 
 
 def test_max_steps_below_one_is_refused(tmp_path, capsys):
-    import runpy
-
     config = tmp_path / "c.json"
     config.write_text(json.dumps({"ds_async": {"model": {"config": TINY}, "train": {"steps": 3}}}))
-    argv = sys.argv
-    sys.argv = ["train.py", "--config", str(config), "--max-steps", "0"]
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            runpy.run_path(str(ROOT / "launch" / "train.py"), run_name="__main__")
-    finally:
-        sys.argv = argv
-    assert exit_info.value.code == 1
-    assert capsys.readouterr().err.strip().splitlines()[-1] == "ds_async: error: --max-steps: must be >= 1, got 0"
+    assert _train_cli(config, capsys, "--max-steps", "0") == "ds_async: error: --max-steps: must be >= 1, got 0"
