@@ -7,6 +7,7 @@ stop the run at start with one message that names the key.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import types
 import typing
@@ -310,7 +311,6 @@ def _from_dict(cls, raw: dict, prefix: str):
     fields = {f.metadata.get("key", f.name): f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
-        import difflib
         hint = difflib.get_close_matches(unknown[0], fields, n=1)
         suggestion = f" (did you mean '{prefix}.{hint[0]}'?)" if hint else ""
         raise ConfigError(f"{prefix}.{unknown[0]}: unknown key{suggestion}; known keys: {sorted(fields)}")
@@ -363,6 +363,11 @@ def check_batch(ds_config: dict, cfg: DsAsyncConfig, world_size: int) -> tuple[i
     Returns the three sizes; the data-parallel degree is ``world_size / pipeline_stages``.
     """
     p = cfg.pipeline_stages
+    batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    for key in ds_config:
+        near = difflib.get_close_matches(key, batch_keys, n=1, cutoff=0.85)
+        if near and key != near[0]:
+            raise ConfigError(f"{key}: not a DeepSpeed key (did you mean '{near[0]}'?)")
     if world_size % p:
         raise ConfigError(f"ds_async.pipeline_stages: {p} does not divide the world size {world_size}")
     dp = world_size // p

@@ -324,7 +324,7 @@ def run(config_path: str, max_steps: int | None = None, run_name: str | None = N
     from .config import ConfigError
     from .nonfinite import NonFiniteLoss, SkipNonFinite
     from .optim import build_optimizer
-    from .trainer import check_vocab, resolve_tokenizer, seed_everything, steps_for
+    from .trainer import check_seq_len, check_vocab, resolve_tokenizer, seed_everything, steps_for
 
     ds_config, cfg = cfgmod.load(config_path)
     if run_name is not None:
@@ -348,6 +348,7 @@ def run(config_path: str, max_steps: int | None = None, run_name: str | None = N
     tok = resolve_tokenizer(cfg, run_dir, _OneProcess)
     layers, loss_fn, hf_config = build_layers(cfg.model, seed=cfg.seed, loss_chunk=cfg.performance.loss_chunk)
     check_vocab(tok, hf_config, cfg.tokenizer)
+    check_seq_len(cfg, hf_config)
     bounds = stage_bounds(cfg.partition.method, layers, cfg.pipeline_stages, cfg.partition.boundaries)
     layers.to(dev)
     try:

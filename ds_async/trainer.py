@@ -50,6 +50,14 @@ def resolve_tokenizer(cfg: DsAsyncConfig, run_dir: Path, dist):
     return data.load_tokenizer(spec)
 
 
+def check_seq_len(cfg: DsAsyncConfig, hf_config) -> None:
+    """Packed rows must fit the model's positions."""
+    positions = getattr(hf_config, "max_position_embeddings", None)
+    if positions is not None and cfg.data.seq_len > positions:
+        raise ConfigError(f"ds_async.data.seq_len: {cfg.data.seq_len} is longer than the model's "
+                          f"max_position_embeddings ({positions})")
+
+
 def check_vocab(tok, hf_config, spec: str) -> None:
     """The tokenizer's ids must all be rows of the model's embedding."""
     if len(tok) > hf_config.vocab_size:
@@ -244,6 +252,7 @@ class Trainer:
             self.tok = resolve_tokenizer(cfg, self.run_dir, dist)
         self.hf_config = model_config(cfg, self.tok)
         check_vocab(self.tok, self.hf_config, cfg.tokenizer)
+        check_seq_len(cfg, self.hf_config)
         module = build_pipeline(cfg, self.hf_config)
         self.engine = engine = initialize(module, self.ds_config, schedule=cfg.schedule, correction=cfg.correction,
                                           fused_optimizer_step=cfg.performance.fused_optimizer_step)

@@ -113,3 +113,34 @@ def test_scheduler_length_comes_from_the_run_length():
         config.with_schedule_length({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 12}}}, 40)
     warmup_only = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}}
     assert config.with_schedule_length(warmup_only, 40) == warmup_only
+
+
+def test_model_config_keys_stage_count_and_batch_key_typos_are_named():
+    """Hugging Face configs keep unknown kwargs silently; more stages than layers and a misspelled DeepSpeed batch
+    key used to fail later with unrelated messages."""
+    from ds_async.models import model_config
+
+    cfg = config.parse({"model": {"config": {"hidden_sise": 64}}, "train": {"steps": 1}})
+    with pytest.raises(ConfigError, match=r"ds_async.model.config.hidden_sise: not a llama config key \(did you "
+                                          r"mean 'ds_async.model.config.hidden_size'\?\)"):
+        model_config(cfg)
+    ok = {"hidden_size": 64, "num_hidden_layers": 2, "rope_theta": 10000.0, "num_key_value_heads": 2}
+    model_config(config.parse({"model": {"config": ok}, "train": {"steps": 1}}))  # rope_theta: taken, not kept
+    deep = config.parse({"model": {"config": ok}, "train": {"steps": 1}, "pipeline_stages": 5})
+    with pytest.raises(ConfigError, match=r"ds_async.pipeline_stages: 5 stages for 4 layers"):
+        model_config(deep)
+    cfg = config.parse({"model": {"config": ok}, "train": {"steps": 1}})
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_step: not a DeepSpeed key \(did you mean "
+                                          r"'gradient_accumulation_steps'\?\)"):
+        config.check_batch({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_step": 4}, cfg, 2)
+
+
+def test_seq_len_longer_than_the_model_is_named():
+    from ds_async.models import model_config
+    from ds_async.trainer import check_seq_len
+
+    cfg = config.parse({"model": {"config": {"max_position_embeddings": 64}}, "train": {"steps": 1},
+                        "data": {"seq_len": 128}})
+    with pytest.raises(ConfigError, match=r"ds_async.data.seq_len: 128 is longer than the model's "
+                                          r"max_position_embeddings \(64\)"):
+        check_seq_len(cfg, model_config(cfg))

@@ -67,12 +67,38 @@ def model_config(cfg: DsAsyncConfig, tokenizer=None):
     if cfg.model.path is not None:
         hf = AutoConfig.from_pretrained(cfg.model.path)
     else:
+        _check_config_keys(cfg.model.family, cfg.model.config)
         hf = AutoConfig.for_model(cfg.model.family, **{"tie_word_embeddings": False, **cfg.model.config})
     if hf.model_type != cfg.model.family:
         raise ConfigError(f"ds_async.model.family: '{cfg.model.family}' but the config is a '{hf.model_type}'")
+    layers = hf.num_hidden_layers + 2  # embedding, decoder layers, head
+    if cfg.pipeline_stages > layers:
+        raise ConfigError(f"ds_async.pipeline_stages: {cfg.pipeline_stages} stages for {layers} layers (embedding + "
+                          f"{layers - 2} decoder layers + head); a stage needs at least one layer")
     if tokenizer is not None:
         hf_io.match_tokenizer(hf, tokenizer)
     return hf
+
+
+def _check_config_keys(family: str, kwargs: dict) -> None:
+    """Hugging Face configs keep unknown kwargs as attributes without a word (``hidden_sise`` would train a model of
+    the default width): refuse keys the family's config class does not define, naming the closest one."""
+    import difflib
+
+    from transformers import AutoConfig
+
+    base = AutoConfig.for_model(family).to_dict()
+    for key, value in kwargs.items():
+        if key in base:
+            continue
+        # A key the class takes but does not keep under its name (``rope_theta`` becomes ``rope_parameters``)
+        # changes another entry; an unknown one is only stored verbatim.
+        alone = AutoConfig.for_model(family, **{key: value}).to_dict()
+        if key not in alone or any(alone.get(k) != v for k, v in base.items()):
+            continue
+        hint = difflib.get_close_matches(key, sorted(base), n=1)
+        suggestion = f" (did you mean 'ds_async.model.config.{hint[0]}'?)" if hint else ""
+        raise ConfigError(f"ds_async.model.config.{key}: not a {family} config key{suggestion}")
 
 
 def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineModule:
