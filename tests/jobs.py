@@ -103,7 +103,8 @@ def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: i
 
         from ds_async.pipe.steps import StepPlan
         engine.optimizer.__class__ = BF16_Optimizer
-        engine.step_plan = StepPlan(engine.module, own_norm=True)  # DeepSpeed's step, computing its own norm
+        # DeepSpeed's step, computing its own norm, on the gradients handed to its buffers by addition.
+        engine.step_plan = StepPlan(engine.module, own_norm=True, bf16_optimizer=engine.optimizer)
     if clip_at_hand_over is not None:
         engine.step_plan.clip_at_hand_over = clip_at_hand_over
     if drop_grad_at is not None:

@@ -62,7 +62,8 @@ class AsyncPipelineEngine(PipelineEngine):
             order = [steps.slot_indices(self.versions.entries, g) for g in opt.bf16_groups] if fused else None
             return steps.DeepSpeedBF16Step(opt, clip, can_wait, fused, order)
         return steps.StepPlan(self.module, fused=fused,
-                              own_norm=self.using_bf16_optimizer or self.zero_optimization() or self.fp16_enabled())
+                              own_norm=self.using_bf16_optimizer or self.zero_optimization() or self.fp16_enabled(),
+                              bf16_optimizer=opt if self.using_bf16_optimizer and self.is_async else None)
 
     @property
     def is_reporting_rank(self) -> bool:

@@ -45,20 +45,23 @@ def slot_indices(entries, weights: list[torch.Tensor]) -> list[int]:
 
 class StepPlan:
     """DeepSpeed's own step. ``own_norm``: DeepSpeed's optimizer computes the norm itself at step time (ZeRO,
-    fp16, DeepSpeed's bf16 optimizer under 1F1B): a barrier between stages, but correct."""
+    fp16, DeepSpeed's bf16 optimizer as it is): a barrier between stages, but correct. ``bf16_optimizer``: a
+    DeepSpeed bf16 optimizer the gathered gradients are handed to (its hooks never fire on weight-version slots)."""
 
     grads_wait = False
     """Whether the batch's bf16 gradients stay on the parameters until the step reads them (no hand-over)."""
     writes_slot = False
     """Whether the step writes the new weight version's slot itself (the engine then does not publish it)."""
 
-    def __init__(self, module: nn.Module, own_norm: bool, fused: bool = False):
+    def __init__(self, module: nn.Module, own_norm: bool, fused: bool = False, bf16_optimizer=None):
         if fused:
             raise ValueError(FUSED_NEEDS)
-        self.module, self.own_norm = module, own_norm
+        self.module, self.own_norm, self.bf16_optimizer = module, own_norm, bf16_optimizer
 
     def hand_over(self) -> None:
         """Move the gathered gradients where the optimizer reads them (at the batch boundary, unless they wait)."""
+        if self.bf16_optimizer is not None:
+            bf16.hand_over(self.bf16_optimizer)
 
     def norm_grads(self) -> list[torch.Tensor] | None:
         """This stage's gradients for the pipeline's norm, in the module's parameter order (the order the emulation
@@ -83,7 +86,7 @@ class DeepSpeedBF16Step(StepPlan):
 
     def __init__(self, optimizer: bf16.PrecomputedNormBF16Optimizer, clip: float, can_wait: bool, fused: bool,
                  slot_order: list[list[int]] | None):
-        super().__init__(module=None, own_norm=False)
+        super().__init__(module=None, own_norm=False, bf16_optimizer=optimizer)
         if fused and not (can_wait and bf16.PrecomputedNormBF16Optimizer.supports_one_pass(optimizer.optimizer)):
             raise ValueError(FUSED_NEEDS)
         self.optimizer, self.clip, self.fused, self.slot_order = optimizer, clip, fused, slot_order
@@ -96,9 +99,6 @@ class DeepSpeedBF16Step(StepPlan):
     @property
     def writes_slot(self) -> bool:
         return self.fused
-
-    def hand_over(self) -> None:
-        bf16.hand_over(self.optimizer)
 
     def norm_grads(self) -> list[torch.Tensor]:
         if self.grads_wait:
