@@ -34,6 +34,23 @@ def run_job(nproc: int, job: str, out_dir: Path, timeout: int = 600, **kwargs) -
     return torch.load(out_dir / "result.pt", weights_only=True)
 
 
+def run_ckpt_jobs(work: Path, runs: list[dict], timeout: int = 600) -> Path:
+    """Run ``tests/ckpt_jobs.py`` (trainer runs) on 2 ranks over ``runs`` in folder ``work``; the job must succeed.
+    Returns the folder holding each run's per-rank results (``NAME.rankR.json``); the log is ``work/log.txt``."""
+    (work / "runs.json").write_text(json.dumps(runs))
+    out = work / "out"
+    out.mkdir(exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONUNBUFFERED": "1",
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                  str(Path.home() / ".cache" / "ds_async_torch_extensions"))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+           str(31000 + os.getpid() % 1000), str(ROOT / "tests" / "ckpt_jobs.py"), str(work / "runs.json"), str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=timeout)
+    (work / "log.txt").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return out
+
+
 def stage_params(out_dir: Path, stages: int) -> dict:
     """All stages' parameters of a job, by Hugging Face name."""
     merged = {}

@@ -19,10 +19,7 @@ it into a HF folder, and:
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,7 +28,7 @@ import torch
 from ds_async import checkpoint
 from ds_async.checkpoint import CheckpointError
 from ds_async.data import EOS_TOKEN
-from distributed import run_job
+from distributed import run_ckpt_jobs, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -60,16 +57,7 @@ def run(tmp_path_factory) -> dict:
                                        "plot": False},
                            "checkpoint": {"every": 0, "keep": 1, "final": True}}}
     (work / "R.json").write_text(json.dumps(config))
-    (work / "runs.json").write_text(json.dumps([{"name": "R", "config": str(work / "R.json")}]))
-    (work / "out").mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONUNBUFFERED": "1",
-           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                  str(Path.home() / ".cache" / "ds_async_torch_extensions"))}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
-           str(31000 + os.getpid() % 1000), str(ROOT / "tests" / "ckpt_jobs.py"), str(work / "runs.json"),
-           str(work / "out")]
-    proc = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    run_ckpt_jobs(work, [{"name": "R", "config": str(work / "R.json")}])
     for rank in range(2):
         assert json.loads((work / "out" / f"R.rank{rank}.json").read_text())["error"] is None
     run_dir = work / "runs" / "R"

@@ -10,9 +10,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +17,7 @@ import torch
 
 from ds_async import telemetry
 from ds_async.config import ConfigError, parse
+from distributed import run_ckpt_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -64,17 +62,7 @@ def work(tmp_path_factory) -> Path:
     texts = [row["text"] for row in load_text_stream(LEE_CORPUS, "train")]
     train_bpe(iter(texts), TINY["vocab_size"], str(path / "tokenizer.json"))
     runs = [{"name": s, "config": str(write_config(path, s))} for s in SCHEDULES]
-    (path / "runs.json").write_text(json.dumps(runs))
-    (path / "out").mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONUNBUFFERED": "1",
-           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                  str(Path.home() / ".cache" / "ds_async_torch_extensions"))}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
-           str(31000 + os.getpid() % 1000), str(ROOT / "tests" / "ckpt_jobs.py"), str(path / "runs.json"),
-           str(path / "out")]
-    proc = subprocess.run(cmd, env=env, cwd=path, capture_output=True, text=True, timeout=600)
-    (path / "log.txt").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    run_ckpt_jobs(path, runs)
     for s in SCHEDULES:
         results = [json.loads((path / "out" / f"{s}.rank{r}.json").read_text()) for r in range(2)]
         assert all(r["error"] is None for r in results), results
