@@ -44,3 +44,12 @@ def newton_schulz_flops(shapes: Iterable[tuple[int, ...]], steps: int) -> float:
             stack *= d
         total += stack * steps * (4 * n * n * k + 2 * n ** 3)
     return total
+
+
+def layer_flops_per_token(hf_config, seq_len: int) -> list[float]:
+    """Training FLOPs per token of each pipeline layer ``[embedding, decoder x L, head]`` (the embedding lookup 0,
+    the head its vocabulary projection); they add up to :func:`model_flops_per_token`. For balancing stages."""
+    h, layers = hf_config.hidden_size, hf_config.num_hidden_layers
+    head_dim = getattr(hf_config, "head_dim", None) or h // hf_config.num_attention_heads
+    decoder = 6 * matmul_params_per_layer(hf_config) + 12 * hf_config.num_attention_heads * head_dim * seq_len
+    return [0.0] + [float(decoder)] * layers + [6.0 * h * hf_config.vocab_size]

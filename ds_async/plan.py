@@ -1,0 +1,609 @@
+"""Will it fit? The memory of every pipeline stage, the schedule's bubble and compute-balanced boundaries of a
+ds_async job, before launching it.
+
+    python -m ds_async.plan CONFIG.json [--gpus N] [--gpu-memory GiB] [--json]
+
+Contract. Reads the DeepSpeed JSON that ``launch/train.py`` reads, with the same checks (``ds_async.config.load``,
+``check_batch``, ``models.model_config``, the partition of ``emulate.stage_bounds``); a config error prints
+``ds_async: error: <key>: ...`` and exits 1. ``--gpus`` is the world size (default: ``pipeline_stages`` x the
+replicas ``train_batch_size`` implies, else ``pipeline_stages``), ``--gpu-memory`` the card in GiB (default: this
+machine's GPU, else 80). The model's layers are built on the ``meta`` device (no memory, no init), so parameter
+counts are exact: embedding, each decoder layer, head, Mixtral's expert stacks (``active`` counts the ``top_k`` of
+``E`` experts a token uses). Prints a table per stage (``--json``: the same as one JSON object) and exits 0 whether
+or not it fits; ``fits`` says which.
+
+Bytes per stage of ``N`` parameters (``w`` = 2 under ``bf16.enabled``, else 4; ``d`` replicas):
+
+- weights ``w N``; weight versions ``k w N`` where ``k`` = the rule's ``max_versions`` slots a flush-free engine
+  keeps beside the module's own weights (``ds_async.pipe.versions``: 2 under 2BW; none under 1F1B);
+- gradients ``w N`` on the module (or the version slot a backward ran on), plus, under DeepSpeed's bf16 optimizer,
+  its full-size gradient buffer (``4 N``, or ``2 N`` with ``data_types.grad_accum_dtype`` bf16);
+- fp32 master weights under bf16: DeepSpeed's bf16 optimizer (DeepSpeed-built AdamW) keeps ``4 N / d`` (flat,
+  partitioned over replicas, padded as DeepSpeed pads); ds_async's :class:`~ds_async.optim.master.MasterWeights`
+  (Muon, Lion, anything with a correction) keeps ``4 N`` per whole tensor;
+- optimizer state, fp32: AdamW two moments (``8`` bytes a parameter), Muon a momentum for ``matrix`` parameters
+  (``4``) and AdamW's moments for the rest (``ds_async.optim.roles``), Lion ``4``, SGD ``4`` with momentum;
+  correction buffers (EF's previous update, Nesterov's velocity) ``4`` each. Sharding: DeepSpeed's bf16 optimizer
+  divides masters and moments by ``d``; ZeRO-1 does for the rest, by whole tensors where ds_async shards
+  (``ds_async.optim.sharded.partition_params``; the busiest replica is reported), flat where DeepSpeed does;
+- step workspace (estimate): the transient tensors of the optimizer step; Muon's bf16 directions and results
+  (``4`` bytes a matrix parameter) and Newton-Schulz iterates of its largest same-shape stack;
+- activations (estimate, below) times the micro-batches a stage holds: ``p - s`` on stage ``s`` under a flush-free
+  rule (steady 1F1B across batches), ``min(p - s, m)`` under 1F1B, plus one working set;
+- a fixed allowance of :data:`CONTEXT_GIB` for the CUDA context, cuBLAS/NCCL workspaces and fragmentation.
+
+Activations, bytes per token (``T = b s`` tokens of a micro-batch; ``e`` the matmul activations' bytes, ``r`` the
+residual stream's: 2 under bf16, 4 in fp32, ``r = 4, e = 2`` under torch_autocast). The tensors autograd saves in a
+Hugging Face LLaMA/Mixtral layer with SDPA (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", counted for pre-norm RMSNorm, rotary GQA attention, SwiGLU and no dropout; flash/SDPA attention
+keeps ``q, k, v``, its output and a log-sum-exp, never the ``s x s`` scores):
+
+- RMSNorm, twice per layer: fp32 input ``4 h`` + ``rsqrt`` ``4`` + normalised ``r h`` + weighted ``r h``;
+- attention: ``e (2 h_q + 2 h_kv) + 4 a`` (q, output, k, v; ``h_q = a d``, ``h_kv = a_kv d``) and rotary
+  ``cos, sin`` (``2 s d e`` per micro-batch);
+- SwiGLU MLP: ``4 e f`` (gate, SiLU, up, their product); Mixtral's experts per token and choice (``k`` of ``E``):
+  ``2 e h + 4 e f`` (gathered input, gate-up, SiLU, product, output) plus ``(4 + e) E + 48 k + 4`` of routing.
+
+Without checkpointing a stage holds per micro-batch its layers' tensors, its input (``r h``; ``input_ids`` on stage
+0) and its output (``r h``; logits ``e V`` on the last stage, plus the loss's ``4 V`` fp32 log-softmax, or ``13``
+bytes a token chunked). ``activation_checkpoint_interval = c`` splits a stage's layers in chunks of ``c`` as
+DeepSpeed does; a chunk of decoder layers only keeps its input, any other runs normally. The working set is one
+checkpointed chunk recomputed, three ``e f`` gradient temporaries and, last stage, the loss's backward (``e V`` plus
+``4 V`` fp32 per row of a chunk, or of all rows unchunked). ``tests/test_plan.py`` checks the state bytes exactly and
+the activations within 10% against real CPU tensors.
+
+Bubble: 1F1B idles ``(p - 1) / (m + p - 1)`` of a step; the flush-free rules (``2bw``, ``pipedream``) none in steady
+state, a warm-up and drain only at each drain (evaluation, save, end). Boundaries: the partition that minimises the
+largest stage's training FLOPs (``ds_async.flops.layer_flops_per_token``, the head's vocabulary projection included).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+GIB = 2 ** 30
+CONTEXT_GIB = 2.0
+"""Allowance per GPU for the CUDA context (~0.5 GiB), cuBLAS and NCCL workspaces and allocator fragmentation."""
+
+
+# ---------------------------------------------------------------------------------------------------- the job
+
+@dataclass(frozen=True)
+class Job:
+    """What the config decides, resolved."""
+
+    family: str
+    stages: int
+    replicas: int
+    micro_batch: int
+    micro_batches: int
+    seq_len: int
+    schedule: str
+    optimizer: str            # lower-case type: adamw, adam, muon, lion, sgd
+    sgd_momentum: bool
+    correction: str           # none, ef, nesterov
+    precision: str            # bf16, autocast, fp32
+    path: str                 # deepspeed-bf16, master-weights, plain
+    zero: int
+    grad_accum_bytes: int     # DeepSpeed bf16 optimizer's gradient buffer, bytes per element
+    fused_step: bool
+    checkpoint_interval: int
+    loss_chunk: int
+
+    @property
+    def weight_bytes(self) -> int:
+        return 2 if self.precision == "bf16" else 4
+
+    @property
+    def act_bytes(self) -> int:      # matmul activations
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def residual_bytes(self) -> int:  # the residual stream and stage boundaries
+        return 2 if self.precision == "bf16" else 4
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+
+def job_of(ds_config: dict, cfg, world: int):
+    """The :class:`Job` of a parsed config at world size ``world``; raises ``ConfigError`` naming the key."""
+    from .config import ConfigError, check_batch
+    from .optim import needs_client_optimizer
+
+    _, mbs, gas = check_batch(ds_config, cfg, world)
+    if (ds_config.get("fp16") or {}).get("enabled"):
+        raise ConfigError("fp16.enabled: ds_async trains in bf16, torch_autocast or fp32")
+    bf16 = bool((ds_config.get("bf16") or {}).get("enabled"))
+    autocast = bool((ds_config.get("torch_autocast") or {}).get("enabled"))
+    if bf16 and autocast:
+        raise ConfigError("torch_autocast.enabled: bf16 and torch_autocast are both enabled; choose one")
+    block = ds_config.get("optimizer")
+    if not isinstance(block, dict) or "type" not in block:
+        raise ConfigError("optimizer: the planner needs the optimizer block (type and params)")
+    kind = str(block["type"]).lower()
+    if kind not in STATE_BYTES:
+        raise ConfigError(f"optimizer.type: the planner knows {sorted(STATE_BYTES)}, not {block['type']!r}")
+    params = block.get("params") or {}
+    client = needs_client_optimizer(block, cfg.correction)
+    path = "master-weights" if bf16 and client else "deepspeed-bf16" if bf16 else "plain"
+    zero = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    if zero >= 2:
+        raise ConfigError(f"zero_optimization.stage: {zero}; pipelines run ZeRO stage 0 or 1")
+    accum = str((ds_config.get("data_types") or {}).get("grad_accum_dtype", "fp32")).lower()
+    return Job(family=cfg.model.family, stages=cfg.pipeline_stages, replicas=world // cfg.pipeline_stages,
+               micro_batch=mbs, micro_batches=gas, seq_len=cfg.data.seq_len, schedule=cfg.schedule,
+               optimizer=kind, sgd_momentum=bool(params.get("momentum", 0)), correction=cfg.correction.type,
+               precision="bf16" if bf16 else "autocast" if autocast else "fp32", path=path, zero=zero,
+               grad_accum_bytes=2 if accum in ("bf16", "bfloat16") else 4,
+               fused_step=cfg.performance.fused_optimizer_step,
+               checkpoint_interval=cfg.performance.activation_checkpoint_interval,
+               loss_chunk=cfg.performance.loss_chunk)
+
+
+# ---------------------------------------------------------------------------------------------------- layers
+
+@dataclass(frozen=True)
+class Layer:
+    """One pipeline layer's parameters, counted on the meta device."""
+
+    kind: str                           # embedding, decoder, head
+    params: int
+    active: int                         # parameters one token uses (top-k experts)
+    by_role: dict[str, int]             # ds_async.optim.roles role -> parameters
+    shapes: tuple[tuple[int, ...], ...]  # every trainable parameter, module order
+    roles: tuple[str, ...]              # their roles
+    flops: float                        # training FLOPs per token
+
+
+def layers_of(hf_config, family: str, seq_len: int) -> list[Layer]:
+    """``[embedding, decoder x L, head]`` of the model, built on the meta device as the stages build them."""
+    from .flops import layer_flops_per_token
+    from .models import FAMILIES
+    from .optim.roles import param_roles
+
+    specs = FAMILIES[family].layer_specs(hf_config)
+    with torch.device("meta"):
+        modules = [spec.build() for spec in specs]
+    flops = layer_flops_per_token(hf_config, seq_len)
+    experts = getattr(hf_config, "num_local_experts", None)
+    top_k = getattr(hf_config, "num_experts_per_tok", None)
+    out = []
+    for i, (module, f) in enumerate(zip(modules, flops)):
+        roles = param_roles(module)
+        params = [p for p in module.parameters() if p.requires_grad]
+        by_role: dict[str, int] = {}
+        for p in params:
+            by_role[roles[p]] = by_role.get(roles[p], 0) + p.numel()
+        total = sum(p.numel() for p in params)
+        stacked = sum(p.numel() for p in params if p.ndim == 3)  # expert stacks [E, rows, cols]
+        active = total - stacked + (stacked * top_k // experts if experts else stacked)
+        kind = "embedding" if i == 0 else "head" if i == len(modules) - 1 else "decoder"
+        out.append(Layer(kind, total, active, by_role, tuple(tuple(p.shape) for p in params),
+                         tuple(roles[p] for p in params), f))
+    return out
+
+
+def bounds_of(cfg, layers: list[Layer]) -> list[int]:
+    """The stage boundaries the engine uses (``emulate.stage_bounds`` over parameter counts)."""
+    from .emulate import stage_bounds
+
+    class Counted(torch.nn.Module):  # stage_bounds counts each layer's trainable parameters
+        def __init__(self, n):
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.empty(n, device="meta"))
+
+    return stage_bounds(cfg.partition.method, [Counted(layer.params) for layer in layers], cfg.pipeline_stages,
+                        cfg.partition.boundaries)
+
+
+# ---------------------------------------------------------------------------------------------------- state
+
+STATE_BYTES = {"adamw": 8, "adam": 8, "muon": None, "lion": 4, "sgd": None}
+
+
+def state_bytes(job: Job, role: str) -> int:
+    """fp32 optimizer state per parameter of ``role`` (corrections apart)."""
+    if job.optimizer == "muon":
+        return 4 if role == "matrix" else 8
+    if job.optimizer == "sgd":
+        return 4 if job.sgd_momentum else 0
+    return STATE_BYTES[job.optimizer]
+
+
+def correction_bytes(job: Job) -> int:
+    return 0 if job.correction == "none" else 4
+
+
+def sharded_by_tensor(job: Job) -> bool:
+    """ds_async's ZeRO-1 (whole tensors per owner) rather than DeepSpeed's flat partitions."""
+    return job.zero == 1 and job.replicas > 1 and job.path != "deepspeed-bf16" and (
+        job.path == "master-weights" or job.optimizer == "muon")
+
+
+def deepspeed_padded(n: int, replicas: int) -> int:
+    """DeepSpeed's bf16 optimizer pads a flat group to a multiple of 2 x replicas elements."""
+    align = 2 * replicas
+    return -(-n // align) * align
+
+
+def owned_state(job: Job, shapes, roles) -> tuple[int, int]:
+    """(optimizer, correction) bytes of the busiest replica under ds_async's tensor-granular ZeRO-1."""
+    from .optim.sharded import partition_params
+
+    tensors = [torch.empty(s, device="meta") for s in shapes]
+    owners = partition_params(tensors, job.replicas)
+    state, corr = [0] * job.replicas, [0] * job.replicas
+    for t, role, owner in zip(tensors, roles, owners):
+        state[owner] += t.numel() * state_bytes(job, role)
+        corr[owner] += t.numel() * correction_bytes(job)
+    busiest = max(range(job.replicas), key=lambda r: state[r] + corr[r])
+    return state[busiest], corr[busiest]
+
+
+@dataclass
+class Stage:
+    stage: int
+    layers: tuple[int, int]              # [first, last + 1)
+    params: int
+    active: int
+    flops: float
+    weights: int = 0
+    versions: int = 0
+    grads: int = 0
+    masters: int = 0
+    optimizer: int = 0
+    correction: int = 0
+    step_workspace: int = 0
+    activations: int = 0
+    activations_per_micro_batch: int = 0
+    in_flight: int = 0
+    context: int = 0
+    total: int = 0
+    fits: bool = False
+
+
+def state_memory(job: Job, layers: list[Layer], stage: int) -> dict[str, int]:
+    """Bytes of weights, versions, gradients, masters, optimizer state and correction buffers of one stage."""
+    from .pipe.version_rule import get
+
+    n = sum(layer.params for layer in layers)
+    shapes = [s for layer in layers for s in layer.shapes]
+    roles = [r for layer in layers for r in layer.roles]
+    numel = [math.prod(s) for s in shapes]
+    rule, w, d = get(job.schedule), job.weight_bytes, job.replicas
+    slots = rule.max_versions(stage, job.stages, job.micro_batches) if rule.flush_free else 0
+    state = sum(k * state_bytes(job, r) for k, r in zip(numel, roles))
+    out = dict(weights=w * n, versions=slots * w * n, grads=w * n, masters=0, optimizer=state,
+               correction=correction_bytes(job) * n)
+    if job.path == "deepspeed-bf16":  # flat, padded, partitioned over replicas whatever the ZeRO stage
+        padded = deepspeed_padded(n, d)
+        out.update(weights=w * padded, versions=slots * w * n, grads=w * n + job.grad_accum_bytes * padded,
+                   masters=4 * padded // d, optimizer=state_bytes(job, "matrix") * padded // d)
+        return out
+    if job.path == "master-weights":
+        out["masters"] = 4 * n
+    if sharded_by_tensor(job):
+        out["optimizer"], out["correction"] = owned_state(job, shapes, roles)
+    elif job.zero == 1 and d > 1:  # DeepSpeed's flat ZeRO-1: an fp32 partition, its gradients and the state
+        out.update(masters=4 * n // d, grads=w * n + 4 * n // d, optimizer=state // d,
+                   correction=out["correction"] // d)
+    return out
+
+
+def step_workspace(job: Job, layers: list[Layer]) -> int:
+    """Transient bytes of the optimizer step (estimate; see the module docstring)."""
+    shapes = [s for layer in layers for s in layer.shapes]
+    roles = [r for layer in layers for r in layer.roles]
+    n = sum(math.prod(s) for s in shapes)
+    total = 0
+    if job.optimizer == "muon":
+        matrices = [s for s, r in zip(shapes, roles) if r == "matrix"]
+        by_shape: dict[tuple, int] = {}
+        for s in matrices:
+            by_shape[s] = by_shape.get(s, 0) + math.prod(s)
+        largest = max(by_shape.values(), default=0)
+        gram = max((math.prod(s[:-2] or (1,)) * min(s[-2:]) ** 2 * by_shape[s] // math.prod(s)
+                    for s in by_shape), default=0)
+        total += 2 * 2 * sum(by_shape.values()) + 3 * 2 * largest + 2 * 2 * gram
+    if job.path == "master-weights" and not job.fused_step:
+        total += 4 * n + 8 * min(n, 2 ** 28)  # fp32 gradients, then the update in chunks
+    elif job.path == "plain" and job.optimizer != "sgd":
+        total += 8 * min(n, 2 ** 28)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------- activations
+
+def norm_bytes(job: Job, hidden: int) -> int:
+    """Per token: one RMSNorm's saved tensors (fp32 input, rsqrt, normalised, weighted; autocast's bf16 cast)."""
+    r, e = job.residual_bytes, job.act_bytes
+    return 4 * hidden + 4 + 2 * r * hidden + (e * hidden if r != e else 0)
+
+
+def decoder_bytes(job: Job, hf) -> int:
+    """Bytes one decoder layer saves for backward per micro-batch (see the module docstring)."""
+    e, t = job.act_bytes, job.tokens
+    h, a = hf.hidden_size, hf.num_attention_heads
+    d = getattr(hf, "head_dim", None) or h // a
+    hq, hkv = a * d, hf.num_key_value_heads * d
+    per_token = 2 * norm_bytes(job, h) + e * (2 * hq + 2 * hkv) + 4 * a
+    if job.family == "mixtral":
+        k, experts = hf.num_experts_per_tok, hf.num_local_experts
+        per_token += k * (2 * e * h + 4 * e * hf.intermediate_size) + (4 + e) * experts + 48 * k + 4
+    else:
+        per_token += 4 * e * hf.intermediate_size
+    return t * per_token + 2 * job.seq_len * d * e
+
+
+def head_bytes(job: Job, hf) -> int:
+    """The head's saved tensors, its logits and the loss's, per micro-batch."""
+    t, v = job.tokens, hf.vocab_size
+    loss = 13 if job.loss_chunk else 4 * v + 8
+    return t * (norm_bytes(job, hf.hidden_size) + job.act_bytes * v + loss)
+
+
+def layer_bytes(job: Job, hf, kind: str) -> int:
+    if kind == "decoder":
+        return decoder_bytes(job, hf)
+    if kind == "head":
+        return head_bytes(job, hf)
+    return 0  # the embedding keeps its input_ids, which the stage holds anyway
+
+
+def chunks_of(kinds: list[str], interval: int) -> list[tuple[list[str], bool]]:
+    """The stage's layers in DeepSpeed's checkpoint chunks, each with whether it is checkpointed (decoders only)."""
+    if not interval:
+        return [(kinds, False)]
+    return [(kinds[i:i + interval], all(k == "decoder" for k in kinds[i:i + interval]))
+            for i in range(0, len(kinds), interval)]
+
+
+def activation_memory(job: Job, hf, kinds: list[str], stage: int) -> tuple[int, int]:
+    """(bytes per in-flight micro-batch, working set) of a stage with layers of ``kinds``."""
+    t, h, r, e = job.tokens, hf.hidden_size, job.residual_bytes, job.act_bytes
+    first, last = stage == 0, stage == job.stages - 1
+    held = (8 * t if first else r * h * t if r != 4 else 0) + (8 * t if last else r * h * t)
+    working, f = 0, hf.intermediate_size * (getattr(hf, "num_experts_per_tok", None) or 1)
+    for i, (chunk, checkpointed) in enumerate(chunks_of(kinds, job.checkpoint_interval)):
+        full = sum(layer_bytes(job, hf, k) for k in chunk)
+        if checkpointed:
+            held += r * h * t if i else (r * h * t if r == 4 and not first else 0)
+            working = max(working, full)
+        else:
+            held += full
+    working += 3 * e * f * t
+    if last:
+        rows = min(job.loss_chunk, t) if job.loss_chunk else t
+        working += e * hf.vocab_size * t + 4 * hf.vocab_size * rows
+    else:
+        working += r * h * t  # the received gradient
+    return held, working
+
+
+def in_flight(job: Job, stage: int) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at once under 1F1B (steady across batches when
+    flush-free)."""
+    from .pipe.version_rule import get
+
+    ahead = job.stages - stage
+    return ahead if get(job.schedule).flush_free else min(ahead, job.micro_batches)
+
+
+def bubble(schedule: str, stages: int, micro_batches: int) -> float:
+    """Fraction of a step a stage idles in steady state."""
+    from .pipe.version_rule import get
+
+    return 0.0 if get(schedule).flush_free else (stages - 1) / (micro_batches + stages - 1)
+
+
+# ---------------------------------------------------------------------------------------------------- the plan
+
+def stage_plan(job: Job, hf, layers: list[Layer], bounds: list[int], stage: int, gpu_bytes: int) -> Stage:
+    mine = layers[bounds[stage]:bounds[stage + 1]]
+    out = Stage(stage, (bounds[stage], bounds[stage + 1]), sum(x.params for x in mine),
+                sum(x.active for x in mine), sum(x.flops for x in mine))
+    for key, value in state_memory(job, mine, stage).items():
+        setattr(out, key, value)
+    out.step_workspace = step_workspace(job, mine)
+    per, working = activation_memory(job, hf, [x.kind for x in mine], stage)
+    out.in_flight = in_flight(job, stage)
+    out.activations_per_micro_batch = per
+    out.activations = out.in_flight * per + working
+    out.context = int(CONTEXT_GIB * GIB)
+    out.total = sum(getattr(out, k) for k in MEMORY_ROWS)
+    out.fits = out.total <= gpu_bytes
+    return out
+
+
+MEMORY_ROWS = ("weights", "versions", "grads", "masters", "optimizer", "correction", "step_workspace",
+               "activations", "context")
+
+
+def balanced_bounds(costs: list[float], stages: int) -> list[int]:
+    """Boundaries of the contiguous split of ``costs`` into ``stages`` non-empty parts with the smallest largest
+    part (ties: the earliest boundaries)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]  # best[k][j]: first j layers in k parts
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for j in range(k, n - (stages - k) + 1):
+            for i in range(k - 1, j):
+                value = max(best[k - 1][i], prefix[j] - prefix[i])
+                if value < best[k][j] - 1e-9 * abs(value):
+                    best[k][j], cut[k][j] = value, i
+    bounds = [n]
+    for k in range(stages, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return bounds[::-1]
+
+
+@dataclass
+class Plan:
+    config: str
+    family: str
+    world: int
+    stages: int
+    replicas: int
+    micro_batch: int
+    micro_batches: int
+    seq_len: int
+    schedule: str
+    optimizer: str
+    correction: str
+    precision: str
+    optimizer_path: str
+    zero: int
+    checkpoint_interval: int
+    loss_chunk: int
+    params: int
+    active_params: int
+    gpu_memory: int
+    bubble: float
+    bubble_1f1b: float
+    min_micro_batches: int
+    boundaries: list[int]
+    stage_list: list[Stage] = field(default_factory=list)
+    balanced_boundaries: list[int] = field(default_factory=list)
+    balanced_fits: bool = False
+    balanced_peak: int = 0
+    flops_imbalance: float = 0.0
+    balanced_flops_imbalance: float = 0.0
+    fits: bool = False
+
+
+def imbalance(layers: list[Layer], bounds: list[int]) -> float:
+    """Largest stage's FLOPs over the mean stage's (1 = perfectly balanced)."""
+    parts = [sum(x.flops for x in layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return max(parts) / (sum(parts) / len(parts))
+
+
+def plan(config_path: str, gpus: int | None = None, gpu_memory_gib: float | None = None) -> Plan:
+    """The plan of the job at ``config_path`` (see the module docstring); raises ``ConfigError`` naming the key."""
+    from . import config as cfgmod
+    from .emulate import data_parallel_degree
+    from .models import model_config
+    from .pipe.version_rule import get
+    from .trainer import check_seq_len
+
+    ds_config, cfg = cfgmod.load(config_path)
+    if gpus is None:
+        gpus = cfg.pipeline_stages * data_parallel_degree(ds_config)
+    if gpus < 1:
+        raise cfgmod.ConfigError(f"--gpus: must be >= 1, got {gpus}")
+    job = job_of(ds_config, cfg, gpus)
+    hf = model_config(cfg)
+    check_seq_len(cfg, hf)
+    layers = layers_of(hf, cfg.model.family, cfg.data.seq_len)
+    bounds = bounds_of(cfg, layers)
+    gpu_bytes = int((gpu_memory_gib if gpu_memory_gib is not None else default_gpu_gib()) * GIB)
+    stages = [stage_plan(job, hf, layers, bounds, s, gpu_bytes) for s in range(job.stages)]
+    balanced = balanced_bounds([x.flops for x in layers], job.stages)
+    trial = [stage_plan(job, hf, layers, balanced, s, gpu_bytes) for s in range(job.stages)]
+    rule = get(job.schedule)
+    return Plan(config=config_path, family=job.family, world=gpus, stages=job.stages, replicas=job.replicas,
+                micro_batch=job.micro_batch, micro_batches=job.micro_batches, seq_len=job.seq_len,
+                schedule=job.schedule, optimizer=job.optimizer, correction=job.correction, precision=job.precision,
+                optimizer_path=job.path, zero=job.zero, checkpoint_interval=job.checkpoint_interval,
+                loss_chunk=job.loss_chunk, params=sum(x.params for x in layers),
+                active_params=sum(x.active for x in layers), gpu_memory=gpu_bytes,
+                bubble=bubble(job.schedule, job.stages, job.micro_batches),
+                bubble_1f1b=bubble("1f1b", job.stages, job.micro_batches),
+                min_micro_batches=rule.min_micro_batches(job.stages), boundaries=bounds, stage_list=stages,
+                balanced_boundaries=balanced, balanced_fits=all(s.fits for s in trial),
+                balanced_peak=max(s.total for s in trial), flops_imbalance=imbalance(layers, bounds),
+                balanced_flops_imbalance=imbalance(layers, balanced), fits=all(s.fits for s in stages))
+
+
+def default_gpu_gib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / GIB
+    return 80.0
+
+
+# ---------------------------------------------------------------------------------------------------- output
+
+def _b(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
+
+
+def _g(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+PATHS = {"deepspeed-bf16": "bf16 weights, DeepSpeed's bf16 optimizer (flat fp32 masters and gradient buffer)",
+         "master-weights": "bf16 weights, ds_async MasterWeights (fp32 masters per tensor)",
+         "plain": "fp32 weights and state"}
+
+
+def render(p: Plan) -> str:
+    rows = [f"ds_async plan: {p.config}",
+            f"model     {p.family}, {_b(p.params)} parameters ({_b(p.active_params)} active), "
+            f"{p.boundaries[-1]} layers (embedding + {p.boundaries[-1] - 2} decoder + head), seq {p.seq_len}",
+            f"world     {p.world} GPUs = {p.stages} stages x {p.replicas} replica(s); micro-batch {p.micro_batch} x "
+            f"{p.seq_len} tokens, m = {p.micro_batches}",
+            f"precision {p.precision}: {PATHS[p.optimizer_path] if p.precision != 'autocast' else 'fp32 weights, bf16 autocast'}"
+            f"; optimizer {p.optimizer}, correction {p.correction}, ZeRO {p.zero}",
+            f"memory    checkpoint every {p.checkpoint_interval or '-'} layer(s), loss chunk {p.loss_chunk or '-'}; "
+            f"GiB per GPU, card {p.gpu_memory / GIB:.1f} GiB", ""]
+    head = ("stage", "layers", "params", "weights", "versions", "grads", "masters", "optim", "correct", "step",
+            "activ", "x", "context", "total", "fits")
+    table = [head]
+    for s in p.stage_list:
+        table.append((str(s.stage), f"{s.layers[0]}-{s.layers[1] - 1}", _b(s.params), _g(s.weights),
+                      _g(s.versions), _g(s.grads), _g(s.masters), _g(s.optimizer), _g(s.correction),
+                      _g(s.step_workspace), _g(s.activations), str(s.in_flight), _g(s.context), _g(s.total),
+                      "yes" if s.fits else "NO"))
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    rows += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in table]
+    rule_note = (f"{p.bubble:.1%} (steady state; a warm-up and drain only at drains); 1f1b at this m: "
+                 f"{p.bubble_1f1b:.1%}" if p.bubble == 0 else f"{p.bubble:.1%} = (p-1)/(m+p-1)")
+    rows += ["", "(x: micro-batches in flight; activ = x per-micro-batch activations + one working set)",
+             f"bubble    {p.schedule}: {rule_note}",
+             f"smallest m {p.min_micro_batches} ({p.schedule}); memory does not grow with m >= p",
+             f"balance   boundaries {p.boundaries}: largest stage {p.flops_imbalance:.3f}x the mean FLOPs",
+             f"suggest   \"partition\": {{\"method\": \"explicit\", \"boundaries\": {p.balanced_boundaries}}} "
+             f"({p.balanced_flops_imbalance:.3f}x; peak {p.balanced_peak / GIB:.1f} GiB, "
+             f"{'fits' if p.balanced_fits else 'does NOT fit'})",
+             f"fits      {'yes' if p.fits else 'NO'}: peak {max(s.total for s in p.stage_list) / GIB:.1f} GiB of "
+             f"{p.gpu_memory / GIB:.1f} GiB"]
+    return "\n".join(rows)
+
+
+def to_json(p: Plan) -> dict:
+    out = asdict(p)
+    out["stages_detail"] = out.pop("stage_list")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .config import ConfigError
+
+    parser = argparse.ArgumentParser(prog="python -m ds_async.plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", help="DeepSpeed JSON with a \"ds_async\" section")
+    parser.add_argument("--gpus", type=int, default=None, help="world size (default: stages x replicas)")
+    parser.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU (default: this GPU, else 80)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = parser.parse_args(argv)
+    try:
+        result = plan(args.config, args.gpus, args.gpu_memory)
+    except (ConfigError, ValueError) as e:
+        print(f"ds_async: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(to_json(result), indent=1) if args.json else render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
