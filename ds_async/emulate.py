@@ -17,19 +17,27 @@ optimizer then updates the newest weights, exactly as the pipeline does, without
 - evaluation on the drained newest weights at the steps :class:`ds_async.cadence.Cadence` plans;
 - the run folder ``<logging.dir>/<run_name>`` gets what a ``launch/train.py`` run writes (``manifest.json`` with
   the resolved config, tensorboard events, ``summary.json``, ``loss.png``), the manifest adding an ``emulation``
-  section (device, card, precision). It writes no checkpoints: ``ds_async.checkpoint`` saves engines.
+  section (device, card, precision). Instead of engine checkpoints it keeps ``emulation_state.pt`` (weights,
+  older versions, optimizer, scheduler, data position, curves) at ``checkpoint.every`` steps and when
+  ``--time-limit`` runs out (exit 75); ``--resume`` continues from it, the same as a run that never stopped.
 
-Precision: fp32 on CPU always. On a GPU, ``bf16.enabled`` or ``torch_autocast`` (bfloat16) runs each layer's
-forward under bf16 autocast over fp32 weights and optimizer state (DeepSpeed's ``torch_autocast`` arithmetic, not
-its bf16 weights). ``performance`` levers other than ``loss_chunk`` are not applied: they change no result beyond
-rounding. On CPU in fp32 a run equals ``launch/train.py``'s on the engine: the same validation losses, bit for bit
-(``tests/test_emulate.py``).
+Precision: fp32 on CPU always. On a GPU, ``bf16.enabled`` trains as the engine does under bf16 (bf16 weights and
+versions, fp32 master weights and optimizer state through :class:`~ds_async.optim.master.MasterWeights`, Muon's
+step fused with ``performance.fused_optimizer_step``), and ``torch_autocast`` runs each layer's forward under bf16
+autocast over fp32 weights. ``performance.compile`` compiles the whole model's forward and loss as one region;
+``loss_chunk`` applies; other levers change no result beyond rounding and are not applied. Data is read ahead and
+staged on the device in chunks (:class:`ds_async.prefetch.Prefetcher`) and losses reach the host a step late, so
+on a GPU the loop does not wait for the host. On CPU in fp32 a run equals ``launch/train.py``'s on the engine: the
+same validation losses, bit for bit (``tests/test_study.py``).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -39,6 +47,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .nonfinite import NonFiniteLoss
 from .optim.clip import clip_, clip_coefficient, squared_norm, sum_in_stage_order
 from .optim.master import MasterWeights
 from .pipe import version_rule
@@ -119,11 +128,14 @@ class DelayedTrainer:
         data_parallel: replicas; each batch is given as all replicas' micro-batches, replica by replica.
         clip: ``gradient_clipping``: the whole model's gradient norm is clipped, 0 for none.
         after_step: called after each optimizer step (e.g. an LR scheduler's ``step``).
+        compile: ``torch.compile`` the whole model's forward and loss as one region (the layers' weights change in
+            place between micro-batches, so one graph serves every version).
     """
 
     def __init__(self, layers: Sequence[nn.Module], stage_of_layer: Sequence[int], loss_fn: Callable,
                  optimizer: torch.optim.Optimizer, schedule: str | version_rule.VersionRule, micro_batches: int,
-                 stages: int, data_parallel: int = 1, clip: float = 0.0, after_step: Callable[[], None] | None = None):
+                 stages: int, data_parallel: int = 1, clip: float = 0.0, after_step: Callable[[], None] | None = None,
+                 compile: bool = False):
         self.layers, self.loss_fn, self.optimizer = list(layers), loss_fn, optimizer
         self.rule = version_rule.get(schedule)
         self.schedule, self.m, self.p, self.dp = self.rule.name, micro_batches, stages, data_parallel
@@ -134,22 +146,47 @@ class DelayedTrainer:
         self.history: list[list[torch.Tensor]] = []  # history[k] = all parameters at W(step - k), newest first
         self.step_count = 0
         self.loaded = [0] * stages  # the version each stage's parameters hold now
+        self.last_grad_norm: torch.Tensor | None = None
+        self._compiled = None
+        if compile:
+            self._compiled = torch.compile(lambda inputs, labels: self.loss_fn(self.forward(inputs), labels))
+
+    def state_dict(self) -> dict:
+        """The step count and the older weight versions a next step reads (the newest are the layers' own)."""
+        return {"step": self.step_count,
+                "history": [[q.detach().cpu() for q in v] for v in self.history[:max(0, self.depth - 1)]]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` into a trainer whose layers hold the newest weights already."""
+        self.step_count = state["step"]
+        self.loaded = [self.step_count] * self.p
+        device = self._params()[0].device
+        self.history = [[q.to(device) for q in v] for v in state["history"]]
 
     def _params(self) -> list[torch.Tensor]:
         return [q for group in self.stage_params for q in group]
 
+    @torch.no_grad()
     def _snapshot(self) -> None:
-        if self.depth > 1:  # a rule that only ever reads the newest weights keeps no copies
-            self.history.insert(0, [q.detach().clone() for q in self._params()])
-            del self.history[self.depth:]
+        if self.depth <= 1:  # a rule that only ever reads the newest weights keeps no copies
+            return
+        params = [q.detach() for q in self._params()]
+        if len(self.history) < self.depth:
+            self.history.insert(0, [q.clone() for q in params])
+        else:  # reuse the oldest version's buffers: no allocation per step
+            oldest = self.history.pop()
+            torch._foreach_copy_(oldest, params)
+            self.history.insert(0, oldest)
 
+    @torch.no_grad()
     def _load(self, stage: int, version: int) -> None:
         """Set ``stage``'s parameters to ``W(version)`` (no copy when they hold it already)."""
         if self.loaded[stage] != version:
             offset = sum(len(g) for g in self.stage_params[:stage])
-            with torch.no_grad():
-                for k, q in enumerate(self.stage_params[stage]):
-                    q.copy_(self.history[self.step_count - version][offset + k])
+            group = self.stage_params[stage]
+            if group:
+                torch._foreach_copy_([q.detach() for q in group],
+                                     self.history[self.step_count - version][offset:offset + len(group)])
             self.loaded[stage] = version
 
     def _load_versions(self, micro_batch: int) -> None:
@@ -163,15 +200,26 @@ class DelayedTrainer:
             x = layer(x)
         return x
 
+    def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss of one micro-batch on the weights the layers hold now (compiled once when ``compile``)."""
+        if self._compiled is None:
+            return self.loss_fn(self.forward(inputs), labels)
+        return self._compiled(inputs, labels)
+
     def train_batch(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """One optimizer step over ``m x data_parallel`` micro-batches; returns their mean loss, averaged as the
         engine averages it: each replica's micro-batch losses summed in the loss dtype and divided by ``m``, then
         the replicas' means summed and divided by ``data_parallel``."""
+        return self.step_batch(micro_batches).item()
+
+    def step_batch(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """:meth:`train_batch` without waiting for the device: the mean loss as a 0-dim tensor where it was
+        computed; the gradient norm (with clipping) is left in :attr:`last_grad_norm` the same way."""
         self._snapshot()
         replica_losses, total, count, replicas = [], None, 0, []
         for k, (inputs, labels) in enumerate(micro_batches):
             self._load_versions(self.step_count * self.m + k % self.m)
-            loss = self.loss_fn(self.forward(inputs), labels)
+            loss = self.loss(inputs, labels)
             (loss / self.m).backward()
             total = loss.detach().clone() if total is None else total + loss.detach()
             count += 1
@@ -195,6 +243,7 @@ class DelayedTrainer:
             # Per-stage partial sums added in stage order, as the engine adds the norms it gathers over the pipeline.
             per_stage = [[q.grad for q in group if q.grad is not None] for group in self.stage_params]
             sq = sum_in_stage_order([squared_norm(g) for g in per_stage])
+            self.last_grad_norm = sq.sqrt()
             if isinstance(self.optimizer, MasterWeights):
                 scale = clip_coefficient(sq, self.clip)[1]  # applied as the step reads the bf16 gradients
             else:
@@ -209,7 +258,7 @@ class DelayedTrainer:
         self.step_count += 1
         self.loaded = [self.step_count] * self.p
         mean = sum(replica_losses[1:], replica_losses[0])
-        return (mean / self.dp if self.dp > 1 else mean).item()
+        return mean / self.dp if self.dp > 1 else mean
 
     def _take_grads(self) -> list[torch.Tensor | None]:
         grads = [q.grad for q in self._params()]
@@ -240,7 +289,9 @@ def data_parallel_degree(ds_config: dict) -> int:
 
 
 def precision(ds_config: dict, device: torch.device) -> str:
-    """``bf16`` (autocast) or ``fp32``: what the emulation computes in for this config on ``device``."""
+    """What the emulation computes in for this config on ``device``: ``bf16`` (``bf16.enabled``: bf16 weights and
+    fp32 master weights, as the engine trains), ``autocast`` (``torch_autocast``: bf16 autocast over fp32 weights)
+    or ``fp32`` (the config asks for neither, or the device is a CPU)."""
     from .config import ConfigError
 
     if (ds_config.get("fp16") or {}).get("enabled"):
@@ -248,8 +299,12 @@ def precision(ds_config: dict, device: torch.device) -> str:
     autocast = ds_config.get("torch_autocast") or {}
     if autocast.get("enabled") and str(autocast.get("dtype", "bfloat16")).replace("torch.", "") != "bfloat16":
         raise ConfigError(f"torch_autocast.dtype: the emulation autocasts to bfloat16 only, got {autocast['dtype']!r}")
-    wants_bf16 = bool((ds_config.get("bf16") or {}).get("enabled") or autocast.get("enabled"))
-    return "bf16" if wants_bf16 and device.type == "cuda" else "fp32"
+    bf16 = bool((ds_config.get("bf16") or {}).get("enabled"))
+    if bf16 and autocast.get("enabled"):
+        raise ConfigError("bf16.enabled: bf16 and torch_autocast are both enabled; choose one")
+    if device.type != "cuda":
+        return "fp32"
+    return "bf16" if bf16 else "autocast" if autocast.get("enabled") else "fp32"
 
 
 def build_scheduler(block: dict | None, optimizer: torch.optim.Optimizer):
@@ -314,18 +369,36 @@ class _OneProcess:
         pass
 
 
+class Stopped(Exception):
+    """A run stopped at its time limit with its state saved; ``run(..., resume=True)`` continues it."""
+
+    def __init__(self, step: int, state_file: Path):
+        super().__init__(f"stopped at the time limit after step {step}; state saved to {state_file}; run again "
+                         "with --resume to continue")
+        self.step, self.state_file = step, state_file
+
+
+STATE_FILE = "emulation_state.pt"
+
+
 def run(config_path: str, max_steps: int | None = None, run_name: str | None = None,
-        device: str | None = None) -> dict:
+        device: str | None = None, resume: bool = False, time_limit: float | None = None) -> dict:
     """Train the job of the DeepSpeed JSON at ``config_path`` in this process (see the module docstring); returns
-    the run summary (also written to ``<run folder>/summary.json``)."""
+    the run summary (also written to ``<run folder>/summary.json``).
+
+    ``time_limit`` (seconds from the call): once a step ends past it, the run saves its state to
+    ``<run folder>/emulation_state.pt`` and raises :class:`Stopped`; so does a ``checkpoint.every`` step (without
+    stopping). ``resume``: continue from that file when the run folder has one (the same config only)."""
     from . import config as cfgmod
     from . import data, metrics
     from .cadence import Cadence
     from .config import ConfigError
-    from .nonfinite import NonFiniteLoss, SkipNonFinite
-    from .optim import build_optimizer
+    from .nonfinite import SkipNonFinite
+    from .optim import Muon, build_optimizer
+    from .prefetch import Prefetcher
     from .trainer import check_seq_len, check_vocab, resolve_tokenizer, seed_everything, steps_for
 
+    started = time.perf_counter()
     ds_config, cfg = cfgmod.load(config_path)
     if run_name is not None:
         cfg = replace(cfg, logging=replace(cfg.logging, run_name=run_name))
@@ -339,12 +412,15 @@ def run(config_path: str, max_steps: int | None = None, run_name: str | None = N
         torch.cuda.set_device(dev)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     compute = precision(ds_config, dev)
+    if compute == "bf16" and cfg.train.on_nonfinite == "skip":
+        raise ConfigError("ds_async.train.on_nonfinite: 'skip' needs fp32 or torch_autocast weights, not bf16")
     seed_everything(cfg.seed)
 
     name = cfg.logging.run_name or (f"{cfg.schedule}-{ds_config['optimizer'].get('type', 'none')}-"
                                     f"{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir = Path(cfg.logging.dir) / name
     run_dir.mkdir(parents=True, exist_ok=True)
+    state_file = run_dir / STATE_FILE
     tok = resolve_tokenizer(cfg, run_dir, _OneProcess)
     layers, loss_fn, hf_config = build_layers(cfg.model, seed=cfg.seed, loss_chunk=cfg.performance.loss_chunk)
     check_vocab(tok, hf_config, cfg.tokenizer)
@@ -355,9 +431,10 @@ def run(config_path: str, max_steps: int | None = None, run_name: str | None = N
         optimizer = build_optimizer(ds_config["optimizer"], layers, cfg.correction)
     except ValueError as e:
         raise ConfigError(f"optimizer: {e}") from None
-    stepped = optimizer
-    if cfg.train.on_nonfinite == "skip":
-        stepped = SkipNonFinite(optimizer)
+    if compute == "bf16":  # the engine's bf16 arithmetic: bf16 module and versions, fp32 masters and state
+        fused = cfg.performance.fused_optimizer_step and isinstance(optimizer, Muon)
+        optimizer = MasterWeights(optimizer, layers, fused=fused, device=dev)
+    stepped = SkipNonFinite(optimizer) if cfg.train.on_nonfinite == "skip" else optimizer
     scheduler = build_scheduler(ds_config.get("scheduler"), optimizer)
 
     def after_step() -> None:
@@ -365,32 +442,34 @@ def run(config_path: str, max_steps: int | None = None, run_name: str | None = N
         if scheduler is not None and not getattr(stepped, "overflow", False):
             scheduler.step()
 
-    run_layers = _autocast(layers, dev) if compute == "bf16" else list(layers)
+    run_layers = _autocast(layers, dev) if compute == "autocast" else list(layers)
     trainer = DelayedTrainer(run_layers, stage_of_layers(bounds), loss_fn, stepped, cfg.schedule, gas,
                              cfg.pipeline_stages, data_parallel=dp,
-                             clip=float(ds_config.get("gradient_clipping", 0.0)), after_step=after_step)
+                             clip=float(ds_config.get("gradient_clipping", 0.0)), after_step=after_step,
+                             compile=cfg.performance.compile)
 
     seq_len = cfg.data.seq_len
     tokens_per_step = mbs * gas * dp * seq_len
     total_steps = steps_for(cfg, tokens_per_step)
     if max_steps is not None:
         total_steps = min(total_steps, max_steps)
-    cadence = Cadence(total_steps, eval_every=cfg.eval.every, evaluate=bool(cfg.data.validation), final_save=False)
+    cadence = Cadence(total_steps, eval_every=cfg.eval.every, save_every=cfg.checkpoint.every,
+                      evaluate=bool(cfg.data.validation), final_save=False)
 
-    def stream(split: str, source: str, rank: int, train: bool):
+    def stream(split: str, rank: int, train: bool):
         tokens = total_steps * mbs * gas * seq_len if train else cfg.eval.batches * mbs * seq_len
         return data.open_batches(cfg.data, split, tok, mbs, dp_rank=rank, dp_world_size=dp, seed=cfg.seed,
                                  tokenize_batch=tokenize_batch(tokens))
 
-    train_streams = [stream("train", cfg.data.train, r, True) for r in range(dp)]
+    train_streams = [stream("train", r, True) for r in range(dp)]
+    batches = Prefetcher(train_streams, gas, dev, steps=total_steps, chunk=min(16, total_steps))
     held_out: list[list] = []  # the validation micro-batches of each replica: the same every evaluation
 
     @torch.no_grad()
     def validate() -> float:
         if not held_out:
             for r in range(dp):
-                batches = [b for _, b in zip(range(cfg.eval.batches),
-                                             stream("validation", cfg.data.validation, r, False))]
+                batches = [b for _, b in zip(range(cfg.eval.batches), stream("validation", r, False))]
                 if len(batches) < cfg.eval.batches:
                     raise data.DataError(f"{cfg.data.validation}: {len(batches)} validation micro-batches for "
                                          f"replica {r}, ds_async.eval.batches asks for {cfg.eval.batches}")
@@ -399,40 +478,98 @@ def run(config_path: str, max_steps: int | None = None, run_name: str | None = N
         for batches in held_out:  # as the engine: each replica's micro-batch losses summed, then the mean
             total = None
             for x, y in batches:
-                loss = loss_fn(trainer.forward(x), y)
+                loss = trainer.loss(x, y)
                 total = loss if total is None else total + loss
             means.append(total / len(batches))
         mean = sum(means[1:], means[0])
         return (mean / dp if dp > 1 else mean).item()
 
+    identity = {"ds_async": cfgmod.resolved(cfg), "deepspeed": ds_config, "total_steps": total_steps}
+    done, resumed_from = 0, None
+    if resume and state_file.exists():
+        state = torch.load(state_file, map_location="cpu", weights_only=True)
+        if json.dumps(state["identity"], sort_keys=True, default=str) != json.dumps(identity, sort_keys=True,
+                                                                                    default=str):
+            raise ConfigError(f"--resume: {state_file} was saved by a run of another config or length; "
+                              "remove it to start again")
+        layers.load_state_dict(state["layers"])
+        optimizer.load_state_dict(state["optimizer"])
+        trainer.load_state_dict(state["trainer"])
+        if scheduler is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        batches.load_state_dict(state["data"])
+        if isinstance(stepped, SkipNonFinite):
+            stepped.skipped = state["skipped_steps"]
+        torch.set_rng_state(state["rng"])
+        done, resumed_from = state["step"], str(state_file)
+
     log = metrics.RunLogger(run_dir, total_steps, tokens_per_step, enabled=True, progress=cfg.logging.progress,
-                            every=cfg.logging.every)
+                            every=cfg.logging.every, start_step=done)
+    if resumed_from is not None:
+        log.history = state["history"]
     log.manifest(config_file=str(config_path), ds_async=cfgmod.resolved(cfg), deepspeed=ds_config,
                  world_size=cfg.pipeline_stages * dp, pipeline_stages=cfg.pipeline_stages, data_parallel=dp,
                  micro_batch_size=mbs, micro_batches=gas, tokens_per_step=tokens_per_step, total_steps=total_steps,
-                 model=hf_config.to_dict(), resumed_from=None,
+                 model=hf_config.to_dict(), resumed_from=resumed_from,
                  emulation={"device": str(dev), "card": card_name(dev), "precision": compute,
-                            "partition": bounds, "torch_threads": torch.get_num_threads()})
+                            "compile": cfg.performance.compile, "partition": bounds,
+                            "torch_threads": torch.get_num_threads()})
 
-    for step in range(1, total_steps + 1):
-        batch = [tuple(t.to(dev, non_blocking=True) for t in next(s)) for s in train_streams for _ in range(gas)]
-        loss = trainer.train_batch(batch)
-        log.train_step(step, loss, optimizer.param_groups[0]["lr"])
-        if not math.isfinite(loss) and cfg.train.on_nonfinite == "stop":
-            raise NonFiniteLoss(f"step {step}: the training loss is {'NaN' if math.isnan(loss) else 'inf'}; "
-                                "training stopped there (ds_async.train.on_nonfinite = 'stop')")
-        if cadence.evaluates(step):
-            log.validation(step, validate())
+    def save(step: int) -> None:
+        doc = {"identity": identity, "step": step, "layers": layers.state_dict(), "trainer": trainer.state_dict(),
+               "optimizer": optimizer.state_dict(), "data": batches.state_dict(), "history": log.history,
+               "scheduler": scheduler.state_dict() if scheduler is not None else None,
+               "skipped_steps": getattr(stepped, "skipped", 0), "rng": torch.get_rng_state()}
+        tmp = state_file.with_suffix(".tmp")
+        torch.save(doc, tmp)
+        os.replace(tmp, state_file)
+
+    # Losses and norms reach the host a step or two late (HostValue), so the host queues the next step while the
+    # device runs this one; a non-finite loss still stops the run, at most two steps after it.
+    pending: collections.deque = collections.deque()
+
+    def report(upto_all: bool = False) -> None:
+        while pending and (upto_all or len(pending) > 2 or pending[0][1].ready()):
+            step, loss, lr, norm = pending.popleft()
+            value = float(loss)
+            log.train_step(step, value, lr, grad_norm=None if norm is None else float(norm))
+            if not math.isfinite(value) and cfg.train.on_nonfinite == "stop":
+                raise NonFiniteLoss(f"step {step}: the training loss is {'NaN' if math.isnan(value) else 'inf'}; "
+                                    "training stopped there (ds_async.train.on_nonfinite = 'stop')")
+
+    try:
+        for step in range(done + 1, total_steps + 1):
+            loss = trainer.step_batch(batches.next_step())
+            norm = trainer.last_grad_norm
+            pending.append((step, metrics.HostValue(loss), optimizer.param_groups[0]["lr"],
+                            None if norm is None else metrics.HostValue(norm)))
+            report()
+            if cadence.evaluates(step):
+                report(upto_all=True)
+                log.validation(step, validate())
+            out_of_time = time_limit is not None and time.perf_counter() - started > time_limit
+            if (cadence.saves(step) or out_of_time) and step < total_steps:
+                report(upto_all=True)
+                save(step)
+                if out_of_time:
+                    log.writer.close()
+                    if log.bar is not None:
+                        log.bar.close()
+                    raise Stopped(step, state_file)
+        report(upto_all=True)
+    finally:
+        batches.close()
     skipped_docs = {k: sum(s.skipped[k] for s in train_streams) for k in data.SKIP_REASONS}
-    return log.close(total_steps, plot=cfg.logging.plot,
-                     extra={"skipped_docs": skipped_docs, "skipped_steps": getattr(stepped, "skipped", 0),
-                            "checkpoint": None, "resumed_from": None})
+    summary = log.close(total_steps, plot=cfg.logging.plot,
+                        extra={"skipped_docs": skipped_docs, "skipped_steps": getattr(stepped, "skipped", 0),
+                               "checkpoint": None, "resumed_from": resumed_from})
+    state_file.unlink(missing_ok=True)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
     from .data import DataError
-    from .nonfinite import NonFiniteLoss
 
     parser = argparse.ArgumentParser(prog="python -m ds_async.emulate",
                                      description="Train a ds_async JSON config's job in one process under its "
@@ -441,9 +578,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-name", default=None, help="override ds_async.logging.run_name")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds: save the run's state and exit 75 once a step ends past this")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the run folder's emulation_state.pt (left by --time-limit or "
+                             "checkpoint.every), if there is one")
     args = parser.parse_args(argv)
     try:
-        run(args.config, max_steps=args.max_steps, run_name=args.run_name, device=args.device)
+        run(args.config, max_steps=args.max_steps, run_name=args.run_name, device=args.device, resume=args.resume,
+            time_limit=args.time_limit)
+    except Stopped as e:
+        print(f"ds_async: {e}", file=sys.stderr, flush=True)
+        return 75  # EX_TEMPFAIL: schedulers treat it as "run again"
     except (ConfigError, DataError, NonFiniteLoss, FileNotFoundError) as e:
         print(f"ds_async: error: {e}", file=sys.stderr, flush=True)
         return 1

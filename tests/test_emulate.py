@@ -138,3 +138,35 @@ def test_cli_errors_name_the_key(tmp_path, capsys):
     assert emulate.main(["--config", str(path)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("ds_async: error: gradient_accumulation_steps: schedule '2bw' needs at least"), err
+
+
+def test_time_limit_and_resume_equal_an_uninterrupted_run(tmp_path, monkeypatch):
+    """Stopped by the time limit after every step (mid-way through the prefetched chunk each time) and resumed:
+    2BW + Muon + EF with clipping, an LR schedule and evaluations gives the same training and validation losses,
+    bit for bit, as the run that never stopped; the state file is gone once the run is complete."""
+    pytest.importorskip("gensim")
+    from ds_async import emulate
+
+    monkeypatch.chdir(tmp_path)
+    raw = json.loads((ROOT / "ds_configs" / "demo_cpu_2bw.json").read_text())
+    raw["ds_async"].update(train={"steps": 4}, eval={"every": 2, "batches": 2},
+                           logging={"dir": "runs", "progress": False, "plot": False})
+    raw["ds_async"]["model"]["config"].update(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(raw))
+    whole = emulate.run(str(path), run_name="whole", device="cpu")
+    stops = []
+    while True:
+        try:
+            cut = emulate.run(str(path), run_name="cut", device="cpu", resume=True, time_limit=0)
+            break
+        except emulate.Stopped as e:
+            stops.append(e.step)
+    assert stops == [1, 2, 3]
+    want = json.loads((tmp_path / "runs" / "whole" / "summary.json").read_text())["history"]
+    got = json.loads((tmp_path / "runs" / "cut" / "summary.json").read_text())["history"]
+    assert got["train"] == want["train"] and got["validation"] == want["validation"] and len(got["train"]) == 4
+    assert cut["final_validation_loss"] == whole["final_validation_loss"]
+    assert not (tmp_path / "runs" / "cut" / emulate.STATE_FILE).exists()
+    manifest = json.loads((tmp_path / "runs" / "cut" / "manifest.json").read_text())
+    assert manifest["resumed_from"].endswith(emulate.STATE_FILE)
