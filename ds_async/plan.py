@@ -199,8 +199,8 @@ def bounds_of(cfg, layers: list[Layer]) -> list[int]:
             super().__init__()
             self.p = torch.nn.Parameter(torch.empty(n, device="meta"))
 
-    return stage_bounds(cfg.partition.method, [Counted(layer.params) for layer in layers], cfg.pipeline_stages,
-                        cfg.partition.boundaries)
+    return [int(b) for b in stage_bounds(cfg.partition.method, [Counted(layer.params) for layer in layers],
+                                         cfg.pipeline_stages, cfg.partition.boundaries)]
 
 
 # ---------------------------------------------------------------------------------------------------- state
