@@ -17,7 +17,8 @@ Bytes per stage of ``N`` parameters (``w`` = 2 under ``bf16.enabled``, else 4; `
 - weights ``w N``; weight versions ``k w N`` where ``k`` = the rule's ``max_versions`` slots a flush-free engine
   keeps beside the module's own weights (``ds_async.pipe.versions``: 2 under 2BW; none under 1F1B);
 - gradients ``w N`` on the module (or the version slot a backward ran on), plus, under DeepSpeed's bf16 optimizer,
-  its full-size gradient buffer (``4 N``, or ``2 N`` with ``data_types.grad_accum_dtype`` bf16);
+  its full-size gradient buffer (``2 N``: DeepSpeed accumulates a pipeline's gradients in bf16; ``4 N`` with
+  ``data_types.grad_accum_dtype`` fp32);
 - fp32 master weights under bf16: DeepSpeed's bf16 optimizer (DeepSpeed-built AdamW) keeps ``4 N / d`` (flat,
   partitioned over replicas, padded as DeepSpeed pads); ds_async's :class:`~ds_async.optim.master.MasterWeights`
   (Muon, Lion, anything with a correction) keeps ``4 N`` per whole tensor;
@@ -27,7 +28,8 @@ Bytes per stage of ``N`` parameters (``w`` = 2 under ``bf16.enabled``, else 4; `
   divides masters and moments by ``d``; ZeRO-1 does for the rest, by whole tensors where ds_async shards
   (``ds_async.optim.sharded.partition_params``; the busiest replica is reported), flat where DeepSpeed does;
 - step workspace (estimate): the transient tensors of the optimizer step; Muon's bf16 directions and results
-  (``4`` bytes a matrix parameter) and Newton-Schulz iterates of its largest same-shape stack;
+  (``4`` bytes a matrix parameter) and Newton-Schulz iterates of its largest same-shape stack; the unfused steps'
+  fp32 gradients;
 - activations (estimate, below) times the micro-batches a stage holds: ``p - s`` on stage ``s`` under a flush-free
   rule (steady 1F1B across batches), ``min(p - s, m)`` under 1F1B, plus one working set;
 - a fixed allowance of :data:`CONTEXT_GIB` for the CUDA context, cuBLAS/NCCL workspaces and fragmentation.
@@ -136,7 +138,8 @@ def job_of(ds_config: dict, cfg, world: int):
     zero = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
     if zero >= 2:
         raise ConfigError(f"zero_optimization.stage: {zero}; pipelines run ZeRO stage 0 or 1")
-    accum = str((ds_config.get("data_types") or {}).get("grad_accum_dtype", "fp32")).lower()
+    # DeepSpeed accumulates a pipeline's gradients in the model's dtype unless data_types says otherwise.
+    accum = str((ds_config.get("data_types") or {}).get("grad_accum_dtype") or "bf16").lower()
     return Job(family=cfg.model.family, stages=cfg.pipeline_stages, replicas=world // cfg.pipeline_stages,
                micro_batch=mbs, micro_batches=gas, seq_len=cfg.data.seq_len, schedule=cfg.schedule,
                optimizer=kind, sgd_momentum=bool(params.get("momentum", 0)), correction=cfg.correction.type,
@@ -314,6 +317,8 @@ def step_workspace(job: Job, layers: list[Layer]) -> int:
         total += 2 * 2 * sum(by_shape.values()) + 3 * 2 * largest + 2 * 2 * gram
     if job.path == "master-weights" and not job.fused_step:
         total += 4 * n + 8 * min(n, 2 ** 28)  # fp32 gradients, then the update in chunks
+    elif job.path == "deepspeed-bf16" and not job.fused_step and job.grad_accum_bytes != 4:
+        total += 4 * deepspeed_padded(n, job.replicas) // job.replicas  # the fp32 gradients its step reads
     elif job.path == "plain" and job.optimizer != "sgd":
         total += 8 * min(n, 2 ** 28)
     return total

@@ -1,0 +1,268 @@
+"""``python -m ds_async.plan`` against real tensors on CPU: the state bytes exactly, the activations within 10%.
+
+State: the planner's weights, weight versions, gradients, masters, optimizer state and correction buffers of each
+stage equal the bytes of the tensors ds_async builds for that stage (ds_async's bf16 masters for Muon + EF; a real
+DeepSpeed engine with DeepSpeed's bf16 optimizer for AdamW, in a one-process subprocess). Activations: the tensors
+autograd saves in a real forward of a stage (unique storages, parameters excluded) plus the stage's input and
+output, against the planner's per-micro-batch estimate. The shipped 4-GPU configs plan as fitting 80 GB.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ds_async import plan as planner
+from ds_async.emulate import build_layers
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-5}
+MOE = {"num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02}
+MUON = {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 3e-4}}
+ADAMW = {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1, "torch_adam": True}}
+
+
+def write_config(tmp_path: Path, family: str = "llama", stages: int = 2, mbs: int = 2, gas: int = 2,
+                 optimizer: dict = MUON, correction: str = "ef", schedule: str = "2bw", seq_len: int = 64,
+                 bf16: bool = True, performance: dict | None = None, name: str = "c.json") -> Path:
+    model = {"family": family, "config": {**TINY, **(MOE if family == "mixtral" else {})}}
+    config = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
+              "bf16": {"enabled": bf16}, "optimizer": optimizer,
+              "ds_async": {"model": model, "pipeline_stages": stages, "partition": {"method": "uniform"},
+                           "schedule": schedule, "correction": {"type": correction},
+                           "performance": performance or {}, "data": {"seq_len": seq_len},
+                           "train": {"steps": 1}, "tokenizer": "train:512"}}
+    path = tmp_path / name
+    path.write_text(json.dumps(config))
+    return path
+
+
+def nbytes(tensors) -> int:
+    """Bytes of the unique storages of ``tensors``."""
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+# ---------------------------------------------------------------------------------------------------- state
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_state_bytes_equal_master_weights_muon_ef(tmp_path, family):
+    """Muon + EF under bf16 (ds_async's MasterWeights, fused step), 2BW: every stage's state bytes exactly."""
+    from ds_async.optim.client import client_optimizer
+    from ds_async.pipe.versions import WeightVersions
+
+    path = write_config(tmp_path, family, performance={"fused_optimizer_step": True})
+    p = planner.plan(str(path), gpu_memory_gib=80)
+    from ds_async import config as cfgmod
+    ds_config, cfg = cfgmod.load(str(path))
+    layers, loss_fn, _ = build_layers(cfg.model, seed=cfg.seed)
+    stages = [nn.Sequential(*layers[a:b]) for a, b in zip(p.boundaries, p.boundaries[1:])]
+    opts = [client_optimizer(stage, ds_config, cfg.correction, None, 1, fused=True)[1] for stage in stages]
+    versions = [WeightVersions(stage, 2) for stage in stages]
+    ids = torch.randint(0, TINY["vocab_size"], (2, 64))
+    x = ids
+    for stage in stages:
+        x = stage(x)
+    loss_fn(x, ids).backward()
+    grads = [nbytes(q.grad for q in stage.parameters()) for stage in stages]
+    for opt in opts:
+        opt.step_with()
+    for s, (stage, opt, ver) in enumerate(zip(stages, opts, versions)):
+        want = p.stage_list[s]
+        state = [v for st in opt.state.values() for k, v in st.items() if torch.is_tensor(v) and k != "ef_prev_update"]
+        ef = [st["ef_prev_update"] for st in opt.state.values()]
+        have = dict(weights=nbytes(stage.parameters()), versions=nbytes(t for slot in ver.slots for t in slot),
+                    grads=grads[s], masters=nbytes(opt.masters), optimizer=nbytes(state), correction=nbytes(ef))
+        assert have == {k: getattr(want, k) for k in have}, (s, have)
+        assert want.params == sum(q.numel() for q in stage.parameters())
+
+
+def engine_job(config_path: str, out: str) -> None:
+    """One process, one stage: a real ds_async engine (DeepSpeed's bf16 optimizer) trains one step; the bytes of
+    its tensors go to ``out``."""
+    import deepspeed
+
+    from ds_async import config as cfgmod
+    from ds_async import initialize
+    from ds_async.models import build_pipeline, model_config
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    ds_config, cfg = cfgmod.load(config_path)
+    module = build_pipeline(cfg, model_config(cfg))
+    engine = initialize(module, ds_config, schedule=cfg.schedule, correction=cfg.correction,
+                        fused_optimizer_step=cfg.performance.fused_optimizer_step)
+    ids = torch.randint(0, TINY["vocab_size"], (2, cfg.data.seq_len))
+    engine.train_batch(iter([(ids, ids)] * 4))
+    opt = engine.optimizer
+    state = [v for st in opt.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
+    result = dict(params=sum(q.numel() for q in engine.module.parameters()),
+                  weights=nbytes(engine.module.parameters()),
+                  versions=nbytes(t for slot in engine.versions.slots for t in slot),
+                  grad_buffer=nbytes(opt.fp32_groups_gradients_flat), masters=nbytes(opt.fp32_groups_flat_partition),
+                  optimizer=nbytes(state))
+    Path(out).write_text(json.dumps(result))
+
+
+def test_state_bytes_equal_deepspeed_bf16_engine(tmp_path):
+    """AdamW through DeepSpeed's bf16 optimizer on a real one-stage 2BW engine: the same bytes as planned."""
+    path = write_config(tmp_path, stages=1, optimizer=ADAMW, correction="none", gas=2, seq_len=32)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "PYTHONPATH": str(ROOT)}
+    out = tmp_path / "result.json"
+    subprocess.run([sys.executable, __file__, str(path), str(out)], env=env, check=True, timeout=300, cwd=tmp_path)
+    have = json.loads(out.read_text())
+    want = planner.plan(str(path), gpus=1, gpu_memory_gib=80).stage_list[0]
+    assert have["params"] == want.params
+    assert have["weights"] == want.weights
+    assert have["versions"] == want.versions
+    assert have["grad_buffer"] == want.grads - 2 * want.params  # the bf16 gradients beside it: 2 bytes each
+    assert have["masters"] == want.masters
+    assert have["optimizer"] == want.optimizer
+
+
+# ---------------------------------------------------------------------------------------------------- activations
+
+def saved_bytes(layers, x) -> tuple[int, torch.Tensor]:
+    """Bytes autograd saves in a forward of ``layers`` on ``x`` (unique storages, parameters excluded), plus the
+    input and output the stage holds."""
+    params = {q.untyped_storage().data_ptr() for layer in layers for q in layer.parameters()}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = x
+        for layer in layers:
+            out = layer(out)
+    for t in (x, out):
+        t = t[0] if isinstance(t, tuple) else t
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values()), out
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activations_of_a_middle_stage(tmp_path, family, dtype):
+    """Two decoder layers of a middle stage, one micro-batch of 2 x 128 tokens: within 10% of the real bytes."""
+    path = write_config(tmp_path, family, stages=3, gas=4, seq_len=128, bf16=dtype == torch.bfloat16)
+    from ds_async import config as cfgmod
+    from ds_async.models import model_config
+    ds_config, cfg = cfgmod.load(str(path))
+    job, hf = planner.job_of(ds_config, cfg, 3), model_config(cfg)
+    layers, _, _ = build_layers(cfg.model)
+    stage = [layers[2].to(dtype), layers[3].to(dtype)]
+    x = torch.randn(2, 128, 64, dtype=dtype, requires_grad=True)
+    if family == "mixtral":  # what a middle stage receives: the hidden states and the router sums
+        x = (x, torch.zeros(4, requires_grad=True), torch.zeros(4, dtype=torch.long))
+    have, _ = saved_bytes(stage, x)
+    want, _ = planner.activation_memory(job, hf, ["decoder", "decoder"], 1)
+    print(f"middle stage {family} {dtype}: planned {want}, saved {have}")
+    assert abs(want - have) <= 0.1 * have, (want, have)
+
+
+def test_activations_of_the_last_stage_with_checkpointing(tmp_path):
+    """The last stage (decoder, decoder, head, chunked loss) with and without per-layer checkpointing (reentrant,
+    as DeepSpeed's: a checkpointed layer keeps its input)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from ds_async import config as cfgmod
+    from ds_async.models import model_config
+    for interval in (0, 1):
+        path = write_config(tmp_path, stages=2, seq_len=128, bf16=False,
+                            performance={"loss_chunk": 64, "activation_checkpoint_interval": interval})
+        ds_config, cfg = cfgmod.load(str(path))
+        job, hf = planner.job_of(ds_config, cfg, 2), model_config(cfg)
+        layers, loss_fn, _ = build_layers(cfg.model, loss_chunk=64)
+        run = [(lambda t, f=f: checkpoint(f, t, use_reentrant=True)) if interval else f for f in layers[3:5]]
+        head = layers[5]
+        x = torch.randn(2, 128, 64, requires_grad=True)
+        labels = torch.randint(0, 512, (2, 128))
+        params = {q.untyped_storage().data_ptr() for q in layers.parameters()}
+        seen = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            h = x
+            for f in run:
+                h = f(h)
+            loss_fn(head(h), labels)
+        for t in (x, labels):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        have = sum(seen.values())
+        want, _ = planner.activation_memory(job, hf, ["decoder", "decoder", "head"], 1)
+        print(f"last stage, checkpoint interval {interval}: planned {want}, saved {have}")
+        assert abs(want - have) <= 0.1 * have, (interval, want, have)
+
+
+# ---------------------------------------------------------------------------------------------------- the rest
+
+def test_bubble_matches_the_simulator():
+    from ds_async.pipe.simulate import simulate
+
+    for m, batches in ((4, 5), (8, 3)):
+        measured = simulate("2bw", 4, m, batches).bubble[0]
+        assert planner.bubble("2bw", 4, m) == 0.0
+        assert measured == pytest.approx(3 / (batches * m + 3))  # only the segment's warm-up and drain
+    assert planner.bubble("1f1b", 4, 8) == pytest.approx(3 / 11)
+
+
+def test_balanced_boundaries():
+    assert planner.balanced_bounds([0, 2, 2, 2, 2, 1], 3) == [0, 2, 4, 6]
+    assert planner.balanced_bounds([1, 1, 1, 1], 4) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("name", ["llama3_8b_4gpu_2bw_adamw", "llama3_8b_4gpu_2bw_muon_ef",
+                                  "mixtral_8x1b_4gpu_2bw_muon_ef"])
+def test_shipped_configs_fit_80_gb_at_m_8_and_16(tmp_path, name):
+    raw = json.loads((ROOT / "ds_configs" / f"{name}.json").read_text())
+    for m in (8, 16):
+        raw["gradient_accumulation_steps"] = m
+        path = tmp_path / f"{name}-{m}.json"
+        path.write_text(json.dumps(raw))
+        p = planner.plan(str(path), gpus=4, gpu_memory_gib=80e9 / 2 ** 30)
+        assert p.fits and p.stages == 4 and p.replicas == 1, planner.render(p)
+        assert 6.5e9 < p.params < 12.5e9
+    if "mixtral" in name:
+        assert p.active_params < p.params / 2
+
+
+def test_cli_table_json_and_errors(tmp_path, capsys):
+    path = write_config(tmp_path)
+    assert planner.main([str(path)]) == 0
+    assert "fits" in capsys.readouterr().out
+    assert planner.main([str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stages"] == 2
+    assert planner.main([str(path), "--gpus", "3"]) == 1
+    assert capsys.readouterr().err.startswith("ds_async: error: ds_async.pipeline_stages")
+    bad = json.loads(path.read_text())
+    bad["optimizer"]["type"] = "Adagrad"
+    path.write_text(json.dumps(bad))
+    assert planner.main([str(path)]) == 1
+    assert "optimizer.type" in capsys.readouterr().err
+
+
+if __name__ == "__main__":
+    engine_job(sys.argv[1], sys.argv[2])
