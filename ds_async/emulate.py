@@ -390,8 +390,9 @@ def run(config_path: str, max_steps: int | None = None, run_name: str | None = N
     ``<run folder>/emulation_state.pt`` and raises :class:`Stopped`; so does a ``checkpoint.every`` step (without
     stopping). ``resume``: continue from that file when the run folder has one (the same config only)."""
     from . import config as cfgmod
-    from . import data, metrics
+    from . import data, metrics, telemetry
     from .cadence import Cadence
+    from .flops import model_flops_per_token
     from .config import ConfigError
     from .nonfinite import SkipNonFinite
     from .optim import Muon, build_optimizer
@@ -503,8 +504,12 @@ def run(config_path: str, max_steps: int | None = None, run_name: str | None = N
         torch.set_rng_state(state["rng"])
         done, resumed_from = state["step"], str(state_file)
 
+    peak = telemetry.peak_flops(cfg.logging.peak_tflops, dev)
     log = metrics.RunLogger(run_dir, total_steps, tokens_per_step, enabled=True, progress=cfg.logging.progress,
-                            every=cfg.logging.every, start_step=done)
+                            every=cfg.logging.every, start_step=done, window=cfg.logging.window,
+                            warmup=cfg.logging.warmup_steps,
+                            flops_per_step=model_flops_per_token(hf_config, seq_len) * tokens_per_step,
+                            peak_flops=peak)
     if resumed_from is not None:
         log.history = state["history"]
     log.manifest(config_file=str(config_path), ds_async=cfgmod.resolved(cfg), deepspeed=ds_config,
@@ -512,6 +517,7 @@ def run(config_path: str, max_steps: int | None = None, run_name: str | None = N
                  micro_batch_size=mbs, micro_batches=gas, tokens_per_step=tokens_per_step, total_steps=total_steps,
                  model=hf_config.to_dict(), resumed_from=resumed_from,
                  emulation={"device": str(dev), "card": card_name(dev), "precision": compute,
+                            "parameters": sum(q.numel() for q in layers.parameters()),
                             "compile": cfg.performance.compile, "partition": bounds,
                             "torch_threads": torch.get_num_threads()})
 

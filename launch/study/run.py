@@ -18,7 +18,8 @@ only config language. A matrix (below) is a list of such runs; the driver writes
 The configs' data and tokenizer paths are relative to the repository root (``../shared/corpus``): every run
 starts there. A run's folder is ``OUT/<runner>/<group>/<name>/``: ``config.json`` (the JSON it ran) and what the
 runner writes (``manifest.json``, tensorboard events, ``summary.json``). A folder with ``summary.json`` is finished and skipped
-(``--force`` re-runs it); an unfinished one starts again from scratch. ``--set KEY=VALUE`` overrides a key in
+(``--force`` re-runs it); an unfinished one resumes from its ``emulation_state.pt`` (left by ``--time-limit``),
+else starts again from scratch. ``--set KEY=VALUE`` overrides a key in
 every run (a JSON value, else a string), e.g. the data paths on another machine.
 """
 from __future__ import annotations
@@ -176,6 +177,21 @@ def _depth8(base: str, group: str, seed_values: tuple[int, ...], **shape) -> lis
                          "gradient_accumulation_steps": 8, **shape}})
 
 
+# The real-length study (long.json: 30.9M parameters, 4712 steps of 131k tokens = 20 tokens per parameter): the
+# optimizers on the engine's fast path, Muon's step fused.
+LONG_OPTIMIZERS = {
+    "adamw": {"optimizer": {"type": "AdamW", "params": {**OPTIMIZERS["adamw"]["optimizer"]["params"], "fused": True}}},
+    "muon": {**OPTIMIZERS["muon"], "ds_async.performance.fused_optimizer_step": True},
+}
+
+
+def long_lengths(fractions=(1 / 27, 1 / 9, 1 / 3)) -> dict:
+    """Shorter runs of long.json, each with its own LR schedule: the gap against training length."""
+    steps = load_base("long.json")["ds_async"]["train"]["steps"]
+    return {f"len{round(steps * f)}": {**length(round(steps * f)), "ds_async.eval.every": max(1, round(steps * f) // 10)}
+            for f in fractions}
+
+
 def matrix(name: str) -> list[Run]:
     """The named list of runs.
 
@@ -188,6 +204,9 @@ def matrix(name: str) -> list[Run]:
     emulation runs are cheap). ``tiny-pairs``: the pairs' points on ``tiny.json`` split over 2 stages (2
     micro-batches of 2), to run with both runners. ``depth8`` (8 GPUs) and ``depth8-cpu``
     (8 CPU ranks, a 6-layer tiny model, 200 steps, seeds 0 and 1): Muon sync vs 2bw+ef through 8 stages.
+    ``long``: ``main`` at a real length on ``long.json`` (20 tokens per parameter, bf16 weights with fp32 masters
+    as on the engine's fast path; 18). ``long-lr``: each optimizer's sync peak LR x0.5 and x2 there (seed 0).
+    ``long-lengths``: sync and 2bw at 1/27, 1/9 and 1/3 of that length, seeds 0 and 1 (24).
     """
     opts = OPTIMIZERS
     if name == "main":
@@ -203,6 +222,15 @@ def matrix(name: str) -> list[Run]:
     if name == "tiny-pairs":  # tiny.json's one stage split in two, for a 2-process engine
         return pairs("tiny.json", "engine", (0,), **{"ds_async.pipeline_stages": 2, "train_micro_batch_size_per_gpu": 2,
                                                      "gradient_accumulation_steps": 2, "ds_async.eval.batches": 4})
+    if name == "long":
+        return product("long.json", "long", LONG_OPTIMIZERS, VARIANTS, seeds(0, 1, 2))
+    if name == "long-lr":  # each optimizer's sync LR bracketed around long.json's, seed 0
+        return [r for opt in LONG_OPTIMIZERS for r in product(
+            "long.json", "long-lr", {opt: LONG_OPTIMIZERS[opt]}, {"sync": VARIANTS["sync"]},
+            {f"lr{x:g}x": lr_scaled(opt, x) for x in (0.5, 2.0)}, seeds(0))]
+    if name == "long-lengths":
+        return product("long.json", "long-lengths", LONG_OPTIMIZERS, {k: VARIANTS[k] for k in ("sync", "2bw")},
+                       long_lengths(), seeds(0, 1))
     if name == "depth8":
         return _depth8("base.json", "depth8", (0,), train_micro_batch_size_per_gpu=6, **{"ds_async.eval.batches": 80})
     if name == "depth8-cpu":
@@ -212,7 +240,7 @@ def matrix(name: str) -> list[Run]:
     raise ValueError(f"unknown matrix {name!r}; known: {', '.join(MATRICES)}")
 
 
-MATRICES = ("main", "extras", "pairs", "tiny", "tiny-pairs", "depth8", "depth8-cpu")
+MATRICES = ("main", "extras", "pairs", "tiny", "tiny-pairs", "depth8", "depth8-cpu", "long", "long-lr", "long-lengths")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -266,8 +294,11 @@ def command(runner: str, config_path: Path, nproc: int, port: int) -> list[str]:
             str(ROOT / "launch" / "train.py"), "--config", str(config_path)]
 
 
-def train(runs: list[Run], out: Path, runner: str, sets: dict, force: bool, device: str | None, port: int) -> int:
-    """Train the runs one after the other; returns how many failed (each failure is reported, the rest go on)."""
+def train(runs: list[Run], out: Path, runner: str, sets: dict, force: bool, device: str | None, port: int,
+          time_limit: float | None = None) -> int:
+    """Train the runs one after the other; returns how many failed (each failure is reported, the rest go on).
+    ``time_limit`` (emulation): seconds for all of them; the run going at the limit saves its state and the rest
+    wait; a later call resumes it."""
     failed = []
     t0 = time.perf_counter()
     if runner == "emulation":
@@ -282,16 +313,26 @@ def train(runs: list[Run], out: Path, runner: str, sets: dict, force: bool, devi
         if (folder / "summary.json").exists() and not force:
             print(f"[skip] {folder} is done", flush=True)
             continue
-        shutil.rmtree(folder, ignore_errors=True)
+        left = None if time_limit is None else time_limit - (time.perf_counter() - t0)
+        if left is not None and left <= 0:
+            print(f"[time limit] {len(runs) - k} runs left for a later call", flush=True)
+            break
+        resume = runner == "emulation" and not force and (folder / "emulation_state.pt").exists()
+        if not resume:
+            shutil.rmtree(folder, ignore_errors=True)
         config_path = write_config(run, folder, sets)
-        print(f"[run {k + 1}/{len(runs)}] {folder} ({runner})", flush=True)
+        print(f"[run {k + 1}/{len(runs)}] {folder} ({runner}{', resumed' if resume else ''})", flush=True)
         t = time.perf_counter()
         try:
             if runner == "emulation":
                 from ds_async import emulate
 
                 with contextlib.chdir(ROOT):  # the configs' data and tokenizer paths are relative to it
-                    emulate.run(str(config_path), device=device)
+                    try:
+                        emulate.run(str(config_path), device=device, resume=resume, time_limit=left)
+                    except emulate.Stopped as e:
+                        print(f"[stopped] {run.group}/{run.name}: {e}", flush=True)
+                        break
                 _release_memory()
             else:
                 nproc = processes(json.loads(config_path.read_text()))
@@ -366,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="emulation runs: cuda, cuda:N or cpu (default: cuda if present)")
     p.add_argument("--port", type=int, default=29600, help="engine runs: torchrun's master port")
     p.add_argument("--force", action="store_true", help="re-run finished runs")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="emulation: seconds for this call; the run going then saves its state, and the next call "
+                        "resumes it (unfinished runs with a saved state always resume)")
     p.add_argument("--list", action="store_true", help="print the runs and their commands; run nothing")
     args = p.parse_args(argv)
 
@@ -387,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
                   + " ".join(command(args.runner, folder / "config.json", processes(config), args.port)))
         print(f"{len(runs)} runs, {sum(lookup(r.config(sets), 'ds_async.train.steps') for r in runs)} steps")
         return 0
-    return 1 if train(runs, out, args.runner, sets, args.force, args.device, args.port) else 0
+    return 1 if train(runs, out, args.runner, sets, args.force, args.device, args.port, args.time_limit) else 0
 
 
 if __name__ == "__main__":
