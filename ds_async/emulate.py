@@ -410,6 +410,8 @@ def run(config_path: str, max_steps: int | None = None, run_name: str | None = N
         raise ConfigError("optimizer: the emulation builds the optimizer from this block; it is missing")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda":
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     compute = precision(ds_config, dev)
