@@ -15,7 +15,17 @@ from .pipe.engine import AsyncPipelineEngine
 
 
 def init_distributed() -> None:
-    """Join the process group the launcher (deepspeed, torchrun) described; gloo on CPU. Idempotent."""
+    """Join the process group the launcher (deepspeed, torchrun) described; gloo on CPU. Idempotent.
+
+    On CPU, DeepSpeed's communication backend would first JIT-compile its shared-memory all-reduce op, which sits
+    silent for minutes on a machine's first run; only DeepSpeed's inference tensor parallelism calls that op (the
+    process group's all-reduce serves training), so it is marked unavailable here and never built."""
+    import torch.distributed as tdist
+
+    if get_accelerator().device_name() == "cpu" and not tdist.is_initialized():
+        shm = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if shm is not None:
+            deepspeed.ops.__compatible_ops__[shm.NAME] = False  # DeepSpeed keeps this dict; it reads it to decide
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
 
 

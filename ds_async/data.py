@@ -253,18 +253,36 @@ def load_text_stream(source: str | Sequence[str] | DataSource, split: str, text_
     return ds
 
 
-def load_tokenizer(spec: str) -> PreTrainedTokenizerFast:
-    """Load a tokenizer.json file, or a directory / hub name through AutoTokenizer; it must define an EOS token."""
-    if spec.endswith(".json"):
-        if not os.path.isfile(spec):
-            raise FileNotFoundError(f"no tokenizer file {spec!r}")
-        tokenizer = PreTrainedTokenizerFast(tokenizer_file=spec)
-        # A bare tokenizer.json has no config naming its EOS; ours (see ds_async.tokenizer) reserve EOS_TOKEN.
-        if EOS_TOKEN in tokenizer.get_vocab():
-            tokenizer.eos_token = EOS_TOKEN
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(spec)
-    eos_id(tokenizer)
+def load_tokenizer(spec: str, key: str | None = None) -> PreTrainedTokenizerFast:
+    """Load a tokenizer.json file, or a directory / hub name through AutoTokenizer (never running code of its own:
+    a folder with ``auto_map`` is refused); it must define an EOS token. With ``key`` (the config key, e.g.
+    ``ds_async.tokenizer``) every failure is a one-line ConfigError naming it and ``spec``."""
+    from .hub import one_line, refuse_remote_code
+
+    where = f"{key}: {spec}" if key else spec
+    try:
+        if spec.endswith(".json"):
+            if not os.path.isfile(spec):
+                raise FileNotFoundError(f"no tokenizer file {spec!r}")
+            tokenizer = PreTrainedTokenizerFast(tokenizer_file=spec)
+            # A bare tokenizer.json has no config naming its EOS; ours (see ds_async.tokenizer) reserve EOS_TOKEN.
+            if EOS_TOKEN in tokenizer.get_vocab():
+                tokenizer.eos_token = EOS_TOKEN
+        else:
+            refuse_remote_code(spec, where)
+            tokenizer = AutoTokenizer.from_pretrained(spec, trust_remote_code=False)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a missing file, an unreachable hub name, a file tokenizers rejects
+        if key is None:
+            raise
+        raise ConfigError(f"{where}: cannot load the tokenizer ({one_line(e)})") from None
+    try:
+        eos_id(tokenizer)
+    except ValueError as e:
+        if key is None:
+            raise
+        raise ConfigError(f"{key}: {e}") from None
     return tokenizer
 
 
@@ -298,6 +316,22 @@ def usable_text(value, min_chars: int) -> tuple[str | None, str | None]:
     if min_chars > 1 and len("".join(value.split())) < min_chars:
         return None, "short"
     return value, None
+
+
+NON_UTF8_REFUSED, NON_UTF8_WARNED = 0.5, 0.1
+"""Shares of non-UTF-8 documents among those read at start that stop the job / print a warning."""
+
+
+def check_encoding(documents: int, non_utf8: int, where: str) -> str | None:
+    """The verdict on ``non_utf8`` of the first ``documents`` documents of source ``where`` (config key and
+    source): DataError from half of them (not UTF-8 text: binary data, or another encoding), a warning line from a
+    tenth (the rest trains, those are skipped), else None."""
+    if not documents or non_utf8 < NON_UTF8_WARNED * documents:
+        return None
+    what = f"{where}: {non_utf8} of the first {documents} documents are not valid UTF-8"
+    if non_utf8 >= NON_UTF8_REFUSED * documents:
+        raise DataError(f"{what}; this is not UTF-8 text (binary data, or another encoding: convert it to UTF-8)")
+    return f"ds_async: warning: {what} and are skipped (another encoding, or binary data mixed in?)"
 
 
 def text_digest(text: str) -> bytes:
@@ -343,6 +377,7 @@ class _Documents:
         self._source = split_dataset_by_node(source, rank=dp_rank if by_shard else 0,
                                              world_size=dp_world_size if by_shard else 1)
         self._classify, self._seed, self._size = classify, seed, shuffle_buffer
+        self.columns: list[str] | None = None  # of the first row read, for messages
         self.open(0)
 
     def open(self, epoch: int) -> None:
@@ -378,6 +413,8 @@ class _Documents:
                 self.exhausted = True
                 break
             self.read += 1
+            if self.columns is None and isinstance(row, dict):
+                self.columns = list(row)
             self._kept.append(self._classify(row))
         keep = 0 if self.exhausted else size // 2
         order = self._rng.permutation(len(self._kept)) if self._rng is not None and self._kept else \
@@ -475,7 +512,7 @@ class PackedBatches:
         self._eos = eos_id(tokenizer)
         self._seq_len = seq_len
         self._micro_batch_size = micro_batch_size
-        self._dp_rank = dp_rank
+        self._dp_rank, self._dp_world_size = dp_rank, dp_world_size
         self._repeat = repeat
         self._tokenize_batch = tokenize_batch
         self._held_out = held_out or frozenset()
@@ -487,7 +524,9 @@ class PackedBatches:
         self._docs = _Documents(dataset, classify, seed=seed, shuffle_buffer=max(shuffle_buffer, 0),
                                 dp_rank=dp_rank, dp_world_size=dp_world_size)
 
+        self._text_field = text_field
         self._tokens = 0
+        self._used = 0
         self._skipped = dict.fromkeys(self._reasons(), 0)
         self._epoch_has_text = False
         # Tokens not yet emitted are self._buffer[self._pos:]; consumed ones are dropped in bulk at refill time
@@ -524,13 +563,14 @@ class PackedBatches:
                 if not self._repeat:
                     return False
                 if not self._epoch_has_text:
-                    raise ValueError(f"data-parallel rank {self._dp_rank} read no non-empty documents in an epoch")
+                    raise DataError(self._no_text())
                 self._docs.open(self._docs.epoch + 1)
                 self._epoch_has_text = False
                 continue
             if not texts:
                 continue
             self._epoch_has_text = True
+            self._used += len(texts)
             # split_special_tokens: a literal "<|endoftext|>" inside a document is text, not a document boundary.
             encoded = self._tokenizer(
                 texts, add_special_tokens=False, split_special_tokens=True, return_attention_mask=False
@@ -539,6 +579,40 @@ class PackedBatches:
                 self._buffer.extend(ids)
                 self._buffer.append(self._eos)
         return True
+
+    def _no_text(self) -> str:
+        """Why a whole pass over this rank's documents gave no text to train on, naming the source and the key."""
+        skipped = {k: v for k, v in self._skipped.items() if v}
+        if not skipped:
+            if self._dp_world_size > 1:
+                return (f"{self._source}: no documents for data-parallel rank {self._dp_rank} of "
+                        f"{self._dp_world_size} (empty, or fewer documents or files than replicas)")
+            return f"{self._source}: no documents (empty)"
+        counts = ", ".join(f"{v} {k.replace('_', '-')}" for k, v in skipped.items())
+        hint = ""
+        columns = self._docs.columns
+        if columns is not None and self._text_field not in columns:
+            hint = (f"; the rows have no column '{self._text_field}' (ds_async.data.text_field), they have "
+                    f"{', '.join(map(repr, columns[:10]))}")
+        elif skipped.get("non_utf8"):
+            hint = "; non-UTF-8 text files are skipped line by line: convert them to UTF-8"
+        elif skipped.get("short"):
+            hint = "; ds_async.data.min_chars may be too high"
+        return (f"{self._source}: no usable text: all {sum(skipped.values())} documents data-parallel rank "
+                f"{self._dp_rank} read in a whole pass were skipped ({counts}){hint}")
+
+    def peek(self) -> None:
+        """Buffer the next micro-batch's tokens without emitting them (the next ``__next__`` returns them): a
+        stream that cannot be read or holds no usable text raises DataError now. StopIteration for a non-repeating
+        stream too short for one micro-batch."""
+        n = self._micro_batch_size * self._seq_len
+        if len(self._buffer) - self._pos < n + 1 and not self._refill(n + 1):
+            raise StopIteration
+
+    @property
+    def documents(self) -> int:
+        """Documents taken so far, used or skipped."""
+        return self._used + sum(self._skipped.values())
 
     def __iter__(self):
         return self
@@ -575,6 +649,7 @@ class PackedBatches:
             "tokens": self._tokens,
             "skipped_docs": sum(self._skipped.values()),
             "skipped": dict(self._skipped),
+            "used": self._used,
             "has_text": self._epoch_has_text,
             "buffer": self._buffer[self._pos :],
             "stream": self._docs.state_dict(),
@@ -596,6 +671,7 @@ class PackedBatches:
         self._tokens = state["tokens"]
         self._skipped = dict.fromkeys(self._reasons(), 0)
         self._skipped.update(state.get("skipped", {"empty": state["skipped_docs"]}))
+        self._used = state.get("used", 0)
         self._buffer = list(state["buffer"])
         self._pos = 0
 

@@ -115,7 +115,7 @@ def _read_model_files(folder: Path, names: list[str]):
                 except (UnicodeDecodeError, json.JSONDecodeError) as e:
                     raise CheckpointError(f"{folder / name}: not valid JSON ({e})") from None
         try:
-            config = AutoConfig.from_pretrained(scratch)
+            config = AutoConfig.from_pretrained(scratch, trust_remote_code=False)
         except Exception as e:  # noqa: BLE001 - transformers raises many kinds for a bad config
             raise CheckpointError(f"{folder / 'config.json'}: cannot be read as a model config "
                                   f"({type(e).__name__}: {e})") from None
@@ -123,7 +123,7 @@ def _read_model_files(folder: Path, names: list[str]):
         if not tokenizer_files:
             return config, None
         try:
-            tokenizer = AutoTokenizer.from_pretrained(scratch)
+            tokenizer = AutoTokenizer.from_pretrained(scratch, trust_remote_code=False)
         except Exception as e:  # noqa: BLE001 - tokenizers/transformers raise many kinds for bad files
             raise CheckpointError(f"{folder}: its tokenizer ({', '.join(tokenizer_files)}) cannot be loaded "
                                   f"({type(e).__name__}: {e})") from None

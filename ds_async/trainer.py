@@ -30,24 +30,83 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def resolve_tokenizer(cfg: DsAsyncConfig, run_dir: Path, dist):
-    """Load the configured tokenizer; ``train:<vocab>`` trains one on the training stream (rank 0) first."""
-    from . import data, tokenizer
+def resolve_tokenizer(cfg: DsAsyncConfig, run_dir: Path, dist, group=None):
+    """Load the configured tokenizer (errors name ``ds_async.tokenizer``); ``train:<vocab>`` first has rank 0 train
+    one on the training stream (:func:`train_tokenizer`). ``dist`` gives ``get_rank`` and ``barrier``; with a
+    process ``group``, rank 0's outcome (the file, or its error) reaches every rank, so a failure there stops every
+    rank with the same message instead of leaving the others waiting."""
+    from . import data
 
     spec = cfg.tokenizer
     if spec.startswith("train:"):
+        _train_vocab(spec)  # on every rank: a malformed spec fails everywhere alike
+        outcome = None
+        if dist.get_rank() == 0:
+            try:
+                outcome = str(train_tokenizer(cfg, run_dir))
+            except (ConfigError, data.DataError, FileNotFoundError) as e:
+                outcome = e
+            except Exception as e:  # noqa: BLE001 - whatever reading the stream raised, on every rank
+                outcome = data.DataError(f"ds_async.tokenizer: {spec}: training it on ds_async.data.train failed "
+                                         f"({type(e).__name__}: {e})")
+        if group is not None:
+            outcome = _agree(outcome, group)
+        else:
+            dist.barrier()
+            if isinstance(outcome, Exception):
+                raise outcome
+        spec = outcome or str(run_dir / "tokenizer.json")
+    return data.load_tokenizer(spec, key="ds_async.tokenizer")
+
+
+def _train_vocab(spec: str) -> int:
+    try:
+        vocab = int(spec.split(":", 1)[1])
+    except ValueError:
+        raise ConfigError(f"ds_async.tokenizer: 'train:<vocab size>' expected, got {spec!r}") from None
+    if vocab < 257:
+        raise ConfigError(f"ds_async.tokenizer: {spec}: a byte-level BPE has at least 257 tokens (256 bytes and EOS)")
+    return vocab
+
+
+TOKENIZER_RECIPE = "tokenizer.train.json"
+"""Next to a ``train:<vocab>`` run's ``tokenizer.json``: what it was trained from (:func:`train_tokenizer`)."""
+
+
+def train_tokenizer(cfg: DsAsyncConfig, run_dir: Path) -> Path:
+    """Rank 0's part of ``tokenizer: "train:<vocab>"``: the run folder's ``tokenizer.json``, trained on
+    ``data.train`` now unless the one there was trained from the same recipe (vocabulary size, training source,
+    text field, min_chars; recorded in :data:`TOKENIZER_RECIPE`). One trained otherwise, or of unknown origin, is
+    replaced, with a line saying so. Prints a line before training (it reads the whole training source)."""
+    from . import data, tokenizer
+
+    vocab = _train_vocab(cfg.tokenizer)
+    path, recipe_file = run_dir / "tokenizer.json", run_dir / TOKENIZER_RECIPE
+    section = cfgmod.resolved(cfg)["data"]
+    recipe = {"vocab_size": vocab, "train": section["train"], "text_field": section["text_field"],
+              "min_chars": section["min_chars"]}
+    if path.exists():
         try:
-            vocab = int(spec.split(":", 1)[1])
-        except ValueError:
-            raise ConfigError(f"ds_async.tokenizer: 'train:<vocab size>' expected, got {spec!r}") from None
-        path = run_dir / "tokenizer.json"
-        if dist.get_rank() == 0 and not path.exists():
-            stream = data.load_text_stream(cfg.data.train, "train", cfg.data.text_field)
-            texts = (data.usable_text(row.get(cfg.data.text_field), cfg.data.min_chars)[0] for row in stream)
-            tokenizer.train_bpe((t for t in texts if t is not None), vocab, str(path))
-        dist.barrier()
-        spec = str(path)
-    return data.load_tokenizer(spec)
+            saved = json.loads(recipe_file.read_text())
+        except (OSError, ValueError):
+            saved = None
+        if saved == recipe:
+            return path
+        if saved is None:
+            why = f"has no record of how it was trained ({recipe_file.name})"
+        else:
+            changed = [f"ds_async.tokenizer (train:{saved.get('vocab_size')})" if k == "vocab_size"
+                       else f"ds_async.data.{k}" for k in recipe if saved.get(k) != recipe[k]]
+            why = f"was trained with another {', '.join(changed)}"
+        print(f"ds_async: {path} {why}: training a new one for ds_async.tokenizer = {cfg.tokenizer!r}", flush=True)
+    print(f"ds_async: training a byte-level BPE tokenizer ({vocab} tokens) on ds_async.data.train "
+          f"({data.describe(cfg.data.train)}) -> {path}", flush=True)
+    stream = data.load_text_stream(cfg.data.train, "train", cfg.data.text_field, key="ds_async.data.train")
+    texts = (data.usable_text(row.get(cfg.data.text_field), cfg.data.min_chars)[0] for row in stream)
+    recipe_file.unlink(missing_ok=True)  # written after the tokenizer: an interrupted training leaves no match
+    tokenizer.train_bpe((t for t in texts if t is not None), vocab, str(path))
+    recipe_file.write_text(json.dumps(recipe, indent=1))
+    return path
 
 
 def check_seq_len(cfg: DsAsyncConfig, hf_config) -> None:
@@ -107,6 +166,23 @@ def _agree(value, group):
     return box[0]
 
 
+def optimizer_type(ds_config: dict) -> str | None:
+    """The DeepSpeed ``optimizer.type`` of a job (None without an optimizer block), as checkpoints record it."""
+    return (ds_config.get("optimizer") or {}).get("type")
+
+
+def check_optimizer_type(manifest: dict, ds_config: dict, folder) -> None:
+    """A resumed run must step with the optimizer type its checkpoint was saved with: another type's state would load
+    without a word and drop what it cannot use (AdamW's moments as SGD's absent momentum). Compared without case;
+    checkpoints saved before the type was recorded are not checked."""
+    saved = (manifest.get("optimizer") or {}).get("type")
+    now = optimizer_type(ds_config)
+    if "optimizer" in manifest and str(saved).lower() != str(now).lower():
+        raise ConfigError(f"optimizer.type: {now!r}, but the checkpoint {folder} was saved with {saved!r}, whose "
+                          "state does not carry over to another optimizer; resume with the same type, or start a "
+                          "new run from its weights (ds_async.model.path after python -m ds_async.export)")
+
+
 def steps_for(cfg: DsAsyncConfig, tokens_per_step: int) -> int:
     if cfg.train.steps is not None:
         return cfg.train.steps
@@ -133,9 +209,11 @@ class Trainer:
         from deepspeed import comm as dist
 
         from .builder import init_distributed
+        from .optim.client import check_optimizer_block
 
         self.config_path = config_path
         self.ds_config, cfg = cfgmod.load(config_path)
+        check_optimizer_block(self.ds_config, cfg.correction)
         self.cfg = cfg if run_name is None else replace(cfg, logging=replace(cfg.logging, run_name=run_name))
         self.max_steps = max_steps
         init_distributed()
@@ -153,7 +231,7 @@ class Trainer:
         self._locate_run(resume)
         self._build_engine()
         self._build_data()
-        self._check_validation_source()
+        self._check_sources()
         self.start = self._restore() if self.resume_from is not None else 0
         self.last_saved = self.start if self.resume_from is not None else None
         self._start_logging()
@@ -210,31 +288,49 @@ class Trainer:
                 "(--run-name) or ds_async.checkpoint.dir; to start over, move that folder away first")
         return found
 
-    def _check_validation_source(self) -> None:
-        """Open the validation source and read a micro-batch from it now, on the ranks that read data, so that a
-        missing or unreadable one stops the job at start rather than at the first evaluation, after training. Every
-        rank raises the first failing rank's error. The RNG states are left as they were."""
+    def _check_sources(self) -> None:
+        """On the ranks that read data, buffer the training stream's first micro-batch (kept for the first step) and
+        read one of the validation source, so that data that cannot be opened or read, holds no usable text (an
+        empty source, a wrong ``data.text_field``, nothing but non-UTF-8 lines) or too little for one micro-batch
+        stops the job at start rather than at the first evaluation or mid-run. Every rank raises the first failing
+        rank's error. Of the documents read, half or more not UTF-8 is refused, a tenth gets a warning line
+        (:func:`ds_async.data.check_encoding`). The RNG states are left as they were."""
+        from . import data
         from .checkpoint import folder
         from .checkpoint.state import rng_state, set_rng_state
-        from .data import DataError
 
-        source, error = self.cfg.data.validation, None
-        if source and self.needs_data:
-            key = "ds_async.data.validation"
+        error, counts = self.data_error, {}
+        if error is None and self.needs_data:
             saved = rng_state()
-            try:
-                next(iter(self._stream("validation")))
-            except StopIteration:
-                error = DataError(f"{key}: {source}: not enough text for one micro-batch")
-            except (ConfigError, DataError, FileNotFoundError) as e:
-                error = e if str(e).startswith(key) else type(e)(f"{key}: {e}")
-            except Exception as e:  # noqa: BLE001 - whatever the reader raised, as a one-line DataError
-                error = DataError(f"{key}: {source}: cannot be read ({type(e).__name__}: {e})")
-            finally:
-                set_rng_state(saved)
-        errors = [e for e in folder.gather(error, self.group) if e is not None]
+            for key, role in (("ds_async.data.train", "train"), ("ds_async.data.validation", "validation")):
+                source = getattr(self.cfg.data, role)
+                if not source:
+                    continue
+                try:
+                    batches = self.train_iter if role == "train" else self._stream("validation")
+                    batches.peek()
+                    counts[key] = (batches.documents, batches.skipped["non_utf8"], data.describe(source))
+                except StopIteration:
+                    error = data.DataError(f"{key}: {data.describe(source)}: not enough text for one micro-batch")
+                except (ConfigError, data.DataError, FileNotFoundError) as e:
+                    error = e if str(e).startswith(key) else type(e)(f"{key}: {e}")
+                except Exception as e:  # noqa: BLE001 - whatever the reader raised, as a one-line DataError
+                    error = data.DataError(f"{key}: {data.describe(source)}: cannot be read ({type(e).__name__}: "
+                                           f"{e})")
+                if error is not None:
+                    break
+            set_rng_state(saved)
+        gathered = folder.gather((error, counts), self.group)
+        errors = [e for e, _ in gathered if e is not None]
         if errors:
             raise errors[0]
+        for key in ("ds_async.data.train", "ds_async.data.validation"):
+            seen = [c[key] for _, c in gathered if key in c]
+            if seen:
+                warning = data.check_encoding(sum(d for d, _, _ in seen), sum(b for _, b, _ in seen),
+                                              f"{key}: {seen[0][2]}")
+                if warning and self.rank == 0:
+                    print(warning, flush=True)
 
     def _build_engine(self) -> None:
         from deepspeed import comm as dist
@@ -249,7 +345,7 @@ class Trainer:
             # The one the saved run trained, checked against the checkpoint's manifest.
             self.tok = tokenizer.load_from_checkpoint(self.resume_from)
         else:
-            self.tok = resolve_tokenizer(cfg, self.run_dir, dist)
+            self.tok = resolve_tokenizer(cfg, self.run_dir, dist, group=self.group)
         self.hf_config = model_config(cfg, self.tok)
         check_vocab(self.tok, self.hf_config, cfg.tokenizer)
         check_seq_len(cfg, self.hf_config)
@@ -279,13 +375,23 @@ class Trainer:
                                  dp_world_size=engine.grid.data_parallel_size, seed=cfg.seed)
 
     def _build_data(self) -> None:
+        """Open the training stream on the ranks that read data; an error is kept for :meth:`_check_sources`, which
+        raises it on every rank."""
+        from .data import DataError
+
         self.needs_data = self.engine.is_first_stage() or self.engine.is_last_stage()
-        self.train_iter = self._stream("train") if self.needs_data else None
+        self.train_iter, self.data_error = None, None
+        if self.needs_data:
+            try:
+                self.train_iter = self._stream("train")
+            except (ConfigError, DataError, FileNotFoundError) as e:
+                self.data_error = e
         self.fingerprint = tokenizer_fingerprint(self.tok)
 
     def _restore(self) -> int:
         from . import checkpoint
 
+        check_optimizer_type(checkpoint.read_manifest(self.resume_from), self.ds_config, self.resume_from)
         restored = checkpoint.load(self.engine, self.resume_from, group=self.group,
                                    check={"tokenizer": self.fingerprint})
         if self.train_iter is not None:
@@ -496,7 +602,8 @@ class Trainer:
         checkpoint.save(self.engine, self.ckpt_root, hf_config=self.hf_config, tokenizer=self.tok,
                         keep=self.cfg.checkpoint.keep, group=self.group,
                         data_state=self.train_iter.state_dict() if self.train_iter is not None else None,
-                        meta={"tokenizer": self.fingerprint, "ds_async": cfgmod.resolved(self.cfg)})
+                        meta={"tokenizer": self.fingerprint, "ds_async": cfgmod.resolved(self.cfg),
+                              "optimizer": {"type": optimizer_type(self.ds_config)}})
         self.last_saved = step
 
     def close(self) -> dict | None:

@@ -5,10 +5,14 @@
     torchrun --nproc_per_node 2 launch/train.py --config ds_configs/demo_cpu.json
     torchrun --nproc_per_node 2 launch/train.py --config ... --run-name NAME --resume   # after a crash
 
+    python launch/train.py --config C.json      # no launcher: one process, for configs with pipeline_stages 1
+
 Bad input (config, data, tokenizer, checkpoint folder) is found at start, before training, and a NaN/inf loss or
 weights end the job at that step; either way with one line "ds_async: error: ..." on stderr and exit status 1.
 """
 import argparse
+import os
+import socket
 import sys
 
 import torch
@@ -21,6 +25,28 @@ from ds_async.optim.client import OptimizerSetupError
 from ds_async.trainer import train
 
 EXPECTED = (ConfigError, DataError, CheckpointError, NonFiniteLoss, OptimizerSetupError, FileNotFoundError)
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+
+
+def without_launcher(config: str) -> None:
+    """Started as ``python launch/train.py`` (no deepspeed/torchrun/MPI environment; DeepSpeed would look for MPI
+    and fail on a missing mpi4py): a config with one pipeline stage runs as a world of one process; any other is
+    refused with the launcher line that runs it."""
+    from ds_async import config as cfgmod
+
+    if any(k in os.environ for k in LAUNCHER_ENV):
+        return
+    _, cfg = cfgmod.load(config)
+    p = cfg.pipeline_stages
+    if p > 1:
+        raise ConfigError(f"no launcher: ds_async.pipeline_stages is {p}, so the job needs {p} processes (or a "
+                          f"multiple of {p}): deepspeed --num_gpus {p} launch/train.py --config {config} (or "
+                          f"torchrun --nproc_per_node {p} launch/train.py --config {config})")
+    with socket.socket() as s:  # a free port for the one-process group
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
 
 
 def main() -> None:
@@ -39,6 +65,7 @@ def main() -> None:
     try:
         if args.max_steps is not None and args.max_steps < 1:
             raise ConfigError(f"--max-steps: must be >= 1, got {args.max_steps}")
+        without_launcher(args.config)
         train(args.config, max_steps=args.max_steps, run_name=args.run_name, resume=args.resume)
     except EXPECTED as e:
         print(f"ds_async: error: {e}", file=sys.stderr, flush=True)

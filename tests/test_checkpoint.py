@@ -602,6 +602,23 @@ def test_bad_checkpoint_folders_and_sources_stop_the_job_at_start(work):
     raw = json.loads(log_file.read_text())
     raw["ds_async"]["logging"]["dir"] = str(work / "a-file")
     log_file.write_text(json.dumps(raw))
+    sgd = write_config(work, "base-sgd", "1f1b", optimizer={"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+                       steps=4, every=2)
+    # Data without usable text (an empty file, rows without data.text_field, binary bytes), and text with a share
+    # of non-UTF-8 lines that trains with a warning.
+    import random
+
+    from ds_async.data import LEE_CORPUS, load_text_stream
+    (work / "empty.txt").write_text("")
+    (work / "body.jsonl").write_text("".join(json.dumps({"body": f"document {i} of some text"}) + "\n"
+                                             for i in range(50)))
+    (work / "binary.txt").write_bytes(random.Random(0).randbytes(50_000))
+    lee = [row["text"].encode() for row in load_text_stream(LEE_CORPUS, "train")]
+    (work / "mixed.txt").write_bytes(b"\n".join(sum(([t, b"\xff\xfe\x00 not text"] if i % 5 == 0 else [t]
+                                                     for i, t in enumerate(lee)), [])) + b"\n")
+    data_runs = {name: write_config(work, name, "1f1b", steps=2, data=str(work / file))
+                 for name, file in (("data-empty", "empty.txt"), ("data-field", "body.jsonl"),
+                                    ("data-binary", "binary.txt"), ("data-mixed", "mixed.txt"))}
 
     # A first job holds the checkpoint folder of "held" (it hangs in step 2): a second one must be refused.
     held = write_config(work, "held", "1f1b", steps=4)
@@ -616,6 +633,8 @@ def test_bad_checkpoint_folders_and_sources_stop_the_job_at_start(work):
         results = launch(work, "setup", [
             {"name": "base", "config": str(base)},
             {"name": "rerun", "config": str(base)},
+            {"name": "resume-sgd", "config": str(sgd), "resume": str(work / "runs" / "base")},
+            *({"name": name, "config": str(config)} for name, config in data_runs.items()),
             {"name": "resume-empty", "config": str(base), "resume": str(work / "empty")},
             {"name": "resume-run-folder", "config": str(work / "base6.json"), "resume": str(work / "runs" / "base")},
             {"name": "val-missing", "config": str(val_missing)},
@@ -652,6 +671,21 @@ def test_bad_checkpoint_folders_and_sources_stop_the_job_at_start(work):
     for rank in results["logdir-file"]:
         assert rank["error"].startswith(f"ConfigError: ds_async.logging.dir: cannot create the run folder "
                                         f"{work / 'a-file' / 'logdir-file'}"), rank
+    for rank in results["resume-sgd"]:  # AdamW's state would have loaded into SGD without a word
+        assert rank["error"].startswith("ConfigError: optimizer.type: 'SGD', but the checkpoint "
+                                        f"{checkpoint.step_dir(root, 4)} was saved with 'AdamW'"), rank
+    for name, message in (("data-empty", f"{work / 'empty.txt'} (split='train'): no documents (empty)"),
+                          ("data-field", f"{work / 'body.jsonl'} (split='train'): no usable text: all 50 documents "
+                                         "data-parallel rank 0 read in a whole pass were skipped (50 empty); the "
+                                         "rows have no column 'text' (ds_async.data.text_field), they have 'body'"),
+                          ("data-binary", f"{work / 'binary.txt'}")):
+        for rank in results[name]:  # every rank, at start: nothing trained or saved
+            assert rank["error"].startswith(f"DataError: ds_async.data.train: {message}"), rank
+        assert checkpoint.complete_checkpoints(ckpt_root(work, name)) == []
+    assert "this is not UTF-8 text" in results["data-binary"][0]["error"]
+    assert all(r["error"] is None for r in results["data-mixed"]), results["data-mixed"]
+    assert f"ds_async: warning: ds_async.data.train: {work / 'mixed.txt'}: " in log and \
+        "documents are not valid UTF-8 and are skipped" in log, log[-3000:]
     for rank in results["second-job"]:
         assert rank["error"].startswith(f"CheckpointError: {ckpt_root(work, 'held')}: in use by another job "
                                         f"(pid {holder_pid} on host "), rank

@@ -235,9 +235,72 @@ def test_empty_documents_are_skipped_and_counted(tmp_path, tokenizer, lee_texts)
 def test_epoch_without_text_fails_instead_of_spinning(tmp_path, tokenizer):
     write_docs(tmp_path / "blank.jsonl", ["", " "])
     batches = PackedBatches(load_text_stream(str(tmp_path / "blank.jsonl"), "train"), tokenizer,
-                            seq_len=8, micro_batch_size=1)
-    with pytest.raises(ValueError, match="no non-empty documents"):
+                            seq_len=8, micro_batch_size=1, source="ds_async.data.train: blank.jsonl")
+    with pytest.raises(DataError, match=r"ds_async.data.train: blank.jsonl: no usable text: all 2 documents "
+                                        r"data-parallel rank 0 read in a whole pass were skipped \(2 empty\)"):
         next(batches)
+
+
+def _small_tokenizer(tmp_path):
+    path = tmp_path / "tok" / "tokenizer.json"
+    train_bpe(iter(["a few words to learn merges from", "and a few more words"] * 20), 300, str(path))
+    return load_tokenizer(str(path))
+
+
+def test_sources_without_usable_text_name_the_source_and_the_cause(tmp_path):
+    """An empty file, rows without ``data.text_field`` and a file of nothing but non-UTF-8 lines: a DataError
+    naming the source at the first ``peek`` (the trainer's check at start), which keeps nothing back."""
+    tok = _small_tokenizer(tmp_path)
+    (tmp_path / "empty.txt").write_text("")
+    write_docs(tmp_path / "body.jsonl", ["some text", "more text"], field="body")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 cr\xe8me\nna\xefve\n".encode("latin-1"))
+    cases = {"empty.txt": r"no documents \(empty\)",
+             "body.jsonl": r"no usable text: .*\(2 empty\); the rows have no column 'text' "
+                           r"\(ds_async.data.text_field\), they have 'body', 'id'",
+             "latin1.txt": r"no usable text: .*\(2 non-utf8\); non-UTF-8 text files are skipped line by line"}
+    for name, message in cases.items():
+        batches = PackedBatches(load_text_stream(str(tmp_path / name), "train"), tok, seq_len=8,
+                                micro_batch_size=1, source=f"ds_async.data.train: {name}")
+        with pytest.raises(DataError, match=rf"^ds_async.data.train: {name}: {message}"):
+            batches.peek()
+    two = PackedBatches(load_text_stream(str(tmp_path / "body.jsonl"), "train"), tok, seq_len=8, micro_batch_size=1,
+                        dp_rank=1, dp_world_size=2, text_field="body", source="ds_async.data.train: body.jsonl")
+    next(two)
+    one_doc = tmp_path / "one.jsonl"
+    write_docs(one_doc, ["only one document here, read by rank 0"])
+    with pytest.raises(DataError, match=r"no documents for data-parallel rank 1 of 2 \(empty, or fewer documents"):
+        PackedBatches(load_text_stream(str(one_doc), "train"), tok, seq_len=8, micro_batch_size=1, dp_rank=1,
+                      dp_world_size=2, source="ds_async.data.train: one.jsonl").peek()
+
+
+def test_peek_keeps_the_micro_batch_and_counts_what_it_read(tmp_path, lee_texts):
+    tok = _small_tokenizer(tmp_path)
+    path = tmp_path / "mixed.txt"
+    path.write_bytes(b"\n".join([t.encode() for t in lee_texts[:40]] + [b"\xff\xfe garbage"] * 10) + b"\n")
+
+    def fresh():
+        return PackedBatches(load_text_stream(str(path), "train"), tok, seq_len=16, micro_batch_size=2,
+                             shuffle_buffer=0, tokenize_batch=64)
+
+    peeked = fresh()
+    peeked.peek()
+    assert peeked.documents == 50 and peeked.skipped["non_utf8"] == 10
+    plain = fresh()
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(next(peeked), next(plain)))
+
+
+def test_share_of_non_utf8_documents_is_refused_or_warned_about():
+    from ds_async.data import check_encoding
+
+    assert check_encoding(100, 9, "ds_async.data.train: x.txt") is None
+    assert check_encoding(0, 0, "ds_async.data.train: x.txt") is None
+    assert check_encoding(100, 10, "ds_async.data.train: x.txt") == (
+        "ds_async: warning: ds_async.data.train: x.txt: 10 of the first 100 documents are not valid UTF-8 and are "
+        "skipped (another encoding, or binary data mixed in?)")
+    with pytest.raises(DataError, match=r"ds_async.data.train: x.txt: 50 of the first 100 documents are not valid "
+                                        r"UTF-8; this is not UTF-8 text \(binary data, or another encoding"):
+        check_encoding(100, 50, "ds_async.data.train: x.txt")
 
 
 def test_train_bpe_and_load_it_back(tmp_path, lee_texts):

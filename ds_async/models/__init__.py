@@ -5,6 +5,7 @@ import torch
 from deepspeed.pipe import PipelineModule
 
 from ..config import ConfigError, DsAsyncConfig
+from .. import hub
 from . import hf_io, llama, mixtral
 
 FAMILIES = {"llama": llama, "mixtral": mixtral}
@@ -61,16 +62,48 @@ def compiled_stage(layers, **compile_kwargs):
 def model_config(cfg: DsAsyncConfig, tokenizer=None):
     """The HF config object of the model the ``ds_async.model`` section describes; with the run's ``tokenizer``,
     its BOS/EOS ids are the tokenizer's (:func:`hf_io.match_tokenizer`; the model's computation does not read
-    them, checkpoints and exports carry them to ``generate``)."""
+    them, checkpoints and exports carry them to ``generate``).
+
+    Raises ConfigError naming the key (``ds_async.model.config.<key>``, or ``ds_async.model.path`` and the key of
+    its ``config.json``) for a config the pipeline cannot run: an unknown key, an attention geometry that does not
+    fit (hidden size and heads, an odd head dimension, key/value heads that do not divide the heads), tied
+    embeddings, a folder that is not there or a hub name that cannot be fetched, and a config with ``auto_map``
+    (remote code, never run)."""
     from transformers import AutoConfig
 
     if cfg.model.path is not None:
-        hf = AutoConfig.from_pretrained(cfg.model.path)
+        where = f"ds_async.model.path: {cfg.model.path}"
+        hub.refuse_remote_code(cfg.model.path, where, files=("config.json",))
+        try:
+            hf = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001 - a missing folder, an unreachable hub name, HF's validation
+            raise ConfigError(f"{where}: cannot read its config ({hub.one_line(e)})") from None
+        prefix = f"{where}: config.json's "
     else:
         _check_config_keys(cfg.model.family, cfg.model.config)
-        hf = AutoConfig.for_model(cfg.model.family, **{"tie_word_embeddings": False, **cfg.model.config})
+        defaults = AutoConfig.for_model(cfg.model.family).to_dict()
+        # Before HF builds it (its validation does not name keys): the given keys over the family's defaults, but
+        # for head_dim and num_key_value_heads, which HF derives from the others when they are not given.
+        _check_geometry({**{k: defaults[k] for k in ("hidden_size", "num_attention_heads")}, **cfg.model.config},
+                        "ds_async.model.config.")
+        try:
+            hf = AutoConfig.for_model(cfg.model.family, **{"tie_word_embeddings": False, **cfg.model.config})
+        except Exception as e:  # noqa: BLE001 - HF's validation of values (types, ranges), its own error classes
+            raise ConfigError(f"ds_async.model.config: {hub.one_line(e)}") from None
+        prefix = "ds_async.model.config."
     if hf.model_type != cfg.model.family:
         raise ConfigError(f"ds_async.model.family: '{cfg.model.family}' but the config is a '{hf.model_type}'")
+    _check_geometry(hf.to_dict(), prefix)
+    if getattr(hf, "tie_word_embeddings", False):
+        raise ConfigError(f"{prefix}tie_word_embeddings: true is not supported: the tied embedding and LM head "
+                          "would live on different pipeline stages (set it to false, or untie the checkpoint)")
+    if cfg.model.family == "mixtral":
+        if not 0 < hf.num_experts_per_tok <= hf.num_local_experts:
+            raise ConfigError(f"{prefix}num_experts_per_tok: {hf.num_experts_per_tok} must be in "
+                              f"1..num_local_experts ({hf.num_local_experts})")
+        if hf.sliding_window is not None:
+            raise ConfigError(f"{prefix}sliding_window: {hf.sliding_window} is not supported: stages run full "
+                              "causal attention; set it to null (the same model for sequences within the window)")
     layers = hf.num_hidden_layers + 2  # embedding, decoder layers, head
     if cfg.pipeline_stages > layers:
         raise ConfigError(f"ds_async.pipeline_stages: {cfg.pipeline_stages} stages for {layers} layers (embedding + "
@@ -78,6 +111,29 @@ def model_config(cfg: DsAsyncConfig, tokenizer=None):
     if tokenizer is not None:
         hf_io.match_tokenizer(hf, tokenizer)
     return hf
+
+
+def _check_geometry(values: dict, prefix: str) -> None:
+    """The attention shapes the decoder layers need, named by key: heads and key/value heads at least 1, key/value
+    heads dividing the heads, a head dimension (``head_dim``, else hidden_size / heads) that is whole and even
+    (rotary embeddings rotate pairs). Keys not in ``values`` are left to the family's defaults."""
+    heads, kv = values.get("num_attention_heads"), values.get("num_key_value_heads")
+    hidden, head_dim = values.get("hidden_size"), values.get("head_dim")
+    for key, value in (("num_attention_heads", heads), ("num_key_value_heads", kv), ("hidden_size", hidden),
+                       ("head_dim", head_dim)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"{prefix}{key}: must be a positive integer, got {value!r}")
+    if heads is not None and kv is not None and heads % kv:
+        raise ConfigError(f"{prefix}num_key_value_heads: {kv} does not divide num_attention_heads ({heads}); each "
+                          "key/value head serves a whole group of attention heads")
+    if head_dim is None and hidden is not None and heads is not None:
+        if hidden % heads:
+            raise ConfigError(f"{prefix}hidden_size: {hidden} is not a multiple of num_attention_heads ({heads}) "
+                              "(or set head_dim)")
+        head_dim = hidden // heads
+    if head_dim is not None and head_dim % 2:
+        raise ConfigError(f"{prefix}head_dim: {head_dim} (hidden_size / num_attention_heads unless set) is odd; "
+                          "rotary position embeddings need an even head dimension")
 
 
 def _check_config_keys(family: str, kwargs: dict) -> None:

@@ -43,6 +43,99 @@ class OptimizerSetupError(ValueError):
     """A combination of optimizer, precision and ZeRO stage that ds_async cannot run as written."""
 
 
+# What DeepSpeed builds for its own types (``DeepSpeedEngine._configure_basic_optimizer``), by lowercase name: the
+# class whose keyword arguments ``optimizer.params`` must be, as "module:Class", and the keys DeepSpeed takes out
+# first. Adam/AdamW: torch's with ``torch_adam``, else DeepSpeed's fused kernel.
+_DEEPSPEED_TYPES = {
+    "adam": ("deepspeed.ops.adam:FusedAdam", ("torch_adam", "adam_w_mode", "fp32_optimizer_states", "foreach")),
+    "adamw": ("deepspeed.ops.adam:FusedAdam", ("torch_adam", "adam_w_mode", "fp32_optimizer_states", "foreach")),
+    "adagrad": ("torch.optim:Adagrad", ()),
+    "lamb": ("deepspeed.ops.lamb:FusedLamb", ()),
+    "muadam": (None, ()), "muadamw": (None, ()), "musgd": (None, ()),  # the mup package's; not checked here
+}
+
+
+def check_optimizer_block(ds_config: dict, correction=None) -> None:
+    """Refuse, before anything is built, an ``"optimizer"`` block that cannot be built, naming ``optimizer.type``
+    or ``optimizer.params``: a type that is neither DeepSpeed's, a ``torch.optim`` class nor ds_async's (Muon,
+    Lion; AdamW and SGD with a correction), or params the optimizer's class does not take or rejects (torch's classes
+    are built once on a stand-in tensor to check the values). ds_async's own types are checked as they are built
+    (:func:`client_optimizer`)."""
+    import difflib
+    import importlib
+    import inspect
+
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    from . import OWN_TYPES
+
+    block = ds_config.get("optimizer")
+    if block is None:
+        return
+    if not isinstance(block, dict):
+        raise OptimizerSetupError(f"optimizer: expected an object with \"type\" and \"params\", got {block!r}")
+    kind, params = block.get("type"), block.get("params", {})
+    if not isinstance(kind, str):
+        raise OptimizerSetupError(f"optimizer.type: required, the optimizer's name (e.g. \"AdamW\"), got {kind!r}")
+    if not isinstance(params, dict):
+        raise OptimizerSetupError(f"optimizer.params: expected an object of the optimizer's arguments, got {params!r}")
+    if needs_client_optimizer(block, correction):
+        return
+    lk = kind.lower()
+    if lk in _DEEPSPEED_TYPES or lk in DEEPSPEED_OPTIMIZERS:
+        target, extra = _DEEPSPEED_TYPES.get(lk, (None, ()))
+        if lk in ("adam", "adamw") and params.get("torch_adam"):
+            target = "torch.optim:AdamW" if lk == "adamw" or params.get("adam_w_mode", True) else "torch.optim:Adam"
+        cls = None
+        if target is not None:
+            module, name = target.split(":")
+            cls = getattr(importlib.import_module(module), name)
+    else:
+        cls, extra = getattr(torch.optim, kind, None), ()
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            known = sorted({*DEEPSPEED_OPTIMIZERS, *(t for t in OWN_TYPES)}) + sorted(
+                n for n, c in vars(torch.optim).items() if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
+                and c is not torch.optim.Optimizer)
+            hint = [k for k in known if k.lower() == lk] or difflib.get_close_matches(kind, known, n=1, cutoff=0.6)
+            suggestion = f" (did you mean '{hint[0]}'?)" if hint else ""
+            raise OptimizerSetupError(f"optimizer.type: {kind!r} is not an optimizer DeepSpeed or ds_async knows"
+                                      f"{suggestion}: DeepSpeed's {', '.join(DEEPSPEED_OPTIMIZERS)}, ds_async's Muon "
+                                      "and Lion, or a torch.optim class by its exact name")
+    if "max_grad_norm" in params and lk != "lamb":
+        raise OptimizerSetupError("optimizer.params.max_grad_norm: not an optimizer parameter under DeepSpeed; use "
+                                  "the top-level \"gradient_clipping\"")
+    if cls is None:
+        return
+    kwargs = {k: v for k, v in params.items() if k not in extra}
+    signature = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in signature.values()):
+        known = [n for n in signature if n not in ("self", "params", "model_params")]
+        known += [k for k in extra if k not in known]
+        for key in kwargs:
+            if key not in known:
+                hint = difflib.get_close_matches(key, known, n=1)
+                suggestion = f" (did you mean '{hint[0]}'?)" if hint else ""
+                raise OptimizerSetupError(f"optimizer.params.{key}: not a parameter of {kind!r} ({cls.__name__})"
+                                          f"{suggestion}; it takes {', '.join(known)}")
+    if cls.__module__.startswith("torch.optim"):
+        try:  # torch checks the values as it builds (a negative lr, betas that are not a pair, a string)
+            cls([torch.zeros(1, requires_grad=True)], **kwargs)
+        except (TypeError, ValueError) as e:
+            raise OptimizerSetupError(f"optimizer.params: {kind!r} ({cls.__name__}) rejects them: "
+                                      f"{type(e).__name__}: {e}") from None
+
+
+def _build(block: dict, module: nn.Module, correction):
+    """ds_async's optimizer for ``block``; a block it cannot build is an OptimizerSetupError naming the key."""
+    try:
+        return build_optimizer(block, module, correction)
+    except (TypeError, ValueError) as e:
+        text = str(e)
+        raise OptimizerSetupError(text if text.startswith("optimizer.") else
+                                  f"optimizer.params: {block['type']!r} rejects them: {type(e).__name__}: {text}") \
+            from None
+
+
 def _zero(ds_config: dict) -> dict:
     return dict(ds_config.get("zero_optimization") or {})
 
@@ -58,6 +151,7 @@ def client_optimizer(module: nn.Module, ds_config: dict, correction, dp_group, d
     (``fused``: its step in a few passes per tensor, ``performance.fused_optimizer_step``; ``device``: where the
     masters live).
     """
+    check_optimizer_block(ds_config, correction)
     block = ds_config.get("optimizer")
     if block is None or not needs_client_optimizer(block, correction):
         return ds_config, None
@@ -83,7 +177,7 @@ def client_optimizer(module: nn.Module, ds_config: dict, correction, dp_group, d
         config = {k: v for k, v in config.items() if k != "bf16"}
         # DeepSpeed all-reduces gradients in bf16 under its bf16 mode; keep that (it sees fp32 from here on).
         config.setdefault("communication_data_type", "bf16")
-        optimizer = _split_newton_schulz(build_optimizer(block, module, correction), stage, dp_group, dp_world)
+        optimizer = _split_newton_schulz(_build(block, module, correction), stage, dp_group, dp_world)
         if stage == 1:
             config["zero_optimization"] = {**zero, "stage": 0}
             if dp_world > 1:
@@ -96,7 +190,7 @@ def client_optimizer(module: nn.Module, ds_config: dict, correction, dp_group, d
         raise OptimizerSetupError(f"ds_async.performance.fused_optimizer_step: with {what} it needs bf16 weights "
                                   "(\"bf16\": {\"enabled\": true})")
     if kind in MATRIX_TYPES:
-        optimizer = _split_newton_schulz(build_optimizer(block, module, correction), stage, dp_group, dp_world)
+        optimizer = _split_newton_schulz(_build(block, module, correction), stage, dp_group, dp_world)
         if stage == 1:
             # DeepSpeed's ZeRO-1 would flatten the matrices; shard whole tensors across the replicas instead.
             config["zero_optimization"] = {**zero, "stage": 0}
@@ -107,7 +201,7 @@ def client_optimizer(module: nn.Module, ds_config: dict, correction, dp_group, d
         return config, optimizer
     if stage == 1:
         config["zero_allow_untested_optimizer"] = True  # elementwise: correct on DeepSpeed's flat partitions
-    return config, build_optimizer(block, module, correction)
+    return config, _build(block, module, correction)
 
 
 def _split_newton_schulz(optimizer, zero_stage: int, dp_group, dp_world: int):
