@@ -290,9 +290,9 @@ class Trainer:
 
     def _check_sources(self) -> None:
         """On the ranks that read data, buffer the training stream's first micro-batch (kept for the first step) and
-        read one of the validation source, so that data that cannot be opened or read, holds no usable text (an
-        empty source, a wrong ``data.text_field``, nothing but non-UTF-8 lines) or too little for one micro-batch
-        stops the job at start rather than at the first evaluation or mid-run. Every rank raises the first failing
+        read the ``eval.batches`` micro-batches an evaluation reads, so that data that cannot be opened or read, holds
+        no usable text (an empty source, a wrong ``data.text_field``, nothing but non-UTF-8 lines) or too little for
+        an evaluation stops the job at start rather than at the first evaluation or mid-run. Every rank raises the first failing
         rank's error. Of the documents read, half or more not UTF-8 is refused, a tenth gets a warning line
         (:func:`ds_async.data.check_encoding`). The RNG states are left as they were."""
         from . import data
@@ -306,12 +306,21 @@ class Trainer:
                 source = getattr(self.cfg.data, role)
                 if not source:
                     continue
+                read = 0
                 try:
-                    batches = self.train_iter if role == "train" else self._stream("validation")
-                    batches.peek()
+                    if role == "train":
+                        batches = self.train_iter
+                        batches.peek()
+                    else:  # everything an evaluation reads
+                        batches = self._stream("validation")
+                        for read in range(self.cfg.eval.batches):
+                            next(batches)
                     counts[key] = (batches.documents, batches.skipped["non_utf8"], data.describe(source))
                 except StopIteration:
-                    error = data.DataError(f"{key}: {data.describe(source)}: not enough text for one micro-batch")
+                    error = data.DataError(
+                        f"{key}: {data.describe(source)}: too little text for ds_async.eval.batches = "
+                        f"{self.cfg.eval.batches} micro-batches of {self.mbs} x {self.cfg.data.seq_len} tokens per "
+                        f"replica (data-parallel rank {self.engine.grid.data_parallel_id} ran out after {read})")
                 except (ConfigError, data.DataError, FileNotFoundError) as e:
                     error = e if str(e).startswith(key) else type(e)(f"{key}: {e}")
                 except Exception as e:  # noqa: BLE001 - whatever the reader raised, as a one-line DataError

@@ -616,6 +616,12 @@ def test_bad_checkpoint_folders_and_sources_stop_the_job_at_start(work):
     lee = [row["text"].encode() for row in load_text_stream(LEE_CORPUS, "train")]
     (work / "mixed.txt").write_bytes(b"\n".join(sum(([t, b"\xff\xfe\x00 not text"] if i % 5 == 0 else [t]
                                                      for i, t in enumerate(lee)), [])) + b"\n")
+    val_short = write_config(work, "val-short", "1f1b", steps=2)  # fewer micro-batches than eval.batches (4)
+    raw = json.loads(val_short.read_text())
+    (work / "short.jsonl").write_text("".join(json.dumps({"text": f"a short document, number {i}"}) + "\n"
+                                              for i in range(12)))
+    raw["ds_async"]["data"]["validation"] = str(work / "short.jsonl")
+    val_short.write_text(json.dumps(raw))
     data_runs = {name: write_config(work, name, "1f1b", steps=2, data=str(work / file))
                  for name, file in (("data-empty", "empty.txt"), ("data-field", "body.jsonl"),
                                     ("data-binary", "binary.txt"), ("data-mixed", "mixed.txt"))}
@@ -638,6 +644,7 @@ def test_bad_checkpoint_folders_and_sources_stop_the_job_at_start(work):
             {"name": "resume-empty", "config": str(base), "resume": str(work / "empty")},
             {"name": "resume-run-folder", "config": str(work / "base6.json"), "resume": str(work / "runs" / "base")},
             {"name": "val-missing", "config": str(val_missing)},
+            {"name": "val-short", "config": str(val_short)},
             {"name": "ckdir-file", "config": str(file_dir)},
             {"name": "logdir-file", "config": str(log_file)},
             {"name": "second-job", "config": str(held)},
@@ -665,6 +672,11 @@ def test_bad_checkpoint_folders_and_sources_stop_the_job_at_start(work):
         assert rank["error"].startswith("FileNotFoundError: ds_async.data.validation: ") and \
             "absent-validation.jsonl" in rank["error"], rank
     assert checkpoint.complete_checkpoints(ckpt_root(work, "val-missing")) == []
+    for rank in results["val-short"]:  # was a StopIteration at the evaluation after training
+        assert rank["error"].startswith(f"DataError: ds_async.data.validation: {work / 'short.jsonl'}: too little "
+                                        "text for ds_async.eval.batches = 4 micro-batches of 2 x 32 tokens per "
+                                        "replica (data-parallel rank 0 ran out after "), rank
+    assert checkpoint.complete_checkpoints(ckpt_root(work, "val-short")) == []
     for rank in results["ckdir-file"]:
         assert rank["error"].startswith(f"ConfigError: ds_async.checkpoint.dir: {work / 'a-file'} cannot hold "
                                         "checkpoints"), rank
