@@ -69,43 +69,40 @@ def _train_vocab(spec: str) -> int:
     return vocab
 
 
-TOKENIZER_RECIPE = "tokenizer.train.json"
-"""Next to a ``train:<vocab>`` run's ``tokenizer.json``: what it was trained from (:func:`train_tokenizer`)."""
-
-
 def train_tokenizer(cfg: DsAsyncConfig, run_dir: Path) -> Path:
     """Rank 0's part of ``tokenizer: "train:<vocab>"``: the run folder's ``tokenizer.json``, trained on
-    ``data.train`` now unless the one there was trained from the same recipe (vocabulary size, training source,
-    text field, min_chars; recorded in :data:`TOKENIZER_RECIPE`). One trained otherwise, or of unknown origin, is
-    replaced, with a line saying so. Prints a line before training (it reads the whole training source)."""
+    ``data.train`` now unless the folder's previous run (its ``manifest.json``) trained it with the same vocabulary
+    size, training source, text field and min_chars. One trained otherwise, or of unknown origin, is replaced, with a
+    line saying so. Prints a line before training (it reads the whole training source)."""
     from . import data, tokenizer
 
     vocab = _train_vocab(cfg.tokenizer)
-    path, recipe_file = run_dir / "tokenizer.json", run_dir / TOKENIZER_RECIPE
-    section = cfgmod.resolved(cfg)["data"]
-    recipe = {"vocab_size": vocab, "train": section["train"], "text_field": section["text_field"],
-              "min_chars": section["min_chars"]}
+    path, manifest = run_dir / "tokenizer.json", run_dir / "manifest.json"
+    keys = ("tokenizer", "data.train", "data.text_field", "data.min_chars")
+
+    def recipe(section: dict) -> dict:
+        return {k: section.get(k) if "." not in k else (section.get("data") or {}).get(k.split(".")[1]) for k in keys}
+
+    now = recipe(cfgmod.resolved(cfg))
     if path.exists():
         try:
-            saved = json.loads(recipe_file.read_text())
-        except (OSError, ValueError):
-            saved = None
-        if saved == recipe:
+            before = json.loads(manifest.read_text())["ds_async"]
+        except (OSError, ValueError, KeyError, TypeError):
+            before = None
+        if isinstance(before, dict) and recipe(before) == now:
             return path
-        if saved is None:
-            why = f"has no record of how it was trained ({recipe_file.name})"
+        if not isinstance(before, dict):
+            why = f"has no record of how it was trained (no {manifest.name} of a run with it)"
         else:
-            changed = [f"ds_async.tokenizer (train:{saved.get('vocab_size')})" if k == "vocab_size"
-                       else f"ds_async.data.{k}" for k in recipe if saved.get(k) != recipe[k]]
-            why = f"was trained with another {', '.join(changed)}"
+            old = recipe(before)
+            why = "was trained with another " + ", ".join(
+                f"ds_async.{k} ({old[k]})" if k == "tokenizer" else f"ds_async.{k}" for k in keys if old[k] != now[k])
         print(f"ds_async: {path} {why}: training a new one for ds_async.tokenizer = {cfg.tokenizer!r}", flush=True)
     print(f"ds_async: training a byte-level BPE tokenizer ({vocab} tokens) on ds_async.data.train "
           f"({data.describe(cfg.data.train)}) -> {path}", flush=True)
     stream = data.load_text_stream(cfg.data.train, "train", cfg.data.text_field, key="ds_async.data.train")
     texts = (data.usable_text(row.get(cfg.data.text_field), cfg.data.min_chars)[0] for row in stream)
-    recipe_file.unlink(missing_ok=True)  # written after the tokenizer: an interrupted training leaves no match
     tokenizer.train_bpe((t for t in texts if t is not None), vocab, str(path))
-    recipe_file.write_text(json.dumps(recipe, indent=1))
     return path
 
 

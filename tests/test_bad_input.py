@@ -214,35 +214,39 @@ def test_resume_with_another_optimizer_type_is_refused():
 
 
 def test_train_tokenizer_is_retrained_when_its_recipe_changes(tmp_path, capsys):
-    """``train:<vocab>`` reuses the run folder's tokenizer only if it was trained with the same vocabulary size and
-    data; otherwise (or without a record) it trains a new one and says so."""
-    from ds_async.trainer import TOKENIZER_RECIPE, train_tokenizer
+    """``train:<vocab>`` reuses the run folder's tokenizer only if the folder's previous run (its manifest, which
+    every run writes at start) trained it with the same vocabulary size and data; otherwise, or without a record,
+    it trains a new one and says so."""
+    from ds_async.trainer import train_tokenizer
 
     docs = tmp_path / "docs.txt"
     docs.write_text("\n".join(f"document number {i} says something about topic {i % 7} and more" for i in range(300)))
     run = tmp_path / "run"
     run.mkdir()
 
-    def cfg(spec, **data):
-        return parse({"config": TINY}, tokenizer=spec, data={"train": str(docs), "validation": None, **data})
+    def start(spec, **data):  # a run's start: the tokenizer, then the manifest
+        cfg = parse({"config": TINY}, tokenizer=spec, data={"train": str(docs), "validation": None, **data})
+        path = train_tokenizer(cfg, run)
+        (run / "manifest.json").write_text(json.dumps({"ds_async": config.resolved(cfg)}))
+        return path
 
-    path = train_tokenizer(cfg("train:300"), run)
+    path = start("train:300")
     size = len(json.loads(path.read_text())["model"]["vocab"])
     assert "training a byte-level BPE tokenizer (300 tokens)" in capsys.readouterr().out
     stamp = path.stat().st_mtime_ns
-    assert train_tokenizer(cfg("train:300"), run) == path and path.stat().st_mtime_ns == stamp
+    assert start("train:300") == path and path.stat().st_mtime_ns == stamp
     assert capsys.readouterr().out == ""
-    train_tokenizer(cfg("train:280"), run)
+    start("train:280")
     out = capsys.readouterr().out
     assert f"{path} was trained with another ds_async.tokenizer (train:300): training a new one" in out, out
     assert len(json.loads(path.read_text())["model"]["vocab"]) < size
-    train_tokenizer(cfg("train:280", min_chars=5), run)
+    start("train:280", min_chars=5)
     assert "was trained with another ds_async.data.min_chars" in capsys.readouterr().out
-    (run / TOKENIZER_RECIPE).unlink()
-    train_tokenizer(cfg("train:280", min_chars=5), run)
+    (run / "manifest.json").unlink()
+    start("train:280", min_chars=5)
     assert "has no record of how it was trained" in capsys.readouterr().out
     with pytest.raises(ConfigError, match=r"ds_async.tokenizer: train:100: a byte-level BPE has at least 257"):
-        train_tokenizer(cfg("train:100"), run)
+        start("train:100")
 
 
 def test_no_launcher_runs_one_stage_as_one_process_and_refuses_more(tmp_path, capsys, monkeypatch):
