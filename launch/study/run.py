@@ -178,11 +178,21 @@ def _depth8(base: str, group: str, seed_values: tuple[int, ...], **shape) -> lis
 
 
 # The real-length study (long.json: 30.9M parameters, 4712 steps of 131k tokens = 20 tokens per parameter): the
-# optimizers on the engine's fast path, Muon's step fused.
+# optimizers on the engine's fast path: torch's fused AdamW kernel, Muon's step fused.
 LONG_OPTIMIZERS = {
     "adamw": {"optimizer": {"type": "AdamW", "params": {**OPTIMIZERS["adamw"]["optimizer"]["params"], "fused": True}}},
     "muon": {**OPTIMIZERS["muon"], "ds_async.performance.fused_optimizer_step": True},
 }
+
+
+def long_product(group: str, *axes: dict) -> list[Run]:
+    """:func:`product` on long.json; an AdamW run with a delay correction is ds_async's AdamW (the same update,
+    hookable), which has no ``fused`` switch, so its block is the study's plain one."""
+    runs = product("long.json", group, *axes)
+    for run in runs:
+        if run.overrides.get("ds_async.correction") and run.overrides["optimizer"]["type"] == "AdamW":
+            run.overrides["optimizer"] = copy.deepcopy(OPTIMIZERS["adamw"]["optimizer"])
+    return runs
 
 
 def long_lengths(fractions=(1 / 27, 1 / 9, 1 / 3)) -> dict:
@@ -223,13 +233,13 @@ def matrix(name: str) -> list[Run]:
         return pairs("tiny.json", "engine", (0,), **{"ds_async.pipeline_stages": 2, "train_micro_batch_size_per_gpu": 2,
                                                      "gradient_accumulation_steps": 2, "ds_async.eval.batches": 4})
     if name == "long":
-        return product("long.json", "long", LONG_OPTIMIZERS, VARIANTS, seeds(0, 1, 2))
+        return long_product("long", LONG_OPTIMIZERS, VARIANTS, seeds(0, 1, 2))
     if name == "long-lr":  # each optimizer's sync LR bracketed around long.json's, seed 0
-        return [r for opt in LONG_OPTIMIZERS for r in product(
-            "long.json", "long-lr", {opt: LONG_OPTIMIZERS[opt]}, {"sync": VARIANTS["sync"]},
+        return [r for opt in LONG_OPTIMIZERS for r in long_product(
+            "long-lr", {opt: LONG_OPTIMIZERS[opt]}, {"sync": VARIANTS["sync"]},
             {f"lr{x:g}x": lr_scaled(opt, x) for x in (0.5, 2.0)}, seeds(0))]
     if name == "long-lengths":
-        return product("long.json", "long-lengths", LONG_OPTIMIZERS, {k: VARIANTS[k] for k in ("sync", "2bw")},
+        return long_product("long-lengths", LONG_OPTIMIZERS, {k: VARIANTS[k] for k in ("sync", "2bw")},
                        long_lengths(), seeds(0, 1))
     if name == "depth8":
         return _depth8("base.json", "depth8", (0,), train_micro_batch_size_per_gpu=6, **{"ds_async.eval.batches": 80})
