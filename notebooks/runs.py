@@ -431,6 +431,69 @@ def gap_curves(runs: pd.DataFrame, sync: str = "sync") -> pd.DataFrame:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The study at a real length (long.json: 20 tokens per parameter)
+
+LONG_GROUPS = ("long", "long-lr", "long-lengths")
+# Two-sided 95% quantiles of Student's t by degrees of freedom (1.96 beyond the table).
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def paired_interval(diff: pd.Series) -> float:
+    """Half-width of the 95% t interval of the mean of paired differences (NaN below two pairs)."""
+    diff = diff.dropna()
+    n = len(diff)
+    if n < 2:
+        return math.nan
+    return T975.get(n - 1, 1.96) * diff.std(ddof=1) / math.sqrt(n)
+
+
+def gap_with_interval(mean: float, half: float, n: int) -> str:
+    if not math.isfinite(mean):
+        return "—"
+    return f"{mean:+.3f} ± {half:.3f} (n={n})" if math.isfinite(half) else f"{mean:+.3f} (n={n}, no interval)"
+
+
+def long_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per optimizer at long.json's point: each variant's final validation loss (mean over seeds, n), the gaps of
+    2bw and 2bw+ef to sync paired by seed with their 95% intervals, and the share of the gap EF recovers."""
+    rows = {}
+    for opt, part in runs.groupby("optimizer", sort=False):
+        table = part.pivot_table(index="seed", columns="label", values="final_val", aggfunc="mean")
+        row = {}
+        for label in ("sync", "2bw", "2bw+ef"):
+            row[label] = (f"{table[label].mean():.3f} ({int(table[label].count())})" if label in table else "—")
+        for label in ("2bw", "2bw+ef"):
+            if "sync" in table and label in table:
+                diff = (table[label] - table["sync"]).dropna()
+                row[f"{label} − sync"] = gap_with_interval(diff.mean(), paired_interval(diff), len(diff))
+        if {"sync", "2bw", "2bw+ef"} <= set(table.columns):
+            both = table[["sync", "2bw", "2bw+ef"]].dropna()
+            share = recovered_share(*(both[c].mean() for c in ("sync", "2bw", "2bw+ef")))
+            row["recovered by ef"] = "—" if not math.isfinite(share) else f"{100 * share:.0f}% (n={len(both)})"
+        rows[opt] = row
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis("optimizer")
+
+
+def length_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """The gap against training length: sync and 2bw at each length (own LR schedule each), in tokens per
+    parameter, paired by seed; the long matrix's runs are the longest point."""
+    ref = reference(runs, group="long")
+    t = sweep(runs, "tokens", ref)
+    params = runs["parameters"].dropna().iloc[0]
+    t.insert(2, "tokens/param", [v / params for v in t["tokens"]])
+    t["tokens"] = [f"{v / 1e6:.0f}M" for v in t["tokens"]]
+    return _fmt(t, {"tokens/param": 2, "sync": 3, "2bw": 3, "gap": "+3"})
+
+
+def long_lr_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Sync's final loss against its peak LR at long.json's point (Muon: both of its rates scaled)."""
+    ref = reference(runs, group="long")
+    t = sweep(runs, "lr_scale", ref, x="lr")
+    t = t.drop(columns=["lr_scale"])
+    return _fmt(t, {"lr": "g", "sync": 3, "2bw": 3, "gap": "+3", "seeds": "g"})
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The real engine vs the emulation
 
 
@@ -631,6 +694,15 @@ def report(runs: pd.DataFrame) -> dict[str, str]:
         part = runs[runs["group"] == group]
         table = engine_table(pd.concat([part, study[study["group"] == "main"]]) if group == ENGINE_GROUP else part)
         blocks[name] = markdown(engine_summary(table)[engine_cols]) + "\n" + _ran(part)
+    long = runs[runs["group"].isin(LONG_GROUPS)]
+    if not long.empty:
+        main_long = long[long["group"] == "long"]
+        blocks["long"] = markdown(long_table(main_long)) + "\n" + _ran(main_long)
+        lengths = long[long["group"].isin(["long", "long-lengths"])]
+        blocks["long-lengths"] = (markdown(length_table(lengths), index=False) + "\n"
+                                  + _ran(long[long["group"] == "long-lengths"]))
+        lrs = long[long["group"].isin(["long", "long-lr"])]
+        blocks["long-lr"] = markdown(long_lr_table(lrs), index=False) + "\n" + _ran(long[long["group"] == "long-lr"])
     paper = pd.DataFrame({"sync": PAPER["sync"], "2bw": PAPER["2bw"], "2bw+ef": PAPER["2bw+ef"],
                           "gap 2bw − sync": PAPER["2bw"] - PAPER["sync"],
                           "recovered by ef": [recovered_share(*PAPER.loc[o, ["sync", "2bw", "2bw+ef"]])
