@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 7's levers, one at a time, on one GPU host: each line of the matrix is one bench_pipeline.py run.
 # Usage: bash launch/bench/bench_levers.sh OUT.jsonl [MATRIX]
-# MATRIX: headline | muon | muon16 | muondp | levers | compiled | fused | scope | fusedstep | clip | scaling | optimizer |
+# MATRIX: headline | muon | muon16 | muondp | big | levers | compiled | fused | scope | fusedstep | clip | scaling | optimizer |
 # optimizer16;
 # default levers; several: 'compiled scaling'.
 # Every row records its flags ("performance", "adamw", ...) and the card; compare rows of one call only.
@@ -34,6 +34,14 @@ case $matrix in
     "NPROC=4 --schedule 2bw --micro-batches 8 --stages 2 --compile --compile-scope stage --optimizer muon-ef --fused-step"
     "NPROC=4 --schedule 2bw --micro-batches 8 --stages 2 --compile --compile-scope stage --adamw fused"
     "NPROC=2 --schedule 2bw --micro-batches 8 --stages 2 --compile --compile-scope stage --optimizer muon-ef --fused-step") ;;
+  big) runs+=(  # issue 24: the shipped 8B and Mixtral configs (their own levers and partition), 1F1B against 2BW
+    "--config ds_configs/llama3_8b_4gpu_2bw_adamw.json --schedule 2bw --micro-batches 8"
+    "--config ds_configs/llama3_8b_4gpu_2bw_adamw.json --schedule 1f1b --micro-batches 8"
+    "--config ds_configs/llama3_8b_4gpu_2bw_muon_ef.json --schedule 2bw --micro-batches 8"
+    "--config ds_configs/mixtral_8x1b_4gpu_2bw_muon_ef.json --schedule 2bw --micro-batches 8"
+    "--config ds_configs/mixtral_8x1b_4gpu_2bw_muon_ef.json --schedule 1f1b --micro-batches 8"
+    "--config ds_configs/llama3_8b_4gpu_2bw_adamw.json --schedule 2bw --micro-batches 16"
+    "--config ds_configs/llama3_8b_4gpu_2bw_adamw.json --schedule 1f1b --micro-batches 16") ;;
   levers) runs+=(
     "--schedule 1f1b --micro-batches 4"
     "--schedule 2bw --micro-batches 4"
@@ -80,7 +88,7 @@ all=()
 for _ in $(seq "${REPEAT:-1}"); do all+=("${runs[@]}"); done
 for r in "${all[@]}"; do
   n=$ngpu; [[ $r == NPROC=* ]] && { n=${r%% *}; n=${n#NPROC=}; r=${r#* }; }
-  flags=$r; [[ $r == *--stages* ]] || flags="$r --partition $part"
+  flags=$r; [[ $r == *--stages* || $r == *--config* ]] || flags="$r --partition $part"
   t0=$(date +%s)
   timeout ${RUN_TIMEOUT:-170} torchrun --nproc_per_node "$n" launch/bench/bench_pipeline.py $flags --out "$out" \
     --warmup ${WARMUP:-3} --steps ${STEPS:-8} > /tmp/bench_run.log 2>&1

@@ -152,9 +152,14 @@ def skip_optimizer_step(engine) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--schedule", choices=["1f1b", "2bw"], required=True)
+    ap.add_argument("--config", default=None,
+                    help="a ds_async DeepSpeed JSON (e.g. ds_configs/llama3_8b_4gpu_2bw_adamw.json): its model, "
+                         "partition, batch, precision, optimizer and performance levers instead of the flags below "
+                         "(--schedule and --micro-batches still override); the row adds the memory planner's "
+                         "per-stage figures (python -m ds_async.plan) beside the measured peaks")
+    ap.add_argument("--schedule", choices=["1f1b", "2bw"], default=None, help="required without --config")
     ap.add_argument("--stages", type=int, default=None, help="pipeline depth (default: world size)")
-    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--micro-batches", type=int, default=None, help="m (default 4, or the config's)")
     ap.add_argument("--micro-batch-size", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=2048)
@@ -199,15 +204,17 @@ def main() -> None:
     from transformers import LlamaConfig
 
     from ds_async import config as cfgmod
-    from ds_async.flops import model_flops_per_token
-    from ds_async import init_distributed, initialize
-    from ds_async.metrics import code_version
-    from ds_async.models import build_pipeline
+    from ds_async import init_distributed
 
     init_distributed()
     world = dist.get_world_size()
-    stages = a.stages or world
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if a.config:
+        return bench_config(a, world)
+    if a.schedule is None:
+        ap.error("--schedule is required without --config")
+    a.micro_batches = a.micro_batches or 4
+    stages = a.stages or world
     model = {"vocab_size": a.vocab, "hidden_size": a.hidden, "intermediate_size": a.ffn,
              "num_hidden_layers": a.layers, "num_attention_heads": a.heads, "num_key_value_heads": a.heads,
              "max_position_embeddings": a.seq_len}
@@ -231,9 +238,58 @@ def main() -> None:
         ds_config["bf16"] = {"enabled": True}
     else:
         ds_config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    measure(a, cfg, hf, ds_config, model, world, stages)
+
+
+def bench_config(a, world: int) -> None:
+    """``--config``: the shipped job's model and levers, random tokens, the planner's figures in the row."""
+    import tempfile
+
+    from ds_async import config as cfgmod
+    from ds_async.models import model_config
+    from ds_async.plan import plan, to_json
+
+    raw = json.loads(open(a.config).read())
+    if a.schedule:
+        raw["ds_async"]["schedule"] = a.schedule
+    if raw["ds_async"].get("schedule", "1f1b") == "1f1b" and raw["optimizer"]["type"].lower() in ("adam", "adamw"):
+        # the one-pass AdamW step exists for flush-free schedules only: 1F1B keeps its other levers (the row's
+        # "performance" records what ran)
+        raw["ds_async"].setdefault("performance", {})["fused_optimizer_step"] = False
+    if a.micro_batches:
+        raw["gradient_accumulation_steps"] = a.micro_batches
+    raw.pop("train_batch_size", None)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(raw, f)
+    ds_config, cfg = cfgmod.load(f.name)
+    hf = model_config(cfg)
+    a.schedule, a.micro_batches = cfg.schedule, ds_config["gradient_accumulation_steps"]
+    a.micro_batch_size, a.seq_len, a.vocab = ds_config["train_micro_batch_size_per_gpu"], cfg.data.seq_len, hf.vocab_size
+    a.optimizer = ds_config["optimizer"]["type"].lower() + ("-ef" if cfg.correction.type == "ef" else "")
+    a.precision = "bf16" if (ds_config.get("bf16") or {}).get("enabled") else "autocast"
+    a.partition = ",".join(str(b) for b in cfg.partition.boundaries) if cfg.partition.boundaries else cfg.partition.method
+    a.clip = ds_config.get("gradient_clipping", 0.0)
+    planned = to_json(plan(f.name, gpus=world))
+    ds_config = {k: v for k, v in ds_config.items() if k != "ds_async"}
+    ds_config.update(steps_per_print=10 ** 9, wall_clock_breakdown=False)
+    extra = {"config": a.config, "family": cfg.model.family,
+             "planned_GiB_by_stage": {f"s{x['stage']}": round(x["total"] / 2 ** 30, 2) for x in planned["stages_detail"]},
+             "planned_fits": planned["fits"]}
+    measure(a, cfg, hf, ds_config, hf.to_dict(), world, cfg.pipeline_stages, extra)
+
+
+def measure(a, cfg, hf, ds_config: dict, model: dict, world: int, stages: int, extra: dict | None = None) -> None:
+    """Build the engine, run ``--warmup`` + ``--steps`` batches of random tokens, print and append the row."""
+    from deepspeed import comm as dist
+
+    from ds_async import initialize
+    from ds_async.flops import model_flops_per_token
+    from ds_async.metrics import code_version
+    from ds_async.models import build_pipeline
     from ds_async.pipe.engine import AsyncPipelineEngine
+
     timer = ComputeTimer(AsyncPipelineEngine)
-    engine = initialize(build_pipeline(cfg, hf), ds_config, schedule=a.schedule, correction=cfg.correction,
+    engine = initialize(build_pipeline(cfg, hf), ds_config, schedule=cfg.schedule, correction=cfg.correction,
                         fused_optimizer_step=cfg.performance.fused_optimizer_step)
     engine.step_events = []
     if a.skip_step:
@@ -311,7 +367,7 @@ def main() -> None:
            # host time per step inside each instruction: when its sum nears the step time, the host is the limit
            "host_ms_per_step_by_stage": {f"s{s}": h for s, d, *_, h, _ in sorted(peaks) if d == 0},
            "param_digest_by_stage": {f"s{s}": x for s, d, *_, x in sorted(peaks) if d == 0},
-           "card": f"{world}x {name}", "model": model, "code": code_version()}
+           "card": f"{world}x {name}", "model": model, "code": code_version(), **(extra or {})}
     n_params = torch.tensor([sum(x.numel() for x in engine.module.parameters())], device=dev)
     dist.all_reduce(n_params, group=engine.grid.get_pipe_parallel_group())
     row["params_M"] = round(n_params.item() / 1e6, 1)
