@@ -493,6 +493,18 @@ def long_lr_table(runs: pd.DataFrame) -> pd.DataFrame:
     return _fmt(t, {"lr": "g", "sync": 3, "2bw": 3, "gap": "+3", "seeds": "g"})
 
 
+def time_to_loss(seconds: list[float], losses: list[float], target: float) -> float | None:
+    """Wall-clock seconds at which a validation curve first reaches ``target`` (linear between evaluation points;
+    the first point counts as reached at its own time), or None if it never does."""
+    for k, (t, loss) in enumerate(zip(seconds, losses)):
+        if loss <= target:
+            if k == 0:
+                return float(t)
+            t0, l0 = seconds[k - 1], losses[k - 1]
+            return float(t0 + (t - t0) * (l0 - target) / (l0 - loss))
+    return None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The real engine vs the emulation
 
