@@ -14,7 +14,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .pipe.version_rule import RULES, SCHEDULES
+from .pipe import version_rule
+from .pipe.version_rule import SCHEDULES
 
 
 class ConfigError(ValueError):
@@ -236,10 +237,11 @@ class DsAsyncConfig:
     """Pipeline depth p; the remaining ranks become data-parallel replicas (world = p x dp)."""
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     """Layer-to-stage split."""
-    schedule: Literal[SCHEDULES] = "1f1b"
+    schedule: str = "1f1b"
     """The version rule (:mod:`ds_async.pipe.version_rule`). ``1f1b``: DeepSpeed's synchronous TrainSchedule
     (flush every step). ``2bw``: PipeDream-2BW, flush-free with a constant one-step weight delay. ``pipedream``:
-    per-stage variable delay (original PipeDream)."""
+    per-stage variable delay (original PipeDream). ``delay<d>`` (emulation only; the engine refuses it): a constant
+    delay of ``d`` steps on every stage, the control for ``pipedream``'s."""
     data: DataConfig = field(default_factory=DataConfig)
     """Training and validation text streams."""
     train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=100))
@@ -320,6 +322,12 @@ def _from_dict(cls, raw: dict, prefix: str):
 def parse(section: dict) -> DsAsyncConfig:
     """Parse and validate the ``"ds_async"`` section on its own (no DeepSpeed keys involved)."""
     cfg = _from_dict(DsAsyncConfig, section, "ds_async")
+    try:
+        version_rule.get(cfg.schedule)
+    except ValueError:
+        families = ", or ".join(doc for _, doc in version_rule.FAMILIES.values())
+        raise ConfigError(f"ds_async.schedule: must be one of {list(SCHEDULES)}, got {cfg.schedule!r} (or {families})"
+                          ) from None
     if (cfg.train.steps is None) == (cfg.train.tokens is None):
         raise ConfigError("ds_async.train: set exactly one of 'steps' and 'tokens'")
     for key, value in (("ds_async.pipeline_stages", cfg.pipeline_stages), ("ds_async.data.seq_len", cfg.data.seq_len),
@@ -348,6 +356,14 @@ def parse(section: dict) -> DsAsyncConfig:
         raise ConfigError("ds_async.partition.boundaries: required with method 'explicit' and only then")
     cfg.correction.check()
     return cfg
+
+
+def check_engine(cfg: DsAsyncConfig) -> None:
+    """Raise ConfigError when the pipeline engine does not run ``cfg``'s schedule (an emulation-only rule)."""
+    try:
+        version_rule.get(cfg.schedule).check_engine()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def parse_correction(raw: dict, prefix: str = "ds_async.correction") -> CorrectionConfig:
@@ -391,7 +407,7 @@ def check_batch(ds_config: dict, cfg: DsAsyncConfig, world_size: int) -> tuple[i
         raise ConfigError(f"train_batch_size: {tbs} != train_micro_batch_size_per_gpu ({mbs}) x "
                           f"gradient_accumulation_steps ({gas}) x data-parallel degree ({dp}) = {mbs * gas * dp}")
     try:
-        RULES[cfg.schedule].check(p, gas)
+        version_rule.get(cfg.schedule).check(p, gas)
     except ValueError as e:
         raise ConfigError(f"gradient_accumulation_steps: {e}") from None
     return tbs, mbs, gas

@@ -122,7 +122,7 @@ class DelayedTrainer:
         loss_fn: ``loss_fn(logits, labels)``, averaged over the micro-batches of a batch.
         optimizer: built over ``layers``' parameters; it always updates the newest weights.
         schedule: a :class:`~ds_async.pipe.version_rule.VersionRule` or its name (``1f1b``, ``2bw``,
-            ``pipedream``).
+            ``pipedream``, or ``delay<d>``, a constant delay of ``d`` steps that only the emulation runs).
         micro_batches: ``m``, micro-batches per optimizer step on each data-parallel replica.
         stages: pipeline depth ``p``.
         data_parallel: replicas; each batch is given as all replicas' micro-batches, replica by replica.

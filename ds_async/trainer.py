@@ -210,6 +210,7 @@ class Trainer:
 
         self.config_path = config_path
         self.ds_config, cfg = cfgmod.load(config_path)
+        cfgmod.check_engine(cfg)  # before any process group: an emulation-only schedule stops every rank at once
         check_optimizer_block(self.ds_config, cfg.correction)
         self.cfg = cfg if run_name is None else replace(cfg, logging=replace(cfg.logging, run_name=run_name))
         self.max_steps = max_steps

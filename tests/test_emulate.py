@@ -14,14 +14,17 @@ from ds_async import config
 from ds_async.emulate import DelayedTrainer
 
 
-def scalar_run(schedule: str, steps: int, lr: float = 0.5, w0: float = 1.0, stages: int = 1):
-    """f(w) = w^2 / 2 (a 1x1 linear layer fed x=1 against target 0), plain SGD: gradient = w."""
+def scalar_run(schedule: str, steps: int, lr: float = 0.5, w0: float = 1.0, stages: int = 1, stage: int = 0,
+               micro_batches: int = 1):
+    """f(w) = w^2 / 2 (a 1x1 linear layer fed x=1 against target 0, on pipeline stage ``stage``), plain SGD:
+    gradient = w."""
     layer = nn.Linear(1, 1, bias=False)
     with torch.no_grad():
         layer.weight.fill_(w0)
-    trainer = DelayedTrainer([layer], [0], lambda out, y: 0.5 * ((out - y) ** 2).mean(),
-                             torch.optim.SGD(layer.parameters(), lr=lr), schedule, micro_batches=1, stages=stages)
-    batch = [(torch.ones(1, 1), torch.zeros(1, 1))]
+    trainer = DelayedTrainer([layer], [stage], lambda out, y: 0.5 * ((out - y) ** 2).mean(),
+                             torch.optim.SGD(layer.parameters(), lr=lr), schedule, micro_batches=micro_batches,
+                             stages=stages)
+    batch = [(torch.ones(1, 1), torch.zeros(1, 1))] * micro_batches
     ws = [w0]
     for _ in range(steps):
         trainer.train_batch(batch)
@@ -43,6 +46,21 @@ def test_pipedream_first_stage_of_three_lags_two_steps():
     # Stage 0 of 3 with m = 1 runs on W(t-2): w(t+1) = w(t) - 0.5 * w(t-2), W(<0) = W(0) = 1:
     # w1 = .5, w2 = 0, w3 = 0 - .5*1 = -.5, w4 = -.5 - .5*.5 = -.75, w5 = -.75 - 0 = -.75
     assert scalar_run("pipedream", 5, stages=3) == [1.0, 0.5, 0.0, -0.5, -0.75, -0.75]
+
+
+def test_constant_delay_trajectories_by_hand():
+    """``delay<d>``: w(t+1) = w(t) - 0.5 * w(t-d), W(<0) = W(0) = 1, on every stage and at any m."""
+    assert scalar_run("delay0", 4) == scalar_run("1f1b", 4)
+    # delay1 is 2BW's recurrence (test above), here at p = 3 with m = 1, which 2BW itself refuses, and at m = 2
+    assert scalar_run("delay1", 5, stages=3) == [1.0, 0.5, 0.0, -0.25, -0.25, -0.125]
+    assert scalar_run("delay1", 5, stages=3, stage=2, micro_batches=2) == [1.0, 0.5, 0.0, -0.25, -0.25, -0.125]
+    # w1 = 1 - .5*1 = .5, w2 = .5 - .5*1 = 0, w3 = 0 - .5*1 = -.5, w4 = -.5 - .5*w0 = -1, w5 = -1 - .5*w1 = -1.25,
+    # w6 = -1.25 - .5*w2 = -1.25
+    assert scalar_run("delay3", 6, stages=3) == [1.0, 0.5, 0.0, -0.5, -1.0, -1.25, -1.25]
+    # PipeDream at p = 3 delays its stages 2, 1, 0; delay1 has their mean on each: on the last stage they part
+    assert scalar_run("pipedream", 5, stages=3, stage=2) == scalar_run("1f1b", 5)
+    assert scalar_run("delay1", 5, stages=3, stage=2) == [1.0, 0.5, 0.0, -0.25, -0.25, -0.125]
+    assert scalar_run("delay2", 5, stages=3, stage=1) == scalar_run("pipedream", 5, stages=3, stage=0)
 
 
 def test_wrong_micro_batch_count_is_refused():

@@ -1,9 +1,12 @@
-"""The flush-free schedules as data: no processes, every stage simulated together."""
+"""The flush-free schedules as data: no processes, every stage simulated together; the version rules by hand,
+and where the engine refuses a rule."""
+from pathlib import Path
+
 import pytest
 from deepspeed.runtime.pipe import schedule as ds
 
 from ds_async.pipe import schedule as fs
-from ds_async.pipe.version_rule import RULES
+from ds_async.pipe.version_rule import RULES, SCHEDULES, ConstantDelay, get
 from ds_async.pipe.simulate import ScheduleError, simulate
 
 GRID = [(2, 2), (2, 5), (3, 3), (3, 5), (4, 4), (4, 8), (5, 7), (8, 8), (8, 16)]
@@ -92,6 +95,75 @@ def test_version_rule():
     assert [RULES["2bw"].weight_version(j, 0, 4, 4) for j in range(12)] == [0] * 8 + [1] * 4
     assert [RULES["pipedream"].weight_version(j, 0, 4, 1) for j in range(6)] == [0, 0, 0, 0, 1, 2]
     assert [RULES["1f1b"].weight_version(j, 0, 4, 4) for j in range(8)] == [0] * 4 + [1] * 4
+
+
+def test_constant_delay_rule_by_hand():
+    """``delay<d>``: batch t on every stage reads W(t - d), W(0) before that, whatever m and p."""
+    two = get("delay2")
+    for stage in range(5):
+        assert [two.weight_version(j, stage, 5, 1) for j in range(6)] == [0, 0, 0, 1, 2, 3]
+        assert [two.weight_version(j, stage, 5, 2) for j in range(10)] == [0] * 6 + [1, 1, 2, 2]
+        assert two.delay(stage, 5, 1) == 2 and two.delay(stage, 5, 3) == 2
+    assert two.max_versions(0, 5, 1) == 3 and two.min_micro_batches(5) == 1 and two.emulation_only
+    assert [get("delay0").weight_version(j, 1, 3, 2) for j in range(8)] == \
+        [RULES["1f1b"].weight_version(j, 1, 3, 2) for j in range(8)]
+    # 2BW's rule at any m, without its m >= p: delay1 at p = 4, m = 1
+    assert [get("delay1").weight_version(j, 0, 4, 1) for j in range(4)] == [0, 0, 1, 2]
+    get("delay1").check(4, 1)
+    # the study's pairs: PipeDream at m = 1 has delays p - 1 - s, mean (p - 1) / 2, which delay<(p - 1) / 2> matches
+    for p in (3, 5, 7):
+        delays = [RULES["pipedream"].delay(s, p, 1) for s in range(p)]
+        assert delays == list(range(p - 1, -1, -1))
+        d = get(f"delay{(p - 1) // 2}")
+        assert [d.delay(s, p, 1) for s in range(p)] == [sum(delays) // p] * p and sum(delays) % p == 0
+    assert get("delay3") == get("delay3") and get("delay3").name == "delay3" and get(two) is two
+    for bad in ("delay02", "delay-1", "delay", "delay1.5", "delayed2", "2bw1"):
+        with pytest.raises(ValueError, match="unknown schedule"):
+            get(bad)
+    with pytest.raises(ValueError, match="whole number of steps >= 0"):
+        ConstantDelay("d", flush_free=True, steps=-1)
+
+
+def test_constant_delay_is_emulation_only(tmp_path):
+    """The config takes ``delay<d>`` (the emulation runs it); the engine and the trainer refuse it at setup, by key,
+    before DeepSpeed or a process group is made."""
+    import json
+
+    from ds_async import config as cfgmod
+    from ds_async.pipe.engine import AsyncPipelineEngine
+    from ds_async.trainer import Trainer
+
+    section = {"model": {"config": {"hidden_size": 8}}, "train": {"steps": 1}}
+    assert cfgmod.parse({**section, "schedule": "delay2"}).schedule == "delay2"
+    with pytest.raises(cfgmod.ConfigError, match=r"ds_async\.schedule: must be one of \['1f1b', '2bw', 'pipedream'\], "
+                                                 r"got 'delay02' \(or 'delay<d>'"):
+        cfgmod.parse({**section, "schedule": "delay02"})
+    assert SCHEDULES == ("1f1b", "2bw", "pipedream")
+    for name in SCHEDULES:
+        get(name).check_engine()
+    with pytest.raises(ValueError, match=r"^ds_async\.schedule: 'delay2' is emulation only"):
+        AsyncPipelineEngine(schedule="delay2")
+    raw = json.loads((Path(__file__).resolve().parents[1] / "ds_configs" / "demo_cpu.json").read_text())
+    raw["ds_async"]["schedule"] = "delay1"
+    path = tmp_path / "delay1.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(cfgmod.ConfigError, match=r"^ds_async\.schedule: 'delay1' is emulation only .*"
+                                                 r"runs \['1f1b', '2bw', 'pipedream'\]"):
+        Trainer(str(path))
+
+
+@pytest.mark.parametrize("p", [2, 3, 5])
+def test_simulator_lays_a_constant_delay_on_the_grid_where_it_fits(p):
+    """At m = 1 the 1F1B grid gives stage s its forward of micro-batch j after j - (p - 1 - s) updates: a constant
+    delay of p - 1 fits every stage (the versions exist, the stash holds them), a shorter one does not on stage 0."""
+    batches = 3 * p
+    r = simulate(f"delay{p - 1}", p, 1, batches)
+    for s in range(p):
+        assert r.max_alive[s] <= p
+        for t in range(p, batches):
+            assert r.delays[(s, t)] == {p - 1}
+    with pytest.raises(ScheduleError, match="stage 0: forward of micro-batch .* before it exists"):
+        simulate(f"delay{p - 2}", p, 1, batches)
 
 
 class _DropsASend(fs.FlushFreeSchedule):

@@ -31,6 +31,7 @@ class AsyncPipelineEngine(PipelineEngine):
     def __init__(self, *args, schedule: str | version_rule.VersionRule = "1f1b", fused_optimizer_step: bool = False,
                  **kwargs):
         self.rule = version_rule.get(schedule)
+        self.rule.check_engine()  # before DeepSpeed builds anything: an emulation-only rule is refused by its key
         super().__init__(*args, **kwargs)
         self.is_async = self.rule.flush_free
         self.stats_every = 0  # measure the staleness of the weights at every this many steps (0: never)

@@ -54,7 +54,10 @@ class SimResult:
 
 def simulate(rule: str | version_rule.VersionRule, stages: int, micro_batches: int, batches: int,
              schedule_cls: type[fs.FlushFreeSchedule] = fs.FlushFreeSchedule) -> SimResult:
-    """Run ``batches`` batches of a flush-free schedule (its rule or name: ``2bw``, ``pipedream``) on every stage."""
+    """Run ``batches`` batches of a flush-free schedule (its rule or name: ``2bw``, ``pipedream``, ``delay<d>``) on
+    every stage. An emulation-only rule runs too: the 1F1B grid either gives every forward the version the rule
+    asks for (a constant delay ``d >= p - 1`` at ``m = 1``) or the run stops at the first forward whose version does
+    not exist yet."""
     rule = version_rule.get(rule)
     scheds = [schedule_cls(micro_batches, stages, s, rule, end_batch=batches) for s in range(stages)]
     per_stage = [list(sch.steps()) for sch in scheds]
@@ -160,8 +163,18 @@ def simulate(rule: str | version_rule.VersionRule, stages: int, micro_batches: i
 def main(argv=None) -> None:
     import argparse
     parser = argparse.ArgumentParser(description="Print the step x stage grid of a flush-free schedule.")
-    flush_free = [r.name for r in version_rule.RULES.values() if r.flush_free]
-    parser.add_argument("--schedule", default="2bw", choices=flush_free)
+    def flush_free(name: str) -> version_rule.VersionRule:
+        try:
+            rule = version_rule.get(name)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if not rule.flush_free:
+            raise argparse.ArgumentTypeError(f"'{name}' is synchronous: DeepSpeed's TrainSchedule runs it")
+        return rule
+
+    parser.add_argument("--schedule", default="2bw", type=flush_free,
+                        help="a flush-free rule: 2bw, pipedream, or delay<d> (emulation only; here it shows where "
+                             "the pipeline grid can hold a constant delay of d steps)")
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--batches", type=int, default=3)

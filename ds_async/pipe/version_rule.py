@@ -13,12 +13,20 @@ end of its batch to the newest weights, so the delay of batch ``t`` on a stage i
   micro-batch ``j`` after ``w_s = p - 1 - s`` more forwards than backwards, so it sees ``floor((j - w_s) / m)``
   updates. With ``m = 1`` (an update per micro-batch) the delay is ``p - 1 - s`` steps: deepest on the first
   stage, none on the last, ``p - s`` live versions.
+- ``delay<d>`` (``delay0``, ``delay1``, ...; emulation only): every micro-batch of batch ``t`` on every stage runs
+  on ``W(t - d)`` (``W(0)`` before that), any ``m``: the control for PipeDream's delay, the same mean without its
+  spread over stages (``delay1`` against ``pipedream`` at ``p = 3``, whose delays are 2, 1, 0). A pipeline's delays
+  come from where its schedule puts each stage's forwards, and the engine is built and tested for the rules above
+  only, so it refuses these (:meth:`VersionRule.check_engine`); the emulation and the simulator run them.
 
-Config, schedule generator, engine, emulation and simulator all take a rule from :data:`RULES` (by the config's
-``schedule`` name, via :func:`get`); nothing else compares schedule names.
+The registry is :data:`RULES` (the fixed rules by name) and :data:`FAMILIES` (parameterised rules, named by a
+prefix and an integer). Config, schedule generator, engine, emulation and simulator all take a rule through
+:func:`get` (by the config's ``schedule`` name); nothing else compares schedule names.
 """
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -37,6 +45,8 @@ class VersionRule:
     defers_step: bool = False
     """Whether a stage's optimizer step may be issued once stage 0 has finished the batch (``stage`` schedule steps
     after its own last backward) rather than at once: the version it publishes is first read a batch later."""
+    emulation_only: bool = False
+    """Whether only the emulation (and the simulator) runs it: the engine and the trainer refuse it at setup."""
 
     def weight_version(self, micro_batch: int, stage: int, stages: int, micro_batches: int) -> int:
         """The version ``t`` of ``W(t)`` that global micro-batch ``micro_batch`` uses on ``stage``."""
@@ -52,12 +62,18 @@ class VersionRule:
 
     def delay(self, stage: int, stages: int, micro_batches: int) -> int:
         """Steady-state staleness, in steps, of the weights batch ``t``'s first micro-batch runs on at ``stage``."""
-        t = stages + 1  # far enough from the start that no version is clamped to W(0)
+        t = stages + self.max_versions(stage, stages, micro_batches)  # far enough that no version is clamped to W(0)
         return t - self.weight_version(t * micro_batches, stage, stages, micro_batches)
 
     def step_lag(self, stage: int) -> int:
         """Schedule steps from a batch's gradient reduce to its optimizer step on ``stage``."""
         return stage if self.defers_step else 0
+
+    def check_engine(self) -> None:
+        """Raise ``ValueError`` naming ``ds_async.schedule`` when the pipeline engine does not run this rule."""
+        if self.emulation_only:
+            raise ValueError(f"ds_async.schedule: '{self.name}' is emulation only (python -m ds_async.emulate); the "
+                             f"pipeline engine runs {list(SCHEDULES)}")
 
     def check(self, stages: int, micro_batches: int) -> None:
         """Raise ``ValueError`` when ``micro_batches`` is below :meth:`min_micro_batches`."""
@@ -99,18 +115,55 @@ class PipeDream(VersionRule):
         return 1 + -(-warmup(stage, stages) // micro_batches)
 
 
+@dataclass(frozen=True)
+class ConstantDelay(VersionRule):
+    """``W(t - steps)`` for every micro-batch of batch ``t`` on every stage (``W(0)`` before that)."""
+
+    steps: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 0:
+            raise ValueError(f"a constant delay is a whole number of steps >= 0, got {self.steps!r}")
+
+    def weight_version(self, micro_batch, stage, stages, micro_batches):
+        return max(0, micro_batch // micro_batches - self.steps)
+
+    def max_versions(self, stage, stages, micro_batches):
+        return self.steps + 1
+
+
+def constant_delay(steps: int) -> ConstantDelay:
+    """The rule ``delay<steps>``."""
+    # Not flush-free in the engine's sense (the engine refuses it), but updates overlap the next batches' passes as
+    # in the flush-free rules, so the simulator can lay it on the flush-free grid.
+    return ConstantDelay(f"delay{steps}", flush_free=True, emulation_only=True, steps=steps)
+
+
 SYNC = Synchronous("1f1b", flush_free=False)
 TWO_BW = TwoBW("2bw", flush_free=True, defers_step=True)
 PIPEDREAM = PipeDream("pipedream", flush_free=True)
 RULES: dict[str, VersionRule] = {rule.name: rule for rule in (SYNC, TWO_BW, PIPEDREAM)}
-SCHEDULES = tuple(RULES)
+FAMILIES: dict[str, tuple[Callable[[int], VersionRule], str]] = {
+    "delay": (constant_delay, "'delay<d>' (emulation only: a constant delay of d >= 0 steps on every stage)"),
+}
+"""Parameterised rules: name prefix -> (the rule for an integer, what its names look like)."""
+SCHEDULES = tuple(name for name, rule in RULES.items() if not rule.emulation_only)
+"""The schedules the pipeline engine runs."""
+
+
+def known() -> str:
+    """The names :func:`get` takes, in words."""
+    return f"{list(RULES)}, or {', or '.join(doc for _, doc in FAMILIES.values())}"
 
 
 def get(rule: str | VersionRule) -> VersionRule:
-    """The rule named ``rule`` (a rule passes through)."""
+    """The rule named ``rule`` (a rule passes through): a name of :data:`RULES`, or a family's prefix followed by an
+    integer written without leading zeros (``delay2``), so that each rule has one name."""
     if isinstance(rule, VersionRule):
         return rule
-    try:
+    if rule in RULES:
         return RULES[rule]
-    except KeyError:
-        raise ValueError(f"unknown schedule {rule!r}; known: {list(RULES)}") from None
+    match = re.fullmatch(r"([a-z]+)(0|[1-9][0-9]*)", rule) if isinstance(rule, str) else None
+    if match and match[1] in FAMILIES:
+        return FAMILIES[match[1]][0](int(match[2]))
+    raise ValueError(f"unknown schedule {rule!r}; known: {known()}")
