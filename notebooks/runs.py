@@ -493,6 +493,58 @@ def long_lr_table(runs: pd.DataFrame) -> pd.DataFrame:
     return _fmt(t, {"lr": "g", "sync": 3, "2bw": 3, "gap": "+3", "seeds": "g"})
 
 
+def long_findings(runs: pd.DataFrame, short: pd.DataFrame | None = None) -> str:
+    """The results page's reading of the real-length runs as bullets, every number computed from ``runs`` (the
+    long groups), ``short`` (the short study's main matrix, for its gap) and :data:`PAPER`."""
+    ref = reference(runs, group="long")
+    lengths = sweep(runs[runs["group"].isin(["long", "long-lengths"])], "tokens", ref)
+    params = runs["parameters"].dropna().iloc[0]
+    full = runs[runs["group"] == "long"]
+    table = gap_table(full)
+    lines = []
+    gaps = {opt: part.sort_values("tokens") for opt, part in lengths.groupby("optimizer")}
+    if gaps:
+        per = ", ".join(f"{t / params:.2g}" for t in next(iter(gaps.values()))["tokens"])
+        series = "; ".join(f"{opt} " + ", ".join(f"{g:+.3f}" for g in part["gap"]) for opt, part in gaps.items())
+        lines.append(f"- **The gap against length** (2BW − sync at {per} tokens per parameter): {series}.")
+        ahead = []
+        for opt, part in gaps.items():  # a power law through the two longest points, carried to the paper's gap
+            (l0, g0), (l1, g1) = zip(part["tokens"].iloc[-2:] / params, part["gap"].iloc[-2:])
+            target = PAPER.loc[opt, "2bw"] - PAPER.loc[opt, "sync"] if opt in PAPER.index else math.nan
+            if g0 > g1 > 0 and math.isfinite(target):
+                k = math.log(g1 / g0) / math.log(l1 / l0)
+                ahead.append(f"{opt}'s gap falls as length^{k:.2f} over the last tripling, which would reach the "
+                             f"paper's {target:.3f} near {l1 * (target / g1) ** (1 / k):.0f} tokens per parameter")
+        if ahead:
+            lines.append("- **Extrapolated, not measured:** " + "; ".join(ahead) + ".")
+    if {"muon", "adamw"} <= set(table.index) and "gap" in table:
+        short_gap = ""
+        if short is not None and len(short):
+            sg = gap_table(short[short["label"].isin(["sync", "2bw"])])
+            short_gap = "; the short study's: " + ", ".join(f"{o} {sg.loc[o, 'gap']:+.3f}" for o in sg.index)
+        lines.append("- **At 20 tokens per parameter** the delay costs " + ", ".join(
+            f"{o} {table.loc[o, 'gap']:+.3f} (paper {PAPER.loc[o, '2bw'] - PAPER.loc[o, 'sync']:+.3f})"
+            for o in ("muon", "adamw")) + short_gap + ".")
+    for opt in table.index:
+        col = "recovered 2bw+ef"
+        if col in table and math.isfinite(table.loc[opt, col]):
+            paper = recovered_share(*PAPER.loc[opt, ["sync", "2bw", "2bw+ef"]])
+            lines.append(f"- **EF on {opt}** recovers {100 * table.loc[opt, col]:.0f}% of the gap (paper "
+                         f"{100 * paper:.0f}%): 2BW + EF {table.loc[opt, '2bw+ef']:.3f} against sync "
+                         f"{table.loc[opt, 'sync']:.3f} and 2BW {table.loc[opt, '2bw']:.3f}.")
+    lr = sweep(runs[runs["group"].isin(["long", "long-lr"])], "lr_scale", ref, x="lr").dropna(subset=["sync"])
+    for opt, part in lr.groupby("optimizer"):
+        if len(part) < 2:
+            continue
+        part = part.sort_values("lr")
+        best = part.loc[part["sync"].idxmin()]
+        where = ("inside the sweep" if part["lr"].iloc[0] < best["lr"] < part["lr"].iloc[-1]
+                 else "at the sweep's edge: not bracketed yet")
+        points = ", ".join(f"{x:g}: {v:.3f}" for x, v in zip(part["lr"], part["sync"]))
+        lines.append(f"- **{opt}'s sync LR** ({points}): the best, {best['lr']:g}, is {where}.")
+    return "\n".join(lines) + "\n"
+
+
 def time_to_loss(seconds: list[float], losses: list[float], target: float) -> float | None:
     """Wall-clock seconds at which a validation curve first reaches ``target`` (linear between evaluation points;
     the first point counts as reached at its own time), or None if it never does."""
@@ -715,6 +767,7 @@ def report(runs: pd.DataFrame) -> dict[str, str]:
                                   + _ran(long[long["group"] == "long-lengths"]))
         lrs = long[long["group"].isin(["long", "long-lr"])]
         blocks["long-lr"] = markdown(long_lr_table(lrs), index=False) + "\n" + _ran(long[long["group"] == "long-lr"])
+        blocks["long-findings"] = long_findings(long, core)
     paper = pd.DataFrame({"sync": PAPER["sync"], "2bw": PAPER["2bw"], "2bw+ef": PAPER["2bw+ef"],
                           "gap 2bw − sync": PAPER["2bw"] - PAPER["sync"],
                           "recovered by ef": [recovered_share(*PAPER.loc[o, ["sync", "2bw", "2bw+ef"]])
