@@ -200,6 +200,48 @@ def test_matrices_and_split():
     assert len(driver.matrix("tiny")) == 21 and len(driver.matrix("tiny-pairs")) == 3
 
 
+def test_long_lambda_and_long_delay_matrices():
+    """EF lambda x peak LR around ``long``'s 2bw+ef point (not repeated); PipeDream at m = 1 against the constant
+    delay of its mean on the same stages, with sync and 2bw at m = 1."""
+    from ds_async.pipe.version_rule import get
+
+    long = {r.name: r.config() for r in driver.matrix("long")}
+    lam = {r.name: r.config() for r in driver.matrix("long-lambda")}
+    assert len(lam) == 22 == len(driver.matrix("long-lambda"))
+    points = {(c["optimizer"]["type"], c["ds_async"]["correction"]["lambda"],
+               c["optimizer"]["params"]["lr"] / long[f"{o}-sync-s0"]["optimizer"]["params"]["lr"])
+              for n, c in lam.items() for o in [n.split("-")[0]]}
+    assert points == {(t, x, y) for t in ("AdamW", "Muon") for x in (0.5, 1.0, 2.0, 3.0) for y in (0.5, 1.0, 2.0)
+                      if (x, y) != (1.0, 1.0)}
+    assert all(c["ds_async"]["schedule"] == "2bw" and c["ds_async"]["seed"] == 0 for c in lam.values())
+    muon = lam["muon-2bw+ef-lambda3-lr2x-s0"]
+    assert muon["optimizer"]["params"]["adam_lr"] == pytest.approx(2 * long["muon-2bw+ef-s0"]["optimizer"]["params"]
+                                                                   ["adam_lr"])
+    # everything else is long's 2bw+ef run: lambda 1 at x1 is that run itself
+    same = driver.override(lam["muon-2bw+ef-lambda2-lr1x-s0"], {"ds_async.correction.lambda": 1.0})
+    assert same == long["muon-2bw+ef-s0"]
+
+    delay = {r.name: r.config() for r in driver.matrix("long-delay")}
+    assert len(delay) == 12 and {n.split("-", 1)[1] for n in delay} == {
+        "pipedream-p3-s0", "delay1-p3-s0", "pipedream-p5-s0", "delay2-p5-s0", "sync-s0", "2bw-s0"}
+    base = long["adamw-sync-s0"]
+    for name, c in delay.items():
+        # one micro-batch per step holding the step's sequences; validation on the same held-out sequences
+        assert c["gradient_accumulation_steps"] == 1 and c["ds_async"]["seed"] == 0, name
+        assert c["train_micro_batch_size_per_gpu"] == base["train_micro_batch_size_per_gpu"] * \
+            base["gradient_accumulation_steps"]
+        assert c["train_micro_batch_size_per_gpu"] * c["ds_async"]["eval"]["batches"] == \
+            base["train_micro_batch_size_per_gpu"] * base["ds_async"]["eval"]["batches"]
+    for opt in ("adamw", "muon"):
+        for p in (3, 5):
+            pd, const = delay[f"{opt}-pipedream-p{p}-s0"], delay[f"{opt}-delay{(p - 1) // 2}-p{p}-s0"]
+            assert pd["ds_async"]["pipeline_stages"] == const["ds_async"]["pipeline_stages"] == p
+            assert driver.override(const, {"ds_async.schedule": "pipedream"}) == pd  # only the rule differs
+            variable = [get("pipedream").delay(s, p, 1) for s in range(p)]
+            assert [get(const["ds_async"]["schedule"]).delay(s, p, 1) for s in range(p)] == \
+                [sum(variable) / p] * p
+
+
 def test_override_sets_dotted_keys_and_names_what_is_not_an_object():
     config = {"a": {"b": 1}, "c": 2}
     assert driver.override(config, {"a.b": 3, "a.d.e": [4], "f": {"g": 5}}) == {

@@ -202,6 +202,38 @@ def long_lengths(fractions=(1 / 27, 1 / 9, 1 / 3)) -> dict:
             for f in fractions}
 
 
+def long_lambda(lambdas=(0.5, 1.0, 2.0, 3.0), lr_scales=(0.5, 1.0, 2.0)) -> list[Run]:
+    """2bw + EF on long.json at each lambda and peak-LR scale, both optimizers, seed 0: the LR range where each
+    lambda stays stable. lambda 1 at x1 is ``long``'s own 2bw+ef run and is not repeated."""
+    runs = []
+    for opt in LONG_OPTIMIZERS:
+        points = {f"2bw+ef-lambda{lam:g}-lr{x:g}x": {**VARIANTS["2bw"], "ds_async.correction": {"type": "ef", "lambda": lam},
+                                                     **lr_scaled(opt, x)}
+                  for lam, x in itertools.product(lambdas, lr_scales) if (lam, x) != (1.0, 1.0)}
+        runs += long_product("long-lambda", {opt: LONG_OPTIMIZERS[opt]}, points, seeds(0))
+    return runs
+
+
+def long_delay(depths=(3, 5)) -> list[Run]:
+    """PipeDream's variable delay against a constant one of the same mean, on long.json at m = 1 (the step's
+    sequences in one micro-batch, as ``extras``' depth sweep; validation on the same held-out sequences in
+    micro-batches of that size): ``pipedream`` at depth p delays stage s by p - 1 - s steps, ``delay<(p-1)/2>``
+    every stage by their mean, on the same p stages; sync and 2bw (one stage, which 2bw's m >= p asks for at m = 1;
+    its rule is then delay1's) as references. Both optimizers, seed 0."""
+    cfg = load_base("long.json")
+    mbs, gas, batches = (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"],
+                         cfg["ds_async"]["eval"]["batches"])
+    one = {"train_micro_batch_size_per_gpu": mbs * gas, "gradient_accumulation_steps": 1,
+           "ds_async.eval.batches": batches * mbs // (mbs * gas)}
+    rules = {}
+    for p in depths:
+        rules[f"pipedream-p{p}"] = {"ds_async.schedule": "pipedream", "ds_async.pipeline_stages": p}
+        rules[f"delay{(p - 1) // 2}-p{p}"] = {"ds_async.schedule": f"delay{(p - 1) // 2}",
+                                             "ds_async.pipeline_stages": p}
+    rules.update({k: {**VARIANTS[k], "ds_async.pipeline_stages": 1} for k in ("sync", "2bw")})
+    return long_product("long-delay", LONG_OPTIMIZERS, rules, {"": one}, seeds(0))
+
+
 def matrix(name: str) -> list[Run]:
     """The named list of runs.
 
@@ -217,6 +249,9 @@ def matrix(name: str) -> list[Run]:
     ``long``: ``main`` at a real length on ``long.json`` (20 tokens per parameter, bf16 weights with fp32 masters
     as on the engine's fast path; 18). ``long-lr``: each optimizer's sync peak LR x0.5 and x2 there (seed 0).
     ``long-lengths``: sync and 2bw at 1/27, 1/9 and 1/3 of that length, seeds 0 and 1 (24).
+    ``long-lambda``: 2bw + EF at lambda 0.5/1/2/3 x peak LR x0.5/x1/x2, less ``long``'s own point (seed 0; 22).
+    ``long-delay``: m = 1, PipeDream at p = 3 and 5 against the constant delays of their means (``delay1``,
+    ``delay2``, emulation only) on the same stages, with sync and 2bw at m = 1 (seed 0; 12).
     """
     opts = OPTIMIZERS
     if name == "main":
@@ -241,6 +276,10 @@ def matrix(name: str) -> list[Run]:
     if name == "long-lengths":
         return long_product("long-lengths", LONG_OPTIMIZERS, {k: VARIANTS[k] for k in ("sync", "2bw")},
                        long_lengths(), seeds(0, 1))
+    if name == "long-lambda":
+        return long_lambda()
+    if name == "long-delay":
+        return long_delay()
     if name == "depth8":
         return _depth8("base.json", "depth8", (0,), train_micro_batch_size_per_gpu=6, **{"ds_async.eval.batches": 80})
     if name == "depth8-cpu":
@@ -250,7 +289,8 @@ def matrix(name: str) -> list[Run]:
     raise ValueError(f"unknown matrix {name!r}; known: {', '.join(MATRICES)}")
 
 
-MATRICES = ("main", "extras", "pairs", "tiny", "tiny-pairs", "depth8", "depth8-cpu", "long", "long-lr", "long-lengths")
+MATRICES = ("main", "extras", "pairs", "tiny", "tiny-pairs", "depth8", "depth8-cpu", "long", "long-lr", "long-lengths",
+            "long-lambda", "long-delay")
 
 
 # ---------------------------------------------------------------------------------------------------------------
