@@ -106,3 +106,23 @@ def assert_params_close(have: dict, want: dict, rel: float) -> None:
             diff = (have[name] - w).abs()
             raise AssertionError(f"{name}: relative error {err.item():.3g} > {rel}; {int((diff > 0).sum())}/"
                                  f"{w.numel()} entries differ, max abs {diff.max().item():.3g}")
+
+
+def train_py_error(argv: list[str], capsys) -> str:
+    """``launch/train.py ARGV`` in this process: it must exit 1 with ``ds_async: error: ...`` as its last stderr
+    line, which is returned (``capsys``: pytest's fixture of the calling test)."""
+    import runpy
+
+    import pytest
+
+    saved = sys.argv
+    sys.argv = ["train.py", *argv]
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_path(str(ROOT / "launch" / "train.py"), run_name="__main__")
+    finally:
+        sys.argv = saved
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("ds_async: error: "), err
+    return err[-1]

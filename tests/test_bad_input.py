@@ -21,6 +21,8 @@ import pytest
 from ds_async import config
 from ds_async.config import ConfigError
 
+from distributed import train_py_error
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}
@@ -33,19 +35,7 @@ def parse(model: dict, **section):
 
 def train_cli(argv: list[str], capsys) -> str:
     """``launch/train.py ARGV`` in this process: must exit 1 with one error line, which is returned."""
-    import runpy
-
-    saved = sys.argv
-    sys.argv = ["train.py", *argv]
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            runpy.run_path(str(ROOT / "launch" / "train.py"), run_name="__main__")
-    finally:
-        sys.argv = saved
-    assert exit_info.value.code == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("ds_async: error: "), err
-    return err[-1]
+    return train_py_error(argv, capsys)
 
 
 @pytest.mark.parametrize("family, kwargs, message", [

@@ -33,6 +33,8 @@ from safetensors.torch import load_file
 from ds_async import checkpoint
 from ds_async.checkpoint import CheckpointError
 
+from distributed import train_py_error
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64, "attention_dropout": 0.1}
@@ -394,19 +396,7 @@ def test_resume_needs_the_same_layout_and_tokenizer(tmp_path):
 # ------------------------------------------------------------------------------------------- bad input
 def _train_cli(config: Path, capsys, *args: str) -> str:
     """``launch/train.py --config CONFIG [ARGS]`` in this process: must exit 1 with one error line."""
-    import runpy
-
-    argv = sys.argv
-    sys.argv = ["train.py", "--config", str(config), *args]
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            runpy.run_path(str(ROOT / "launch" / "train.py"), run_name="__main__")
-    finally:
-        sys.argv = argv
-    assert exit_info.value.code == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("ds_async: error: "), err
-    return err[-1]
+    return train_py_error(["--config", str(config), *args], capsys)
 
 
 def test_malformed_or_missing_config_keys_fail_clearly(tmp_path, capsys):
