@@ -5,6 +5,12 @@ Momentum and orthogonalisation follow ``torch.optim.Muon`` op for op (same bf16 
 calls) so that on 2-D parameters the orthogonalised direction is bit-equal to torch's. Tensors with more than two
 dimensions are stacks of independent matrices over the leading dimensions (an MoE expert stack ``[E, rows, cols]``)
 and are orthogonalised per matrix in one batched call.
+
+A matrix may also be several matrices stored as one (Mixtral's fused expert ``gate_up_proj``: each expert's gate
+rows, then its up rows). With ``row_blocks = k`` such a tensor is orthogonalised as ``k`` equal blocks of rows,
+each its own matrix with its own learning-rate adjustment (:func:`split_rows`, :func:`block_shape`): bit-equal to
+Muon on the ``k`` blocks as separate tensors, as a model storing them separately (the dense LLaMA MLP's
+``gate_proj`` and ``up_proj``) would be updated.
 """
 from __future__ import annotations
 
@@ -105,8 +111,45 @@ def orthogonalise_batched(directions: list[Tensor], steps: int = NS_STEPS,
     return out
 
 
-def muon_apply(param: Tensor, orthogonalised: Tensor, *, lr: float, weight_decay: float, lr_rule: str) -> Tensor:
+def split_rows(t: Tensor, row_blocks: int) -> Tensor:
+    """``t`` (``[..., rows, cols]``) as a view ``[..., row_blocks, rows / row_blocks, cols]``: each block of rows a
+    matrix of its own for Newton-Schulz (leading dimensions are a stack); ``t`` itself for one block."""
+    if row_blocks == 1:
+        return t
+    return t.unflatten(-2, (row_blocks, t.shape[-2] // row_blocks))
+
+
+def join_rows(t: Tensor, row_blocks: int) -> Tensor:
+    """The inverse of :func:`split_rows` (a view where the blocks are contiguous, as Newton-Schulz returns them)."""
+    return t if row_blocks == 1 else t.flatten(-3, -2)
+
+
+def block_shape(shape: torch.Size, row_blocks: int) -> torch.Size:
+    """The shape of one matrix Muon orthogonalises in a tensor of ``shape`` split into ``row_blocks`` row blocks:
+    what :func:`adjusted_lr` is given."""
+    rows = shape[-2]
+    if row_blocks < 1 or rows % row_blocks:
+        raise ValueError(f"Muon: a matrix of shape {tuple(shape)} has {rows} rows, not {row_blocks} equal blocks")
+    return torch.Size((*shape[:-2], rows // row_blocks, shape[-1]))
+
+
+def orthogonalise_blocks(orthogonalise, directions: list[Tensor], row_blocks: int, steps: int = NS_STEPS,
+                         coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS
+                         ) -> list[Tensor]:
+    """``orthogonalise`` (:func:`orthogonalise_batched` or a function with its contract) of each direction split
+    into ``row_blocks`` blocks of rows, joined back to the directions' shapes. The orthogonaliser sees one tensor per
+    parameter (``[..., k, rows / k, cols]``), so a split across replicas still moves whole parameters and counts
+    the blocks' Newton-Schulz FLOPs."""
+    if row_blocks == 1:
+        return orthogonalise(directions, steps, coefficients, eps)
+    split = [split_rows(d, row_blocks) for d in directions]
+    return [join_rows(o, row_blocks) for o in orthogonalise(split, steps, coefficients, eps)]
+
+
+def muon_apply(param: Tensor, orthogonalised: Tensor, *, lr: float, weight_decay: float, lr_rule: str,
+               row_blocks: int = 1) -> Tensor:
     """The new value ``x (1 - lr wd) - adjusted_lr * O`` as a new tensor (torch's op order; the decay uses the
-    unadjusted lr, as torch's Muon)."""
-    return decayed(param, lr, weight_decay).add_(orthogonalised, alpha=-adjusted_lr(lr, param.shape, lr_rule))
+    unadjusted lr, as torch's Muon); the lr is adjusted for one row block's shape (:func:`block_shape`)."""
+    shape = block_shape(param.shape, row_blocks)
+    return decayed(param, lr, weight_decay).add_(orthogonalised, alpha=-adjusted_lr(lr, shape, lr_rule))
 

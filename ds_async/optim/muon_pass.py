@@ -9,7 +9,10 @@ and the fp32 master ``x``:
 2. momentum ``B <- lerp(B, g, 1 - mu)`` and the direction ``lerp(g, B, mu)`` (Nesterov) or ``B``, written once in
    bf16, the precision Newton-Schulz starts from (compiled head pass on GPUs);
 3. Newton-Schulz, same shapes batched (:func:`ds_async.optim.muon.orthogonalise_batched`, or any function with its
-   contract, e.g. :func:`ds_async.optim.ns_split.orthogonalise_split` across data-parallel replicas);
+   contract, e.g. :func:`ds_async.optim.ns_split.orthogonalise_split` across data-parallel replicas); with
+   ``row_blocks = k`` each direction as ``k`` equal blocks of rows, each a matrix of its own
+   (:func:`ds_async.optim.muon.orthogonalise_blocks`: fused ``[gate; up]`` expert stacks under ``split_gate_up``),
+   and the lr adjusted for a block's shape;
 4. one compiled tail pass per tensor: ``new = x (1 - lr wd) - adjusted_lr * O``; with EF ``u = x - new``,
    ``x <- new - lam (u - u_prev)``, ``u_prev <- u``; without, ``x <- new``; every extra output (the module's bf16
    weight, the new weight-version slot) receives ``bf16(x)``.
@@ -43,7 +46,8 @@ from torch import Tensor
 from .adamw_pass import adamw_hyper, adamw_pass_
 from .compiled import compiled_on_gpus
 from .corrections import ErrorFeedback
-from .muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, adjusted_lr, orthogonalise_batched
+from .muon import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, adjusted_lr, block_shape, orthogonalise_batched,
+                   orthogonalise_blocks)
 
 Orthogonalise = Callable[[list[Tensor], int, tuple[float, float, float], float], list[Tensor]]
 
@@ -51,10 +55,15 @@ Orthogonalise = Callable[[list[Tensor], int, tuple[float, float, float], float],
 def muon_hyper(group: dict, shapes: Sequence[torch.Size], device: torch.device, lam: float = 0.0) -> Tensor:
     """The step's scalars for the Muon matrices of ``shapes`` in one fp32 tensor on ``device``:
     ``[1 - momentum, momentum, 1 - lr * weight_decay, lam, -adjusted_lr(shape_0), -adjusted_lr(shape_1), ...]``,
-    computed in double from ``group`` (``lr, momentum, weight_decay, lr_rule``) as the class computes its Python
-    floats, then rounded to fp32 where the class's kernels round them."""
+    computed in double from ``group`` (``lr, momentum, weight_decay, lr_rule``, and ``row_blocks``: each lr is
+    adjusted for one block's shape) as the class computes its Python floats, then rounded to fp32 where the class's
+    kernels round them."""
+    from .optimizers import row_blocks
+
     lr, momentum, wd, rule = group["lr"], group["momentum"], group["weight_decay"], group["lr_rule"]
-    values = [1 - momentum, momentum, 1 - lr * wd, lam] + [-adjusted_lr(lr, s, rule) for s in shapes]
+    blocks = row_blocks(group)
+    values = [1 - momentum, momentum, 1 - lr * wd, lam] + [-adjusted_lr(lr, block_shape(s, blocks), rule)
+                                                           for s in shapes]
     host = torch.tensor(values, dtype=torch.float32, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
 
@@ -117,21 +126,24 @@ def muon_pass_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffe
                prev_updates: Sequence[Tensor] | None, outs: Sequence[Sequence[Tensor]], hyper: Tensor,
                grad_scale: Tensor, grad_dtype: torch.dtype = torch.float32, *, nesterov: bool = True,
                ns_steps: int = NS_STEPS, ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-               ns_eps: float = NS_EPS, orthogonalise: Orthogonalise = orthogonalise_batched) -> None:
+               ns_eps: float = NS_EPS, orthogonalise: Orthogonalise = orthogonalise_batched,
+               row_blocks: int = 1) -> None:
     """One Muon step, in place, on the fp32 master matrices ``params`` (whole tensors, >= 2-D; stacks of experts
     ``[E, rows, cols]`` included) and their fp32 ``momentum_buffers`` from the bf16 ``grads`` times ``grad_scale``
     (0-dim), rounded in ``grad_dtype``; ``hyper`` from :func:`muon_hyper` over the params' shapes (and EF's
     ``lam``). With ``prev_updates`` (EF's ``u_prev`` per tensor, fp32, zero before the first step) the update is
     corrected by error feedback and they receive the new ``u``; ``None``: no correction. Each list in ``outs``
     (bf16 module weights, weight-version slots) receives the new params. ``orthogonalise(directions, ns_steps,
-    ns_coefficients, ns_eps)`` must return what :func:`orthogonalise_batched` returns (bf16, the same bits)."""
+    ns_coefficients, ns_eps)`` must return what :func:`orthogonalise_batched` returns (bf16, the same bits).
+    ``row_blocks``: each matrix is orthogonalised as that many equal blocks of rows (``hyper`` must then hold the
+    lr adjusted for a block's shape, as :func:`muon_hyper` of a group with that ``row_blocks`` does)."""
     if not params:
         return
     params, grads = list(params), list(grads)
     directions = [torch.empty_like(g, dtype=torch.bfloat16) for g in grads]
     _muon_directions(grads, list(momentum_buffers), directions, hyper, grad_scale.to(grad_dtype), grad_dtype,
                      nesterov)
-    orthogonalised = orthogonalise(directions, ns_steps, ns_coefficients, ns_eps)
+    orthogonalised = orthogonalise_blocks(orthogonalise, directions, row_blocks, ns_steps, ns_coefficients, ns_eps)
     _muon_tail(params, list(orthogonalised), None if prev_updates is None else list(prev_updates),
                [list(o) for o in outs], hyper)
 
@@ -210,17 +222,20 @@ def _prev_updates(optimizer, params: list[Tensor], states: list[dict]) -> list[T
 
 
 def _muon_group(optimizer, group, params, grads, states, outs, grad_scale, grad_dtype, lam, orthogonalise):
-    from .optimizers import _require_matrix
+    from .optimizers import _require_matrix, row_blocks
 
+    blocks = row_blocks(group)
     for p, state in zip(params, states):
         _require_matrix(p)
+        block_shape(p.shape, blocks)
         if not state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     hyper = muon_hyper(group, [p.shape for p in params], params[0].device, 0.0 if lam is None else lam)
     muon_pass_(params, grads, [s["momentum_buffer"] for s in states],
                None if lam is None else _prev_updates(optimizer, params, states), outs, hyper, grad_scale,
                grad_dtype, nesterov=group["nesterov"], ns_steps=group["ns_steps"],
-               ns_coefficients=tuple(group["ns_coefficients"]), ns_eps=group["ns_eps"], orthogonalise=orthogonalise)
+               ns_coefficients=tuple(group["ns_coefficients"]), ns_eps=group["ns_eps"], orthogonalise=orthogonalise,
+               row_blocks=blocks)
 
 
 def _adamw_group(optimizer, group, params, grads, states, outs, grad_scale, grad_dtype, lam):

@@ -4,7 +4,10 @@ replicas gather every result (as microsoft/dion and Moonshot's distributed Muon 
 Without ZeRO every replica holds the same all-reduced gradients and the same Muon momentum, so all of them would
 run the same Newton-Schulz on every matrix: the step's largest compute, repeated ``d`` times. Here each matrix
 (a whole tensor: an expert stack ``[E, rows, cols]`` stays on one replica) has one owner, chosen by
-:func:`assign` from the shapes alone, so every rank computes the same assignment without communicating.
+:func:`assign` from the shapes alone, so every rank computes the same assignment without communicating. A fused
+``[gate; up]`` expert stack that Muon splits (``split_gate_up``) arrives as the view ``[E, 2, rows / 2, cols]``
+(:func:`ds_async.optim.muon.orthogonalise_blocks`): still one tensor with one owner, and its cost is that of its
+``2E`` half-size matrices, which is what Newton-Schulz runs on it.
 
 Contract: :func:`orthogonalise_split` returns, on every rank, the bits :func:`ds_async.optim.muon.
 orthogonalise_batched` returns for the whole list. Each owner runs ``orthogonalise_batched`` on its own matrices

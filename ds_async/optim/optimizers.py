@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from .corrections import Correction
-from .muon import LR_RULES, NS_COEFFICIENTS, NS_EPS, NS_STEPS, momentum_directions, muon_apply, orthogonalise_batched
+from .muon import (LR_RULES, NS_COEFFICIENTS, NS_EPS, NS_STEPS, block_shape, momentum_directions, muon_apply,
+                   orthogonalise_batched, orthogonalise_blocks)
 from .updates import adamw_step, lion_step, sgd_step
 
 
@@ -206,8 +207,12 @@ class Muon(UpdateOptimizer):
 
     Build the groups with :func:`muon_param_groups` from the model (roles, not names, decide). A Muon group's
     hyper-parameters: ``lr, momentum, nesterov, ns_steps, weight_decay, lr_rule`` (``original`` or
-    ``match_rms_adamw``); an AdamW group's: ``lr, betas, eps, weight_decay``. Muon refuses parameters that are not
-    at least 2-D (a flat ZeRO partition) with an explanation.
+    ``match_rms_adamw``) and, optionally, ``row_blocks`` (default 1): each of the group's matrices is
+    orthogonalised as that many equal blocks of rows, each block a matrix of its own with its own lr adjustment
+    (bit-equal to Muon on the blocks as separate tensors; ``muon_param_groups(split_gate_up=True)`` puts fused
+    ``[gate; up]`` expert stacks in such a group, 2 blocks). An AdamW group's: ``lr, betas, eps, weight_decay``.
+    Muon refuses parameters that are not at least 2-D (a flat ZeRO partition) with an explanation, and matrices
+    whose rows do not split into ``row_blocks`` equal blocks.
     """
 
     def __init__(self, param_groups: list[dict], lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
@@ -227,8 +232,10 @@ class Muon(UpdateOptimizer):
                                             ns_coefficients=tuple(ns_coefficients), ns_eps=ns_eps), correction)
         for group in self.param_groups:
             if group["use_muon"]:
+                blocks = row_blocks(group)
                 for p in group["params"]:
                     _require_matrix(p)
+                    block_shape(p.shape, blocks)
         # Newton-Schulz over a list of directions; replicas that each hold every matrix (ZeRO-0) share the work
         # with ds_async.optim.ns_split.orthogonalise_split instead (set by the client optimizer).
         self.orthogonalise = orthogonalise_batched
@@ -251,14 +258,23 @@ class Muon(UpdateOptimizer):
             directions = momentum_directions([p.grad for p in params],
                                              [self.state[p]["momentum_buffer"] for p in params],
                                              momentum=group["momentum"], nesterov=group["nesterov"])
-            ortho = self.orthogonalise(directions, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
+            ortho = orthogonalise_blocks(self.orthogonalise, directions, row_blocks(group), group["ns_steps"],
+                                         group["ns_coefficients"], group["ns_eps"])
             self._orthogonalised.update(zip(params, ortho))
 
     def _new_value(self, param, grad, state, group):
         if not group["use_muon"]:
             return _adamw_step(param, grad, state, group["lr"], group["betas"], group["eps"], group["weight_decay"])
         return muon_apply(param, self._orthogonalised.pop(param), lr=group["lr"],
-                          weight_decay=group["weight_decay"], lr_rule=group["lr_rule"])
+                          weight_decay=group["weight_decay"], lr_rule=group["lr_rule"], row_blocks=row_blocks(group))
+
+
+def row_blocks(group: dict) -> int:
+    """A Muon group's ``row_blocks`` (1 when absent: groups of configs and checkpoints from before the key)."""
+    blocks = group.get("row_blocks", 1)
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+        raise ValueError(f"Muon: row_blocks must be a positive integer, got {blocks!r}")
+    return blocks
 
 
 def _require_matrix(p: Tensor) -> None:
@@ -273,13 +289,37 @@ def _require_matrix(p: Tensor) -> None:
 def muon_param_groups(model: torch.nn.Module, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                       ns_steps: int = NS_STEPS, weight_decay: float = 0.0, lr_rule: str = "original",
                       adam_lr: float = 3e-4, adam_betas: tuple[float, float] = (0.9, 0.95), adam_eps: float = 1e-8,
-                      adam_weight_decay: float = 0.0) -> list[dict]:
+                      adam_weight_decay: float = 0.0, split_gate_up: bool = False) -> list[dict]:
     """Param groups for :class:`Muon`, one per role present in ``model`` (named after it): ``matrix`` with Muon's
-    hyper-parameters, ``embedding``, ``head`` and ``vector`` with AdamW's (``adam_*``)."""
-    from .roles import role_groups
+    hyper-parameters, ``embedding``, ``head`` and ``vector`` with AdamW's (``adam_*``).
 
+    ``split_gate_up``: how a fused ``[gate; up]`` matrix (:func:`ds_async.optim.roles.fused_gate_up`: Mixtral's
+    expert ``gate_up_proj``, ``[E, 2I, H]``) is orthogonalised. ``False`` (default, the behaviour before the option):
+    as one ``2I x H`` matrix per expert, in the ``matrix`` group. ``True``: its gate and up halves as two ``I x H``
+    matrices each, with the lr adjusted for ``I x H``, exactly as the dense LLaMA path orthogonalises its separate
+    ``gate_proj`` and ``up_proj``; these stacks then form a Muon group of their own, ``gate_up`` (right after
+    ``matrix``, ``row_blocks=2``, the same hyper-parameters). The halves are two linear maps (the gate's goes
+    through SiLU, the up's multiplies it), so splitting makes the update independent of how transformers stores
+    them; the default stays fused because it is what earlier runs and checkpoints used (their optimizer state has
+    no ``gate_up`` group) until the study (issue 21) has compared the two. Models without fused matrices get the
+    same groups either way. See docs/DESIGN.md, "Muon on fused expert matrices"."""
+    from .roles import fused_gate_up, role_groups
+
+    if not isinstance(split_gate_up, bool):
+        raise ValueError(f"optimizer.params.split_gate_up: must be true or false, got {split_gate_up!r}")
     muon = dict(use_muon=True, lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                 weight_decay=weight_decay, lr_rule=lr_rule)
     adam = dict(use_muon=False, lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps, weight_decay=adam_weight_decay)
-    return [dict(params=params, name=role, **(muon if role == "matrix" else adam))
-            for role, params in role_groups(model).items() if params]
+    groups = []
+    for role, params in role_groups(model).items():
+        if role == "matrix" and split_gate_up:
+            fused = {id(p) for p in fused_gate_up(model)}
+            plain = [p for p in params if id(p) not in fused]
+            if plain:
+                groups.append(dict(params=plain, name="matrix", **muon))
+            if len(plain) < len(params):
+                groups.append(dict(params=[p for p in params if id(p) in fused], name="gate_up", row_blocks=2,
+                                   **muon))
+        elif params:
+            groups.append(dict(params=params, name=role, **(muon if role == "matrix" else adam)))
+    return groups
