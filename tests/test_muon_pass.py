@@ -84,9 +84,26 @@ class TinyLM(nn.Module):
         return {self.head.weight: "head"}
 
 
-def hybrid_twins(ef: bool):
+class TinyMoELM(TinyLM):
+    """TinyLM with transformers' Mixtral experts beside its plain expert stack: a fused ``[gate; up]`` stack
+    ``[E, 2I, H]`` (tall, 24 x 16, with wide 12 x 16 halves) and its down stack."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+        self.moe = MixtralExperts(MixtralConfig(hidden_size=16, intermediate_size=12, num_local_experts=3))
+        with torch.no_grad():  # transformers leaves them uninitialised (its init runs on whole models)
+            for p in self.moe.parameters():
+                p.normal_(0, 0.05)
+
+
+def hybrid_twins(ef: bool, model_cls=TinyLM, **options):
+    """Two identical hybrid Muons over fp32 copies of a ``model_cls``'s parameters; ``options``: more
+    ``muon_param_groups`` arguments (``split_gate_up``)."""
     torch.manual_seed(0)
-    model = TinyLM()
+    model = model_cls()
     with torch.no_grad():  # norms away from their 1/0 init, so that weight decay and EF move them measurably
         for p in model.norm.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -94,7 +111,7 @@ def hybrid_twins(ef: bool):
               adam_eps=1e-8, adam_weight_decay=0.05)
 
     def build():
-        groups = muon_param_groups(model, **hp)
+        groups = muon_param_groups(model, **hp, **options)
         for g in groups:  # fp32 masters: copies of the model's parameters
             g["params"] = [p.detach().clone().requires_grad_() for p in g["params"]]
         return Muon(groups, correction=ErrorFeedback(1.0) if ef else None)
@@ -110,6 +127,24 @@ def test_hybrid_muon_step_equals_muon_step(ef, grad_dtype):
     ref, fast = hybrid_twins(ef)
     names = [g["name"] for g in ref.param_groups]
     assert sorted(names) == ["embedding", "head", "matrix", "vector"]
+    assert_fused_step_equals_class_step(ref, fast, grad_dtype)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ef", [True, False])
+def test_hybrid_muon_step_equals_muon_step_with_split_gate_up(ef, grad_dtype):
+    """As above with ``split_gate_up``: the fused ``[gate; up]`` stack in its own Muon group of two row blocks
+    (beside a plain expert stack and the fused one's down stack in ``matrix``), fused step and class bit-equal."""
+    ref, fast = hybrid_twins(ef, TinyMoELM, split_gate_up=True)
+    assert [g["name"] for g in ref.param_groups] == ["matrix", "gate_up", "embedding", "head", "vector"]
+    assert [tuple(p.shape) for p in ref.param_groups[1]["params"]] == [(3, 24, 16)]
+    assert ref.param_groups[1]["row_blocks"] == 2
+    assert_fused_step_equals_class_step(ref, fast, grad_dtype)
+
+
+def assert_fused_step_equals_class_step(ref, fast, grad_dtype):
+    """Step ``ref`` (``Muon.step()``) and ``fast`` (``hybrid_muon_step_``) with the same bf16 gradients: every
+    parameter and state tensor bit-equal after each step, the bf16 outputs written, the lrs recorded."""
     masters = [p for g in fast.param_groups for p in g["params"]]  # group after group
     outs = [[torch.empty_like(p, dtype=torch.bfloat16) for p in masters] for _ in range(2)]
     gen = torch.Generator().manual_seed(1)
