@@ -167,6 +167,30 @@ def test_every_parameter_has_a_role():
     assert ((512, 64), "embedding") in by_shape and ((512, 64), "head") in by_shape
 
 
+def test_fused_gate_up_is_found_and_is_two_contiguous_halves():
+    """What ``split_gate_up`` relies on: every decoder layer's expert ``gate_up_proj`` is listed as a fused
+    ``[gate; up]`` stack (and nothing else is), and HF's experts apply it as two contiguous halves of rows, not
+    interleaved rows: zeroing either half zeroes the experts' output (``silu(0) * up = silu(gate) * 0 = 0``)."""
+    from ds_async.optim.roles import fused_gate_up
+
+    layers = torch.nn.ModuleList(spec.build() for spec in mixtral.layer_specs(MixtralConfig(**TINY_MIXTRAL), seed=2))
+    decoders = list(layers)[1:-1]
+    assert [id(p) for p in fused_gate_up(layers)] == [id(d.layer.mlp.experts.gate_up_proj) for d in decoders]
+    experts = decoders[0].layer.mlp.experts
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(10, TINY_MIXTRAL["hidden_size"], generator=gen)
+    top_k = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(10)])
+    weights = torch.rand(10, 2, generator=gen)
+    with torch.no_grad():
+        assert experts(hidden, top_k, weights).abs().max() > 0
+        inter = TINY_MIXTRAL["intermediate_size"]
+        for rows in (slice(0, inter), slice(inter, 2 * inter)):
+            saved = experts.gate_up_proj[:, rows].clone()
+            experts.gate_up_proj[:, rows] = 0
+            assert torch.equal(experts(hidden, top_k, weights), torch.zeros_like(hidden)), rows
+            experts.gate_up_proj[:, rows] = saved
+
+
 def test_tied_embeddings_refused():
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         mixtral.layer_specs(MixtralConfig(**{**TINY_MIXTRAL, "tie_word_embeddings": True}))
