@@ -96,6 +96,8 @@ class Job:
     fused_step: bool
     checkpoint_interval: int
     loss_chunk: int
+    compiled: bool = False    # performance.compile: inductor's saved tensors (see compiled_decoder_bytes)
+    clip: float = 0.0         # gradient_clipping
 
     @property
     def weight_bytes(self) -> int:
@@ -147,7 +149,8 @@ def job_of(ds_config: dict, cfg, world: int):
                grad_accum_bytes=2 if accum in ("bf16", "bfloat16") else 4,
                fused_step=cfg.performance.fused_optimizer_step,
                checkpoint_interval=cfg.performance.activation_checkpoint_interval,
-               loss_chunk=cfg.performance.loss_chunk)
+               loss_chunk=cfg.performance.loss_chunk, compiled=bool(cfg.performance.compile),
+               clip=float(ds_config.get("gradient_clipping") or 0.0))
 
 
 # ---------------------------------------------------------------------------------------------------- layers
@@ -267,6 +270,9 @@ class Stage:
     activations: int = 0
     activations_per_micro_batch: int = 0
     in_flight: int = 0
+    grads_next: int = 0                  # the next batch's gradients while this batch's wait for the step (2BW)
+    at_step: int = 0                     # micro-batches held when the optimizer step is issued
+    peak_phase: str = ""                 # passes or step: which phase sets the peak
     context: int = 0
     total: int = 0
     fits: bool = False
@@ -338,6 +344,8 @@ def decoder_bytes(job: Job, hf) -> int:
     h, a = hf.hidden_size, hf.num_attention_heads
     d = getattr(hf, "head_dim", None) or h // a
     hq, hkv = a * d, hf.num_key_value_heads * d
+    if job.compiled and job.family == "llama":
+        return t * compiled_decoder_per_token(job, hf) + 2 * job.seq_len * d
     per_token = 2 * norm_bytes(job, h) + e * (2 * hq + 2 * hkv) + 4 * a
     if job.family == "mixtral":
         k, experts = hf.num_experts_per_tok, hf.num_local_experts
@@ -347,9 +355,23 @@ def decoder_bytes(job: Job, hf) -> int:
     return t * per_token + 2 * job.seq_len * d * e
 
 
+def compiled_decoder_per_token(job: Job, hf) -> int:
+    """Bytes per token an inductor-compiled LLaMA decoder layer saves (``performance.compile``; see the module
+    docstring): its input, per RMSNorm the ``rsqrt`` and the normalised, weighted matmul input, ``q, k, v``, the
+    attention output and its log-sum-exp, the ``o_proj`` input, and gate, up and their product (SiLU recomputed)."""
+    r, e = job.residual_bytes, job.act_bytes
+    h, a = hf.hidden_size, hf.num_attention_heads
+    d = getattr(hf, "head_dim", None) or h // a
+    hq, hkv = a * d, hf.num_key_value_heads * d
+    return r * h + 2 * (4 + e * h) + e * (3 * hq + 2 * hkv) + 4 * a + 3 * e * hf.intermediate_size
+
+
 def head_bytes(job: Job, hf) -> int:
     """The head's saved tensors, its logits and the loss's, per micro-batch."""
     t, v = job.tokens, hf.vocab_size
+    if job.compiled:  # its input, rsqrt, the normalised input, the logits; the loss keeps two fp32 per row
+        h = hf.hidden_size
+        return t * (job.residual_bytes * h + 4 + job.act_bytes * h + job.act_bytes * v + (13 if job.loss_chunk else 8))
     loss = 13 if job.loss_chunk else 4 * v + 8
     return t * (norm_bytes(job, hf.hidden_size) + job.act_bytes * v + loss)
 
@@ -384,8 +406,8 @@ def activation_memory(job: Job, hf, kinds: list[str], stage: int) -> tuple[int, 
         else:
             held += full
     working += 3 * e * f * t
-    if last:
-        rows = min(job.loss_chunk, t) if job.loss_chunk else t
+    if last:  # the logits' gradient; eager (or chunked) the loss's fp32 rows beside it, compiled one fused kernel
+        rows = min(job.loss_chunk, t) if job.loss_chunk else 0 if job.compiled else t
         working += e * hf.vocab_size * t + 4 * hf.vocab_size * rows
     else:
         working += r * h * t  # the received gradient
@@ -399,6 +421,43 @@ def in_flight(job: Job, stage: int) -> int:
 
     ahead = job.stages - stage
     return ahead if get(job.schedule).flush_free else min(ahead, job.micro_batches)
+
+
+def step_phase(job: Job, stage: int) -> tuple[int, bool]:
+    """When stage ``stage`` issues its optimizer step: (micro-batches whose activations it holds then, whether a
+    backward of the next batch ran between the batch's gradient reduce and its step). Read off the schedule the
+    engine runs (``ds_async.pipe.schedule.FlushFreeSchedule``: under 2BW the step of stage ``s`` is issued ``s``
+    schedule steps after its reduce, so stages 2 and up backward a micro-batch of the next batch meanwhile); 1F1B
+    (DeepSpeed's TrainSchedule) steps after its flush, with nothing in flight."""
+    from .pipe import schedule as fs
+    from .pipe.version_rule import get
+
+    rule = get(job.schedule)
+    if not rule.flush_free:
+        return 0, False
+    m, target = job.micro_batches, 3  # a steady-state batch, past the warm-up
+    held, reduced, between = 0, False, False
+    for cmds in fs.FlushFreeSchedule(m, job.stages, stage, rule).steps():
+        for cmd in cmds:
+            if isinstance(cmd, fs.ForwardPass):
+                held += 1
+            elif isinstance(cmd, fs.BackwardPass):
+                held -= 1
+                between |= reduced and cmd.micro_batch // m == target + 1
+            elif isinstance(cmd, fs.ReduceGrads) and cmd.batch == target:
+                reduced = True
+            elif isinstance(cmd, fs.OptimizerStep) and cmd.batch == target:
+                return held, between
+    raise AssertionError("unreachable: the schedule is endless")
+
+
+def grads_wait_on_master(job: Job) -> bool:
+    """Whether a batch's gradients stay on the optimizer's parameters from the reduce to the step (every path but
+    DeepSpeed's bf16 optimizer when its hand-over moves them into its buffer at the reduce: ``pipe.steps``)."""
+    if job.path != "deepspeed-bf16":
+        return True
+    can_wait = job.replicas == 1 and job.zero == 0
+    return (can_wait and job.clip > 0) or job.fused_step
 
 
 def bubble(schedule: str, stages: int, micro_batches: int) -> float:
@@ -421,14 +480,23 @@ def stage_plan(job: Job, hf, layers: list[Layer], bounds: list[int], stage: int,
     out.in_flight = in_flight(job, stage)
     out.activations_per_micro_batch = per
     out.activations = out.in_flight * per + working
+    out.at_step, between = step_phase(job, stage)
+    if between and grads_wait_on_master(job):  # the next batch's gradients, on a version slot, beside the waiting
+        out.grads_next = job.weight_bytes * out.params
     out.context = int(CONTEXT_GIB * GIB)
-    out.total = sum(getattr(out, k) for k in MEMORY_ROWS)
+    state = sum(getattr(out, k) for k in STATE_ROWS)
+    passes = out.activations + out.grads_next
+    step = out.at_step * per + out.step_workspace + out.grads_next
+    out.peak_phase = "passes" if passes >= step else "step"
+    out.total = state + max(passes, step) + out.context
     out.fits = out.total <= gpu_bytes
     return out
 
 
-MEMORY_ROWS = ("weights", "versions", "grads", "masters", "optimizer", "correction", "step_workspace",
-               "activations", "context")
+STATE_ROWS = ("weights", "versions", "grads", "masters", "optimizer", "correction")
+MEMORY_ROWS = STATE_ROWS + ("step_workspace", "activations", "grads_next", "context")
+"""A stage's rows; its total is the state, the larger of the passes' peak (activations, grads_next) and the step's
+(step_workspace, ``at_step`` micro-batches' activations, grads_next), and the context."""
 
 
 def balanced_bounds(costs: list[float], stages: int) -> list[int]:
@@ -563,18 +631,22 @@ def render(p: Plan) -> str:
             f"memory    checkpoint every {p.checkpoint_interval or '-'} layer(s), loss chunk {p.loss_chunk or '-'}; "
             f"GiB per GPU, card {p.gpu_memory / GIB:.1f} GiB", ""]
     head = ("stage", "layers", "params", "weights", "versions", "grads", "masters", "optim", "correct", "step",
-            "activ", "x", "context", "total", "fits")
+            "activ", "x", "next", "peak", "context", "total", "fits")
     table = [head]
     for s in p.stage_list:
         table.append((str(s.stage), f"{s.layers[0]}-{s.layers[1] - 1}", _b(s.params), _g(s.weights),
                       _g(s.versions), _g(s.grads), _g(s.masters), _g(s.optimizer), _g(s.correction),
-                      _g(s.step_workspace), _g(s.activations), str(s.in_flight), _g(s.context), _g(s.total),
+                      _g(s.step_workspace), _g(s.activations), str(s.in_flight), _g(s.grads_next),
+                      f"{s.peak_phase}" + (f" ({s.at_step})" if s.peak_phase == "step" else ""), _g(s.context), _g(s.total),
                       "yes" if s.fits else "NO"))
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
     rows += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in table]
     rule_note = (f"{p.bubble:.1%} (steady state; a warm-up and drain only at drains); 1f1b at this m: "
                  f"{p.bubble_1f1b:.1%}" if p.bubble == 0 else f"{p.bubble:.1%} = (p-1)/(m+p-1)")
-    rows += ["", "(x: micro-batches in flight; activ = x per-micro-batch activations + one working set)",
+    rows += ["", "(x: micro-batches in flight; activ = x per-micro-batch activations + one working set; next: the "
+             "next batch's gradients beside the waiting ones; total = the state + the larger of the passes (activ + "
+             "next) and the step (step + the activations of the micro-batches held then, in brackets, + next) + "
+             "context)",
              f"bubble    {p.schedule}: {rule_note}",
              f"smallest m {p.min_micro_batches} ({p.schedule}); memory does not grow with m >= p",
              f"balance   boundaries {p.boundaries}: largest stage {p.flops_imbalance:.3f}x the mean FLOPs",
