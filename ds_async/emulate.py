@@ -18,7 +18,7 @@ optimizer then updates the newest weights, exactly as the pipeline does, without
 - the run folder ``<logging.dir>/<run_name>`` gets what a ``launch/train.py`` run writes (``manifest.json`` with
   the resolved config, tensorboard events, ``summary.json``, ``loss.png``), the manifest adding an ``emulation``
   section (device, card, precision). Instead of engine checkpoints it keeps ``emulation_state.pt`` (weights,
-  older versions, optimizer, scheduler, data position, curves) at ``checkpoint.every`` steps and when
+  older versions, optimizer, scheduler, data position, curves, training clock) at ``checkpoint.every`` steps and when
   ``--time-limit`` runs out (exit 75); ``--resume`` continues from it, the same as a run that never stopped.
 
 Precision: fp32 on CPU always. On a GPU, ``bf16.enabled`` trains as the engine does under bf16 (bf16 weights and
@@ -511,9 +511,9 @@ def run(config_path: str, max_steps: int | None = None, run_name: str | None = N
                             every=cfg.logging.every, start_step=done, window=cfg.logging.window,
                             warmup=cfg.logging.warmup_steps,
                             flops_per_step=model_flops_per_token(hf_config, seq_len) * tokens_per_step,
-                            peak_flops=peak)
+                            peak_flops=peak, seconds_before=state.get("seconds", 0.0) if resumed_from else 0.0)
     if resumed_from is not None:
-        log.history = state["history"]
+        log.history = {**log.history, **state["history"]}  # a state saved before a key existed starts it empty
     log.manifest(config_file=str(config_path), ds_async=cfgmod.resolved(cfg), deepspeed=ds_config,
                  world_size=cfg.pipeline_stages * dp, pipeline_stages=cfg.pipeline_stages, data_parallel=dp,
                  micro_batch_size=mbs, micro_batches=gas, tokens_per_step=tokens_per_step, total_steps=total_steps,
@@ -526,6 +526,7 @@ def run(config_path: str, max_steps: int | None = None, run_name: str | None = N
     def save(step: int) -> None:
         doc = {"identity": identity, "step": step, "layers": layers.state_dict(), "trainer": trainer.state_dict(),
                "optimizer": optimizer.state_dict(), "data": batches.state_dict(), "history": log.history,
+               "seconds": log.elapsed(),
                "scheduler": scheduler.state_dict() if scheduler is not None else None,
                "skipped_steps": getattr(stepped, "skipped", 0), "rng": torch.get_rng_state()}
         tmp = state_file.with_suffix(".tmp")

@@ -94,15 +94,22 @@ class RunLogger:
 
     Per train step: loss, lr, tokens, gradient norm, step time, tokens/s and MFU; step time, tokens/s and MFU are
     running averages over the last ``window`` steps, never counting the first ``warmup`` steps of this process
-    (compilation, allocator growth), so a single fast or slow step does not make a spike. Per gather (the trainer's
+    (compilation, allocator growth), so a single fast or slow step does not make a spike. Per validation: the loss
+    (``history["validation"]``: ``(step, loss)``) and the run's training clock then (``history["validation_seconds"]``:
+    ``(step, seconds)``), for loss against wall-clock and time to a target loss: :meth:`elapsed`, seconds since this
+    logger was made (set-up before it, such as tokenizer training and model building, is not counted) plus those of
+    the processes a resumed run continues. Per gather (the trainer's
     ``stages``): peak memory and idle fraction per pipeline stage; per optimizer-figures step: update RMS, delay
     correction buffer norm, staleness.
     """
 
     def __init__(self, run_dir: Path, total_steps: int, tokens_per_step: int, enabled: bool, progress: bool = True,
                  every: int = 1, start_step: int = 0, window: int = 20, warmup: int = 2,
-                 flops_per_step: float | None = None, peak_flops: float | None = None, monitor=None):
+                 flops_per_step: float | None = None, peak_flops: float | None = None, monitor=None,
+                 seconds_before: float = 0.0):
         """``start_step``: steps done before this process started (a resumed run); rates count only the rest.
+        ``seconds_before``: :meth:`elapsed` as the run's previous process saved it with its state (a resumed run), so
+        that a run's clock is the sum of its processes' training time.
         ``flops_per_step``: model FLOPs of one step over all replicas; ``peak_flops``: the peak FLOP/s of all the
         job's devices together; MFU needs both. ``monitor``: also gets every scalar (:class:`DeepSpeedMonitor`)."""
         self.run_dir, self.enabled, self.every, self.start_step = Path(run_dir), enabled, every, start_step
@@ -110,7 +117,9 @@ class RunLogger:
         self.window, self.warmup = window, warmup
         self.flops_per_step, self.peak_flops = flops_per_step, peak_flops
         self.monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
-        self.history = {"train": [], "validation": [], "grad_norm": [], "step_time_s": [], "tokens_per_s": []}
+        self.history = {"train": [], "validation": [], "validation_seconds": [], "grad_norm": [], "step_time_s": [],
+                        "tokens_per_s": []}
+        self.seconds_before = seconds_before
         self.last: dict = {}
         self.last_optimizer: dict | None = None
         self.last_stages: dict | None = None
@@ -196,10 +205,16 @@ class RunLogger:
             print(f"step {step}/{self.total_steps}: loss {loss:.4f} lr {lr:.3g} grad_norm {_fmt(grad_norm, '.4g')} "
                   f"step {_fmt(step_ms, '.1f')} ms tokens/s {_fmt(rates['tokens_per_s'], ',.0f')}{mfu}", flush=True)
 
+    def elapsed(self) -> float:
+        """The run's training clock: seconds since this logger was made, plus ``seconds_before``."""
+        return self.seconds_before + time.perf_counter() - self._t0
+
     def validation(self, step: int, loss: float) -> None:
         if not self.enabled:
             return
         self.history["validation"].append((step, loss))
+        # A key of its own: readers of ``validation`` keep their (step, loss) pairs.
+        self.history["validation_seconds"].append((step, round(self.elapsed(), 3)))
         self._scalar("validation/loss", loss, step)
         self._say(f"step {step}: validation loss {loss:.4f}")
 

@@ -230,6 +230,7 @@ class Trainer:
         self._build_engine()
         self._build_data()
         self._check_sources()
+        self.seconds_before = 0.0  # the training clock of the processes this run continues (see _restore)
         self.start = self._restore() if self.resume_from is not None else 0
         self.last_saved = self.start if self.resume_from is not None else None
         self._start_logging()
@@ -403,6 +404,7 @@ class Trainer:
                                    check={"tokenizer": self.fingerprint})
         if self.train_iter is not None:
             self.train_iter.load_state_dict(restored["data"])
+        self.seconds_before = float(restored["extra"].get("seconds", 0.0))  # none in a checkpoint saved without it
         if self.rank == 0:
             print(f"ds_async: resumed from {self.resume_from} (step {self.engine.global_steps})", flush=True)
             saved = restored["manifest"].get("ds_async", {})
@@ -441,7 +443,8 @@ class Trainer:
                                      warmup=log_cfg.warmup_steps,
                                      flops_per_step=model_flops_per_token(self.hf_config, cfg.data.seq_len)
                                      * self.tokens_per_step,
-                                     peak_flops=None if peak is None else peak * self.world, monitor=self.ds_monitor)
+                                     peak_flops=None if peak is None else peak * self.world, monitor=self.ds_monitor,
+                                     seconds_before=self.seconds_before)
         self.log.manifest(config_file=str(self.config_path), ds_async=cfgmod.resolved(cfg), deepspeed=self.ds_config,
                           world_size=self.world, pipeline_stages=cfg.pipeline_stages,
                           data_parallel=engine.grid.data_parallel_size, micro_batch_size=self.mbs,
@@ -609,6 +612,7 @@ class Trainer:
         checkpoint.save(self.engine, self.ckpt_root, hf_config=self.hf_config, tokenizer=self.tok,
                         keep=self.cfg.checkpoint.keep, group=self.group,
                         data_state=self.train_iter.state_dict() if self.train_iter is not None else None,
+                        extra={"seconds": self.log.elapsed()},
                         meta={"tokenizer": self.fingerprint, "ds_async": cfgmod.resolved(self.cfg),
                               "optimizer": {"type": optimizer_type(self.ds_config)}})
         self.last_saved = step

@@ -161,7 +161,9 @@ def test_cli_errors_name_the_key(tmp_path, capsys):
 def test_time_limit_and_resume_equal_an_uninterrupted_run(tmp_path, monkeypatch):
     """Stopped by the time limit after every step (mid-way through the prefetched chunk each time) and resumed:
     2BW + Muon + EF with clipping, an LR schedule and evaluations gives the same training and validation losses,
-    bit for bit, as the run that never stopped; the state file is gone once the run is complete."""
+    bit for bit, as the run that never stopped; the state file is gone once the run is complete. Each evaluation's
+    training clock (``history["validation_seconds"]``) rises, and the resumed run's continues from the seconds its
+    last process saved: the run's clock is the sum of its processes'."""
     pytest.importorskip("gensim")
     from ds_async import emulate
 
@@ -173,18 +175,25 @@ def test_time_limit_and_resume_equal_an_uninterrupted_run(tmp_path, monkeypatch)
     path = tmp_path / "c.json"
     path.write_text(json.dumps(raw))
     whole = emulate.run(str(path), run_name="whole", device="cpu")
-    stops = []
+    stops, saved = [], {}  # saved: step -> the clock the stopped process left in its state
     while True:
         try:
             cut = emulate.run(str(path), run_name="cut", device="cpu", resume=True, time_limit=0)
             break
         except emulate.Stopped as e:
             stops.append(e.step)
+            saved[e.step] = round(torch.load(e.state_file, weights_only=True)["seconds"], 3)  # as the history's
     assert stops == [1, 2, 3]
     want = json.loads((tmp_path / "runs" / "whole" / "summary.json").read_text())["history"]
     got = json.loads((tmp_path / "runs" / "cut" / "summary.json").read_text())["history"]
     assert got["train"] == want["train"] and got["validation"] == want["validation"] and len(got["train"]) == 4
     assert cut["final_validation_loss"] == whole["final_validation_loss"]
     assert not (tmp_path / "runs" / "cut" / emulate.STATE_FILE).exists()
+    for clock in (want["validation_seconds"], got["validation_seconds"]):
+        assert [s for s, _ in clock] == [s for s, _ in want["validation"]] == [2, 4]
+        assert 0 < clock[0][1] < clock[1][1]
+    # the evaluation at step 2 ran in the process resumed from step 1 and stopped after step 2, the one at step 4
+    # in the process resumed from step 3
+    assert 0 < saved[1] < got["validation_seconds"][0][1] <= saved[2] < saved[3] < got["validation_seconds"][1][1]
     manifest = json.loads((tmp_path / "runs" / "cut" / "manifest.json").read_text())
     assert manifest["resumed_from"].endswith(emulate.STATE_FILE)

@@ -88,6 +88,9 @@ def test_summary_and_tensorboard_hold_the_metrics(work, schedule):
     # Step time, tokens/s and MFU: from the step after the warm-up (1 step) on; the summary's over the run.
     assert [s for s, _ in history["tokens_per_s"]] == list(range(2, STEPS + 1))
     assert got["step_time_s"] > 0 and got["warmup_steps"] == 1
+    # each evaluation with the training clock then, rising (time to loss)
+    assert [s for s, _ in history["validation_seconds"]] == [s for s, _ in history["validation"]] == [4, 8]
+    assert 0 < history["validation_seconds"][0][1] < history["validation_seconds"][1][1] <= got["seconds"]
     tokens_per_step = 2 * 2 * SEQ
     assert got["train_tokens_per_s"] == pytest.approx(tokens_per_step / got["step_time_s"])
     flops = model_flops_per_token(LlamaConfig(**TINY), SEQ) * tokens_per_step
@@ -173,6 +176,57 @@ def test_deepspeed_csv_monitor_gets_the_scalars(work, schedule):
 
 
 # ---------------------------------------------------------------------------------------------- in-process
+def test_engine_run_resumed_from_a_checkpoint_continues_the_clock(work, tmp_path):
+    """Through launch/train.py's trainer: a 2bw run of 4 steps saves its clock with its checkpoint, and the run of 8
+    resumed from it evaluates at step 8 on a clock that goes on from there."""
+    from ds_async import checkpoint
+
+    runs = []
+    for steps, resume in ((4, None), (8, "latest")):
+        raw = json.loads(write_config(tmp_path, "2bw").read_text())
+        raw.pop("csv_monitor")
+        raw["ds_async"].update(tokenizer=str(work / "tokenizer.json"), train={"steps": steps},
+                               checkpoint={"dir": str(tmp_path / "ckpt")})
+        raw["ds_async"]["logging"].update(dir=str(tmp_path / "runs"), run_name=f"clock{steps}")
+        path = tmp_path / f"clock{steps}.json"
+        path.write_text(json.dumps(raw))
+        runs.append({"name": f"clock{steps}", "config": str(path), "resume": resume})
+    first = json.loads(run_ckpt_jobs(tmp_path, runs).joinpath("clock4.rank1.json").read_text())
+    second = json.loads((tmp_path / "out" / "clock8.rank1.json").read_text())
+    assert first["error"] is None and second["error"] is None, (first, second)
+    # the reporting rank (last stage, rank 1) saved the clock it had after the evaluation at step 4
+    saved = checkpoint.load_file(checkpoint.step_dir(tmp_path / "ckpt", 4) / "state-stage01-dp000.pt")["extra"]
+    clock = {steps: json.loads((tmp_path / "runs" / f"clock{steps}" / "summary.json").read_text())["history"]
+             ["validation_seconds"] for steps in (4, 8)}
+    assert [s for s, _ in clock[4]] == [4] and [s for s, _ in clock[8]] == [8]
+    assert second["summary"]["resumed_from"]
+    assert 0 < clock[4][0][1] <= round(saved["seconds"], 3) < clock[8][0][1]  # the history keeps milliseconds
+
+
+def test_validation_clock_continues_a_resumed_run(tmp_path, monkeypatch):
+    """``history["validation_seconds"]``: the clock at each evaluation, from the logger's making on, plus the
+    seconds of the processes a resumed run continues; ``history["validation"]`` keeps its (step, loss) pairs."""
+    from ds_async import metrics
+
+    now = [50.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
+    log = metrics.RunLogger(tmp_path / "run", 10, 1, enabled=True, progress=False, start_step=4,
+                            seconds_before=120.0)
+    now[0] += 3.0
+    log.validation(5, 2.5)
+    now[0] += 4.5
+    log.validation(10, 2.25)
+    assert log.history["validation"] == [(5, 2.5), (10, 2.25)]
+    assert log.history["validation_seconds"] == [(5, 123.0), (10, 127.5)] and log.elapsed() == 127.5
+    log.close(10, plot=False)
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())["history"]
+    assert saved["validation_seconds"] == [[5, 123.0], [10, 127.5]]
+    assert saved["validation"] == [[5, 2.5], [10, 2.25]]
+    quiet = metrics.RunLogger(tmp_path / "other", 10, 1, enabled=False)  # not the reporting rank: nothing recorded
+    quiet.validation(5, 2.5)
+    assert quiet.history["validation_seconds"] == [] and quiet.elapsed() == 0.0
+
+
 def test_config_keys_are_checked():
     base = {"model": {"config": TINY}}
     assert parse({**base, "logging": {"window": 5, "peak_tflops": 989}}).logging.window == 5

@@ -207,8 +207,8 @@ def long_lambda(lambdas=(0.5, 1.0, 2.0, 3.0), lr_scales=(0.5, 1.0, 2.0)) -> list
     lambda stays stable. lambda 1 at x1 is ``long``'s own 2bw+ef run and is not repeated."""
     runs = []
     for opt in LONG_OPTIMIZERS:
-        points = {f"2bw+ef-lambda{lam:g}-lr{x:g}x": {**VARIANTS["2bw"], "ds_async.correction": {"type": "ef", "lambda": lam},
-                                                     **lr_scaled(opt, x)}
+        points = {f"2bw+ef-lambda{lam:g}-lr{x:g}x": {**VARIANTS["2bw"], **lr_scaled(opt, x),
+                                                     "ds_async.correction": {"type": "ef", "lambda": lam}}
                   for lam, x in itertools.product(lambdas, lr_scales) if (lam, x) != (1.0, 1.0)}
         runs += long_product("long-lambda", {opt: LONG_OPTIMIZERS[opt]}, points, seeds(0))
     return runs
