@@ -234,6 +234,15 @@ def long_delay(depths=(3, 5)) -> list[Run]:
     return long_product("long-delay", LONG_OPTIMIZERS, rules, {"": one}, seeds(0))
 
 
+# The MoE study (long_moe.json): a Mixtral of long.json's shape (hidden 512, 7 layers, vocab 8192, seq 512, 4 stages,
+# m = 4 micro-batches of 64) with 8 experts of intermediate size 320, top-2: 43.3M parameters, 22.6M active per
+# token. 6606 steps of 131k tokens = 866M tokens = 20 tokens per *total* parameter (per active one it would be
+# 453M): every expert's weights are trained and the budget stays under ~1.2B tokens. Muon as in ``long`` (fused
+# step); each expert's fused gate_up_proj is one matrix (split_gate_up false, the default) except in long-moe-ns's
+# split runs, which orthogonalise its gate and up halves apart as the dense path does.
+LONG_MOE_MUON = {"muon": {**LONG_OPTIMIZERS["muon"], "optimizer.params.split_gate_up": False}}
+
+
 def matrix(name: str) -> list[Run]:
     """The named list of runs.
 
@@ -252,6 +261,10 @@ def matrix(name: str) -> list[Run]:
     ``long-lambda``: 2bw + EF at lambda 0.5/1/2/3 x peak LR x0.5/x1/x2, less ``long``'s own point (seed 0; 22).
     ``long-delay``: m = 1, PipeDream at p = 3 and 5 against the constant delays of their means (``delay1``,
     ``delay2``, emulation only) on the same stages, with sync and 2bw at m = 1 (seed 0; 12).
+    ``long-moe``: Muon x {sync, 2bw, 2bw+ef} x seeds {0, 1, 2} on ``long_moe.json`` (a 43.3M Mixtral, 8 experts,
+    top-2, 22.6M active; 20 tokens per total parameter; 9). ``long-moe-ns``: how Muon orthogonalises the experts'
+    fused ``gate_up_proj``, sync and 2bw+ef at seed 0: one matrix per expert (``long-moe``'s own runs) and its gate
+    and up halves apart (``split_gate_up``; 2 more runs).
     """
     opts = OPTIMIZERS
     if name == "main":
@@ -280,6 +293,13 @@ def matrix(name: str) -> list[Run]:
         return long_lambda()
     if name == "long-delay":
         return long_delay()
+    if name == "long-moe":
+        return product("long_moe.json", "long-moe", LONG_MOE_MUON, VARIANTS, seeds(0, 1, 2))
+    if name == "long-moe-ns":  # the fused mode's runs are long-moe's own (the same folders: trained once)
+        variants = {k: VARIANTS[k] for k in ("sync", "2bw+ef")}
+        fused = [r for r in matrix("long-moe") if r.name in {f"muon-{v}-s0" for v in variants}]
+        return fused + product("long_moe.json", "long-moe-ns", LONG_MOE_MUON, variants,
+                               {"split": {"optimizer.params.split_gate_up": True}}, seeds(0))
     if name == "depth8":
         return _depth8("base.json", "depth8", (0,), train_micro_batch_size_per_gpu=6, **{"ds_async.eval.batches": 80})
     if name == "depth8-cpu":
@@ -290,7 +310,7 @@ def matrix(name: str) -> list[Run]:
 
 
 MATRICES = ("main", "extras", "pairs", "tiny", "tiny-pairs", "depth8", "depth8-cpu", "long", "long-lr", "long-lengths",
-            "long-lambda", "long-delay")
+            "long-lambda", "long-delay", "long-moe", "long-moe-ns")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -464,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     sets = dict(args.sets)
-    runs = [r for name in args.matrices for r in matrix(name)]
+    # A run two matrices share (long-moe-ns holds long-moe's fused runs) once: two workers must not train one folder.
+    runs = list({(r.group, r.name): r for name in args.matrices for r in matrix(name)}.values())
     if args.only:
         runs = [r for r in runs if fnmatch.fnmatch(f"{r.group}/{r.name}", args.only)]
     out = args.out.resolve()
