@@ -210,9 +210,9 @@ class Muon(UpdateOptimizer):
     ``match_rms_adamw``) and, optionally, ``row_blocks`` (default 1): each of the group's matrices is
     orthogonalised as that many equal blocks of rows, each block a matrix of its own with its own lr adjustment
     (bit-equal to Muon on the blocks as separate tensors; ``muon_param_groups(split_gate_up=True)`` puts fused
-    ``[gate; up]`` expert stacks in such a group, 2 blocks). An AdamW group's: ``lr, betas, eps, weight_decay``.
-    Muon refuses parameters that are not at least 2-D (a flat ZeRO partition) with an explanation, and matrices
-    whose rows do not split into ``row_blocks`` equal blocks.
+    ``[gate; up]`` expert stacks in such a group, 2 blocks; why, and why it is off by default, is said there). An
+    AdamW group's: ``lr, betas, eps, weight_decay``. Muon refuses parameters that are not at least 2-D (a flat ZeRO
+    partition) with an explanation, and matrices whose rows do not split into ``row_blocks`` equal blocks.
     """
 
     def __init__(self, param_groups: list[dict], lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
