@@ -1,0 +1,119 @@
+"""Time to loss through the real engine: synchronous 1F1B + Muon against 2BW + Muon + EF with the same wall-clock.
+
+The number a user decides by: on the same GPUs, model and data, how soon does each schedule reach the loss the
+synchronous run ends at? Both runs get the same training time, ``--budget`` seconds: each variant first runs
+``--calibrate-steps`` steps to measure its steady step time (``summary.json``'s ``step_time_s``, warm-up left out),
+then trains ``budget / step_time`` steps with its own LR schedule of that length (the config's warm-up, cosine to
+the end). Each full run validates ``--evals`` times on the same held-out micro-batches, its manifest and summary
+recording the wall-clock of every evaluation (``history["validation_seconds"]``).
+
+    python launch/study/time_to_loss.py --budget 300 --gpus 4 --out runs/ttl
+    python launch/study/time_to_loss.py --budget 300 --gpus 4 --out runs/ttl --set ds_async.data.train=...
+
+Writes ``OUT/time_to_loss.json``: the target (the sync run's final validation loss) and per run its steps, tokens,
+step time, final loss, ``time_to_loss`` (seconds from the start of training to the target, linear between
+evaluations; null if never reached) and ``tokens_to_loss``; the run folders are ``OUT/<variant>`` as
+``launch/train.py`` writes them. The base config is ``engine_ttl.json`` beside this file (``--config`` for another).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "notebooks"))
+
+from run import _parse_set, override  # noqa: E402  (the study's own dotted-key overrides)
+
+VARIANTS = {
+    "sync": {"ds_async.schedule": "1f1b"},
+    "2bw+ef": {"ds_async.schedule": "2bw", "ds_async.correction": {"type": "ef", "lambda": 1.0}},
+}
+
+
+def train(config: dict, out: Path, name: str, gpus: int, max_steps: int | None = None) -> dict:
+    """One ``launch/train.py`` run of ``config`` as ``out/name``; returns its summary.json."""
+    folder = out / name
+    config = override(config, {"ds_async.logging.dir": str(out), "ds_async.logging.run_name": name})
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus),
+           str(ROOT / "launch" / "train.py"), "--config", str(path)]
+    if max_steps is not None:
+        cmd += ["--max-steps", str(max_steps)]
+    print("$ " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    return json.loads((folder / "summary.json").read_text())
+
+
+def length(steps: int, evals: int) -> dict:
+    return {"ds_async.train.steps": steps, "ds_async.eval.every": max(1, steps // evals)}
+
+
+def result(summary: dict, tokens_per_step: int, target: float) -> dict:
+    from runs import time_to_loss
+
+    history = summary["history"]
+    val, seconds = history["validation"], history["validation_seconds"]
+    at = time_to_loss([t for _, t in seconds], [v for _, v in val], target)
+    steps = [s for s, _ in val]
+    tokens = None
+    if at is not None:  # the step at which the target was reached, at the same interpolation point
+        ts = [t for _, t in seconds]
+        k = next(i for i, t in enumerate(ts) if t >= at)
+        frac = 0.0 if k == 0 else (at - ts[k - 1]) / (ts[k] - ts[k - 1])
+        step = steps[k] if k == 0 else steps[k - 1] + frac * (steps[k] - steps[k - 1])
+        tokens = round(step * tokens_per_step)
+    return {"steps": summary["steps"], "tokens": summary["tokens"], "step_time_s": summary["step_time_s"],
+            "final_validation_loss": summary["final_validation_loss"], "seconds": summary["seconds"],
+            "time_to_loss": None if at is None else round(at, 1), "tokens_to_loss": tokens,
+            "validation": val, "validation_seconds": seconds}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=HERE / "engine_ttl.json")
+    p.add_argument("--budget", type=float, required=True, help="training seconds each run gets")
+    p.add_argument("--gpus", type=int, required=True, help="processes per run (pipeline stages x replicas)")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "ttl")
+    p.add_argument("--calibrate-steps", type=int, default=30)
+    p.add_argument("--evals", type=int, default=20, help="validations per full run")
+    p.add_argument("--set", dest="sets", type=_parse_set, action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+
+    base = override(json.loads(args.config.read_text()), dict(args.sets))
+    out = args.out.resolve()
+    plans = {}
+    for name, variant in VARIANTS.items():
+        config = override(base, {**variant, **length(args.calibrate_steps, 1), "ds_async.eval.every": 0,
+                                 "ds_async.data.validation": None})
+        summary = train(config, out, f"{name}-calibrate", args.gpus)
+        steps = max(1, math.floor(args.budget / summary["step_time_s"]))
+        plans[name] = (steps, summary["step_time_s"])
+        print(f"[calibrate] {name}: {summary['step_time_s']:.4f} s a step -> {steps} steps in {args.budget:g} s",
+              flush=True)
+    summaries = {}
+    for name, variant in VARIANTS.items():
+        steps, _ = plans[name]
+        summaries[name] = train(override(base, {**variant, **length(steps, args.evals)}), out, name, args.gpus)
+    tokens_per_step = summaries["sync"]["tokens"] // summaries["sync"]["steps"]
+    target = summaries["sync"]["final_validation_loss"]
+    doc = {"budget_s": args.budget, "gpus": args.gpus, "config": str(args.config), "sets": dict(args.sets),
+           "target": target, "calibration_step_time_s": {k: v[1] for k, v in plans.items()},
+           "runs": {name: result(s, tokens_per_step, target) for name, s in summaries.items()}}
+    (out / "time_to_loss.json").write_text(json.dumps(doc, indent=1) + "\n")
+    for name, r in doc["runs"].items():
+        print(f"[result] {name}: {r['steps']} steps, final {r['final_validation_loss']:.4f}, reaches {target:.4f} "
+              f"after {r['time_to_loss']} s ({r['tokens_to_loss']} tokens)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
