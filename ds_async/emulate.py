@@ -381,6 +381,257 @@ class Stopped(Exception):
 STATE_FILE = "emulation_state.pt"
 
 
+class Emulation:
+    """One job of a DeepSpeed JSON, trained in this process (:func:`run` drives it): the constructor builds what
+    the config asks for, in the order ``launch/train.py`` does (so the same seeds give the same weights and data);
+    :meth:`restore` continues a saved state, :meth:`start_logging` opens the run folder's logs, :meth:`train`
+    runs the steps and :meth:`finish` writes the summary."""
+
+    def __init__(self, config_path: str, max_steps: int | None = None, run_name: str | None = None,
+                 device: str | None = None):
+        from . import config as cfgmod
+
+        self.config_path = config_path
+        ds_config, cfg = cfgmod.load(config_path)
+        if run_name is not None:
+            cfg = replace(cfg, logging=replace(cfg.logging, run_name=run_name))
+        self.cfg, self.dp = cfg, data_parallel_degree(ds_config)
+        _, self.mbs, self.gas = cfgmod.check_batch(ds_config, cfg, cfg.pipeline_stages * self.dp)
+        self.tokens_per_step = self.mbs * self.gas * self.dp * cfg.data.seq_len
+        from .trainer import steps_for
+
+        self.ds_config = cfgmod.with_schedule_length(ds_config, steps_for(cfg, self.tokens_per_step))
+        self.total_steps = steps_for(cfg, self.tokens_per_step)
+        if max_steps is not None:
+            self.total_steps = min(self.total_steps, max_steps)
+        self._place(device)
+        self._build()
+        self._open_data()
+        from .cadence import Cadence
+
+        self.cadence = Cadence(self.total_steps, eval_every=cfg.eval.every, save_every=cfg.checkpoint.every,
+                               evaluate=bool(cfg.data.validation), final_save=False)
+        self.done, self.resumed_from, self.log = 0, None, None
+        # Losses and norms reach the host a step or two late (HostValue), so the host queues the next step while
+        # the device runs this one; a non-finite loss still stops the run, at most two steps after it.
+        self.pending: collections.deque = collections.deque()
+
+    def _place(self, device: str | None) -> None:
+        from .config import ConfigError
+        from .trainer import seed_everything
+
+        if "optimizer" not in self.ds_config:
+            raise ConfigError("optimizer: the emulation builds the optimizer from this block; it is missing")
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dev.type == "cuda":
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(dev)
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        self.device, self.precision = dev, precision(self.ds_config, dev)
+        if self.precision == "bf16" and self.cfg.train.on_nonfinite == "skip":
+            raise ConfigError("ds_async.train.on_nonfinite: 'skip' needs fp32 or torch_autocast weights, not bf16")
+        seed_everything(self.cfg.seed)
+
+    def _build(self) -> None:
+        """Run folder, tokenizer, model, optimizer (bf16: with fp32 masters), LR scheduler and the trainer."""
+        from .config import ConfigError
+        from .nonfinite import SkipNonFinite
+        from .optim import Muon, build_optimizer
+        from .trainer import check_seq_len, check_vocab, resolve_tokenizer
+
+        cfg, ds_config, dev = self.cfg, self.ds_config, self.device
+        name = cfg.logging.run_name or (f"{cfg.schedule}-{ds_config['optimizer'].get('type', 'none')}-"
+                                        f"{time.strftime('%Y%m%d-%H%M%S')}")
+        self.run_dir = Path(cfg.logging.dir) / name
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.state_file = self.run_dir / STATE_FILE
+        self.tokenizer = resolve_tokenizer(cfg, self.run_dir, _OneProcess)
+        layers, loss_fn, self.hf_config = build_layers(cfg.model, seed=cfg.seed, loss_chunk=cfg.performance.loss_chunk)
+        check_vocab(self.tokenizer, self.hf_config, cfg.tokenizer)
+        check_seq_len(cfg, self.hf_config)
+        self.bounds = stage_bounds(cfg.partition.method, layers, cfg.pipeline_stages, cfg.partition.boundaries)
+        layers.to(dev)
+        try:
+            optimizer = build_optimizer(ds_config["optimizer"], layers, cfg.correction)
+        except ValueError as e:
+            raise ConfigError(f"optimizer: {e}") from None
+        if self.precision == "bf16":  # the engine's bf16 arithmetic: bf16 module and versions, fp32 masters, state
+            fused = cfg.performance.fused_optimizer_step and isinstance(optimizer, Muon)
+            optimizer = MasterWeights(optimizer, layers, fused=fused, device=dev)
+        self.layers, self.optimizer = layers, optimizer
+        self.stepped = SkipNonFinite(optimizer) if cfg.train.on_nonfinite == "skip" else optimizer
+        self.scheduler = build_scheduler(ds_config.get("scheduler"), optimizer)
+        run_layers = _autocast(layers, dev) if self.precision == "autocast" else list(layers)
+        self.trainer = DelayedTrainer(run_layers, stage_of_layers(self.bounds), loss_fn, self.stepped, cfg.schedule,
+                                      self.gas, cfg.pipeline_stages, data_parallel=self.dp,
+                                      clip=float(ds_config.get("gradient_clipping", 0.0)),
+                                      after_step=self._after_step, compile=cfg.performance.compile)
+
+    def _after_step(self) -> None:
+        # As DeepSpeed: a skipped step leaves the LR schedule where it was.
+        if self.scheduler is not None and not getattr(self.stepped, "overflow", False):
+            self.scheduler.step()
+
+    def _stream(self, split: str, rank: int, train: bool):
+        from . import data
+
+        cfg, mbs = self.cfg, self.mbs
+        tokens = (self.total_steps * mbs * self.gas if train else cfg.eval.batches * mbs) * cfg.data.seq_len
+        return data.open_batches(cfg.data, split, self.tokenizer, mbs, dp_rank=rank, dp_world_size=self.dp,
+                                 seed=cfg.seed, tokenize_batch=tokenize_batch(tokens))
+
+    def _open_data(self) -> None:
+        from .prefetch import Prefetcher
+
+        self.train_streams = [self._stream("train", r, True) for r in range(self.dp)]
+        self.batches = Prefetcher(self.train_streams, self.gas, self.device, steps=self.total_steps,
+                                  chunk=min(16, self.total_steps))
+        self.held_out: list[list] = []  # the validation micro-batches of each replica: the same every evaluation
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """The mean validation loss on the newest weights, as the engine averages it."""
+        from . import data
+
+        cfg = self.cfg
+        if not self.held_out:
+            for r in range(self.dp):
+                batches = [b for _, b in zip(range(cfg.eval.batches), self._stream("validation", r, False))]
+                if len(batches) < cfg.eval.batches:
+                    raise data.DataError(f"{cfg.data.validation}: {len(batches)} validation micro-batches for "
+                                         f"replica {r}, ds_async.eval.batches asks for {cfg.eval.batches}")
+                self.held_out.append([(x.to(self.device), y.to(self.device)) for x, y in batches])
+        means = []
+        for batches in self.held_out:  # as the engine: each replica's micro-batch losses summed, then the mean
+            total = None
+            for x, y in batches:
+                loss = self.trainer.loss(x, y)
+                total = loss if total is None else total + loss
+            means.append(total / len(batches))
+        mean = sum(means[1:], means[0])
+        return (mean / self.dp if self.dp > 1 else mean).item()
+
+    # -- state ----------------------------------------------------------------------------------------------------
+    def _identity(self) -> dict:
+        from . import config as cfgmod
+
+        return {"ds_async": cfgmod.resolved(self.cfg), "deepspeed": self.ds_config, "total_steps": self.total_steps}
+
+    def restore(self) -> dict | None:
+        """Continue from the run folder's saved state, if there is one (the same config only); returns it."""
+        from .config import ConfigError
+        from .nonfinite import SkipNonFinite
+
+        if not self.state_file.exists():
+            return None
+        state = torch.load(self.state_file, map_location="cpu", weights_only=True)
+        if (json.dumps(state["identity"], sort_keys=True, default=str)
+                != json.dumps(self._identity(), sort_keys=True, default=str)):
+            raise ConfigError(f"--resume: {self.state_file} was saved by a run of another config or length; "
+                              "remove it to start again")
+        self.layers.load_state_dict(state["layers"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.trainer.load_state_dict(state["trainer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.batches.load_state_dict(state["data"])
+        if isinstance(self.stepped, SkipNonFinite):
+            self.stepped.skipped = state["skipped_steps"]
+        torch.set_rng_state(state["rng"])
+        self.done, self.resumed_from = state["step"], str(self.state_file)
+        return state
+
+    def save(self, step: int) -> None:
+        """The state after ``step`` to the run folder, atomically."""
+        doc = {"identity": self._identity(), "step": step, "layers": self.layers.state_dict(),
+               "trainer": self.trainer.state_dict(), "optimizer": self.optimizer.state_dict(),
+               "data": self.batches.state_dict(), "history": self.log.history, "seconds": self.log.elapsed(),
+               "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+               "skipped_steps": getattr(self.stepped, "skipped", 0), "rng": torch.get_rng_state()}
+        tmp = self.state_file.with_suffix(".tmp")
+        torch.save(doc, tmp)
+        os.replace(tmp, self.state_file)
+
+    # -- logging ------------------------------------------------------------------------------------------------
+    def start_logging(self, state: dict | None = None) -> None:
+        """The run folder's logger and manifest; a restored ``state`` carries its curves and clock over."""
+        from . import config as cfgmod
+        from . import metrics, telemetry
+        from .flops import model_flops_per_token
+
+        cfg, dp = self.cfg, self.dp
+        peak = telemetry.peak_flops(cfg.logging.peak_tflops, self.device)
+        self.log = metrics.RunLogger(
+            self.run_dir, self.total_steps, self.tokens_per_step, enabled=True, progress=cfg.logging.progress,
+            every=cfg.logging.every, start_step=self.done, window=cfg.logging.window, warmup=cfg.logging.warmup_steps,
+            flops_per_step=model_flops_per_token(self.hf_config, cfg.data.seq_len) * self.tokens_per_step,
+            peak_flops=peak, seconds_before=state.get("seconds", 0.0) if state else 0.0)
+        if state:
+            self.log.history = {**self.log.history, **state["history"]}  # a state saved before a key existed
+        self.log.manifest(config_file=str(self.config_path), ds_async=cfgmod.resolved(cfg), deepspeed=self.ds_config,
+                          world_size=cfg.pipeline_stages * dp, pipeline_stages=cfg.pipeline_stages, data_parallel=dp,
+                          micro_batch_size=self.mbs, micro_batches=self.gas, tokens_per_step=self.tokens_per_step,
+                          total_steps=self.total_steps, model=self.hf_config.to_dict(),
+                          resumed_from=self.resumed_from,
+                          emulation={"device": str(self.device), "card": card_name(self.device),
+                                     "precision": self.precision,
+                                     "parameters": sum(q.numel() for q in self.layers.parameters()),
+                                     "compile": cfg.performance.compile, "partition": self.bounds,
+                                     "torch_threads": torch.get_num_threads()})
+
+    def report(self, upto_all: bool = False) -> None:
+        """Log the steps whose figures have reached the host (all of them with ``upto_all``)."""
+        while self.pending and (upto_all or len(self.pending) > 2 or self.pending[0][1].ready()):
+            step, loss, lr, norm = self.pending.popleft()
+            value = float(loss)
+            self.log.train_step(step, value, lr, grad_norm=None if norm is None else float(norm))
+            if not math.isfinite(value) and self.cfg.train.on_nonfinite == "stop":
+                raise NonFiniteLoss(f"step {step}: the training loss is {'NaN' if math.isnan(value) else 'inf'}; "
+                                    "training stopped there (ds_async.train.on_nonfinite = 'stop')")
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+    def train(self, deadline: float | None = None) -> None:
+        """The steps left; past ``deadline`` (``time.perf_counter`` seconds) the state is saved and
+        :class:`Stopped` raised."""
+        from .metrics import HostValue
+
+        try:
+            for step in range(self.done + 1, self.total_steps + 1):
+                loss = self.trainer.step_batch(self.batches.next_step())
+                norm = self.trainer.last_grad_norm
+                self.pending.append((step, HostValue(loss), self.optimizer.param_groups[0]["lr"],
+                                     None if norm is None else HostValue(norm)))
+                self.report()
+                if self.cadence.evaluates(step):
+                    self.report(upto_all=True)
+                    self.log.validation(step, self.validate())
+                out_of_time = deadline is not None and time.perf_counter() > deadline
+                if (self.cadence.saves(step) or out_of_time) and step < self.total_steps:
+                    self.report(upto_all=True)
+                    self.save(step)
+                    if out_of_time:
+                        self.log.writer.close()
+                        if self.log.bar is not None:
+                            self.log.bar.close()
+                        raise Stopped(step, self.state_file)
+            self.report(upto_all=True)
+        finally:
+            self.batches.close()
+
+    def finish(self) -> dict:
+        """The summary (``summary.json``, the console line); the saved state is no longer needed."""
+        from . import data
+
+        skipped_docs = {k: sum(s.skipped[k] for s in self.train_streams) for k in data.SKIP_REASONS}
+        summary = self.log.close(self.total_steps, plot=self.cfg.logging.plot,
+                                 extra={"skipped_docs": skipped_docs,
+                                        "skipped_steps": getattr(self.stepped, "skipped", 0),
+                                        "checkpoint": None, "resumed_from": self.resumed_from})
+        self.state_file.unlink(missing_ok=True)
+        return summary
+
+
 def run(config_path: str, max_steps: int | None = None, run_name: str | None = None,
         device: str | None = None, resume: bool = False, time_limit: float | None = None) -> dict:
     """Train the job of the DeepSpeed JSON at ``config_path`` in this process (see the module docstring); returns
@@ -389,191 +640,11 @@ def run(config_path: str, max_steps: int | None = None, run_name: str | None = N
     ``time_limit`` (seconds from the call): once a step ends past it, the run saves its state to
     ``<run folder>/emulation_state.pt`` and raises :class:`Stopped`; so does a ``checkpoint.every`` step (without
     stopping). ``resume``: continue from that file when the run folder has one (the same config only)."""
-    from . import config as cfgmod
-    from . import data, metrics, telemetry
-    from .cadence import Cadence
-    from .flops import model_flops_per_token
-    from .config import ConfigError
-    from .nonfinite import SkipNonFinite
-    from .optim import Muon, build_optimizer
-    from .prefetch import Prefetcher
-    from .trainer import check_seq_len, check_vocab, resolve_tokenizer, seed_everything, steps_for
-
-    started = time.perf_counter()
-    ds_config, cfg = cfgmod.load(config_path)
-    if run_name is not None:
-        cfg = replace(cfg, logging=replace(cfg.logging, run_name=run_name))
-    dp = data_parallel_degree(ds_config)
-    _, mbs, gas = cfgmod.check_batch(ds_config, cfg, cfg.pipeline_stages * dp)
-    ds_config = cfgmod.with_schedule_length(ds_config, steps_for(cfg, mbs * gas * dp * cfg.data.seq_len))
-    if "optimizer" not in ds_config:
-        raise ConfigError("optimizer: the emulation builds the optimizer from this block; it is missing")
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type == "cuda":
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(dev)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    compute = precision(ds_config, dev)
-    if compute == "bf16" and cfg.train.on_nonfinite == "skip":
-        raise ConfigError("ds_async.train.on_nonfinite: 'skip' needs fp32 or torch_autocast weights, not bf16")
-    seed_everything(cfg.seed)
-
-    name = cfg.logging.run_name or (f"{cfg.schedule}-{ds_config['optimizer'].get('type', 'none')}-"
-                                    f"{time.strftime('%Y%m%d-%H%M%S')}")
-    run_dir = Path(cfg.logging.dir) / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    state_file = run_dir / STATE_FILE
-    tok = resolve_tokenizer(cfg, run_dir, _OneProcess)
-    layers, loss_fn, hf_config = build_layers(cfg.model, seed=cfg.seed, loss_chunk=cfg.performance.loss_chunk)
-    check_vocab(tok, hf_config, cfg.tokenizer)
-    check_seq_len(cfg, hf_config)
-    bounds = stage_bounds(cfg.partition.method, layers, cfg.pipeline_stages, cfg.partition.boundaries)
-    layers.to(dev)
-    try:
-        optimizer = build_optimizer(ds_config["optimizer"], layers, cfg.correction)
-    except ValueError as e:
-        raise ConfigError(f"optimizer: {e}") from None
-    if compute == "bf16":  # the engine's bf16 arithmetic: bf16 module and versions, fp32 masters and state
-        fused = cfg.performance.fused_optimizer_step and isinstance(optimizer, Muon)
-        optimizer = MasterWeights(optimizer, layers, fused=fused, device=dev)
-    stepped = SkipNonFinite(optimizer) if cfg.train.on_nonfinite == "skip" else optimizer
-    scheduler = build_scheduler(ds_config.get("scheduler"), optimizer)
-
-    def after_step() -> None:
-        # As DeepSpeed: a skipped step leaves the LR schedule where it was.
-        if scheduler is not None and not getattr(stepped, "overflow", False):
-            scheduler.step()
-
-    run_layers = _autocast(layers, dev) if compute == "autocast" else list(layers)
-    trainer = DelayedTrainer(run_layers, stage_of_layers(bounds), loss_fn, stepped, cfg.schedule, gas,
-                             cfg.pipeline_stages, data_parallel=dp,
-                             clip=float(ds_config.get("gradient_clipping", 0.0)), after_step=after_step,
-                             compile=cfg.performance.compile)
-
-    seq_len = cfg.data.seq_len
-    tokens_per_step = mbs * gas * dp * seq_len
-    total_steps = steps_for(cfg, tokens_per_step)
-    if max_steps is not None:
-        total_steps = min(total_steps, max_steps)
-    cadence = Cadence(total_steps, eval_every=cfg.eval.every, save_every=cfg.checkpoint.every,
-                      evaluate=bool(cfg.data.validation), final_save=False)
-
-    def stream(split: str, rank: int, train: bool):
-        tokens = total_steps * mbs * gas * seq_len if train else cfg.eval.batches * mbs * seq_len
-        return data.open_batches(cfg.data, split, tok, mbs, dp_rank=rank, dp_world_size=dp, seed=cfg.seed,
-                                 tokenize_batch=tokenize_batch(tokens))
-
-    train_streams = [stream("train", r, True) for r in range(dp)]
-    batches = Prefetcher(train_streams, gas, dev, steps=total_steps, chunk=min(16, total_steps))
-    held_out: list[list] = []  # the validation micro-batches of each replica: the same every evaluation
-
-    @torch.no_grad()
-    def validate() -> float:
-        if not held_out:
-            for r in range(dp):
-                batches = [b for _, b in zip(range(cfg.eval.batches), stream("validation", r, False))]
-                if len(batches) < cfg.eval.batches:
-                    raise data.DataError(f"{cfg.data.validation}: {len(batches)} validation micro-batches for "
-                                         f"replica {r}, ds_async.eval.batches asks for {cfg.eval.batches}")
-                held_out.append([(x.to(dev), y.to(dev)) for x, y in batches])
-        means = []
-        for batches in held_out:  # as the engine: each replica's micro-batch losses summed, then the mean
-            total = None
-            for x, y in batches:
-                loss = trainer.loss(x, y)
-                total = loss if total is None else total + loss
-            means.append(total / len(batches))
-        mean = sum(means[1:], means[0])
-        return (mean / dp if dp > 1 else mean).item()
-
-    identity = {"ds_async": cfgmod.resolved(cfg), "deepspeed": ds_config, "total_steps": total_steps}
-    done, resumed_from = 0, None
-    if resume and state_file.exists():
-        state = torch.load(state_file, map_location="cpu", weights_only=True)
-        if json.dumps(state["identity"], sort_keys=True, default=str) != json.dumps(identity, sort_keys=True,
-                                                                                    default=str):
-            raise ConfigError(f"--resume: {state_file} was saved by a run of another config or length; "
-                              "remove it to start again")
-        layers.load_state_dict(state["layers"])
-        optimizer.load_state_dict(state["optimizer"])
-        trainer.load_state_dict(state["trainer"])
-        if scheduler is not None:
-            scheduler.load_state_dict(state["scheduler"])
-        batches.load_state_dict(state["data"])
-        if isinstance(stepped, SkipNonFinite):
-            stepped.skipped = state["skipped_steps"]
-        torch.set_rng_state(state["rng"])
-        done, resumed_from = state["step"], str(state_file)
-
-    peak = telemetry.peak_flops(cfg.logging.peak_tflops, dev)
-    log = metrics.RunLogger(run_dir, total_steps, tokens_per_step, enabled=True, progress=cfg.logging.progress,
-                            every=cfg.logging.every, start_step=done, window=cfg.logging.window,
-                            warmup=cfg.logging.warmup_steps,
-                            flops_per_step=model_flops_per_token(hf_config, seq_len) * tokens_per_step,
-                            peak_flops=peak, seconds_before=state.get("seconds", 0.0) if resumed_from else 0.0)
-    if resumed_from is not None:
-        log.history = {**log.history, **state["history"]}  # a state saved before a key existed starts it empty
-    log.manifest(config_file=str(config_path), ds_async=cfgmod.resolved(cfg), deepspeed=ds_config,
-                 world_size=cfg.pipeline_stages * dp, pipeline_stages=cfg.pipeline_stages, data_parallel=dp,
-                 micro_batch_size=mbs, micro_batches=gas, tokens_per_step=tokens_per_step, total_steps=total_steps,
-                 model=hf_config.to_dict(), resumed_from=resumed_from,
-                 emulation={"device": str(dev), "card": card_name(dev), "precision": compute,
-                            "parameters": sum(q.numel() for q in layers.parameters()),
-                            "compile": cfg.performance.compile, "partition": bounds,
-                            "torch_threads": torch.get_num_threads()})
-
-    def save(step: int) -> None:
-        doc = {"identity": identity, "step": step, "layers": layers.state_dict(), "trainer": trainer.state_dict(),
-               "optimizer": optimizer.state_dict(), "data": batches.state_dict(), "history": log.history,
-               "seconds": log.elapsed(),
-               "scheduler": scheduler.state_dict() if scheduler is not None else None,
-               "skipped_steps": getattr(stepped, "skipped", 0), "rng": torch.get_rng_state()}
-        tmp = state_file.with_suffix(".tmp")
-        torch.save(doc, tmp)
-        os.replace(tmp, state_file)
-
-    # Losses and norms reach the host a step or two late (HostValue), so the host queues the next step while the
-    # device runs this one; a non-finite loss still stops the run, at most two steps after it.
-    pending: collections.deque = collections.deque()
-
-    def report(upto_all: bool = False) -> None:
-        while pending and (upto_all or len(pending) > 2 or pending[0][1].ready()):
-            step, loss, lr, norm = pending.popleft()
-            value = float(loss)
-            log.train_step(step, value, lr, grad_norm=None if norm is None else float(norm))
-            if not math.isfinite(value) and cfg.train.on_nonfinite == "stop":
-                raise NonFiniteLoss(f"step {step}: the training loss is {'NaN' if math.isnan(value) else 'inf'}; "
-                                    "training stopped there (ds_async.train.on_nonfinite = 'stop')")
-
-    try:
-        for step in range(done + 1, total_steps + 1):
-            loss = trainer.step_batch(batches.next_step())
-            norm = trainer.last_grad_norm
-            pending.append((step, metrics.HostValue(loss), optimizer.param_groups[0]["lr"],
-                            None if norm is None else metrics.HostValue(norm)))
-            report()
-            if cadence.evaluates(step):
-                report(upto_all=True)
-                log.validation(step, validate())
-            out_of_time = time_limit is not None and time.perf_counter() - started > time_limit
-            if (cadence.saves(step) or out_of_time) and step < total_steps:
-                report(upto_all=True)
-                save(step)
-                if out_of_time:
-                    log.writer.close()
-                    if log.bar is not None:
-                        log.bar.close()
-                    raise Stopped(step, state_file)
-        report(upto_all=True)
-    finally:
-        batches.close()
-    skipped_docs = {k: sum(s.skipped[k] for s in train_streams) for k in data.SKIP_REASONS}
-    summary = log.close(total_steps, plot=cfg.logging.plot,
-                        extra={"skipped_docs": skipped_docs, "skipped_steps": getattr(stepped, "skipped", 0),
-                               "checkpoint": None, "resumed_from": resumed_from})
-    state_file.unlink(missing_ok=True)
-    return summary
+    deadline = None if time_limit is None else time.perf_counter() + time_limit
+    job = Emulation(config_path, max_steps=max_steps, run_name=run_name, device=device)
+    job.start_logging(job.restore() if resume else None)
+    job.train(deadline)
+    return job.finish()
 
 
 def main(argv: list[str] | None = None) -> int:
