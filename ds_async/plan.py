@@ -152,6 +152,12 @@ def job_of(ds_config: dict, cfg, world: int):
     from .config import ConfigError, check_batch
     from .optim import needs_client_optimizer
 
+    from .pipe.version_rule import get
+
+    try:
+        get(cfg.schedule).check_engine()  # the planner plans what the engine runs
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _, mbs, gas = check_batch(ds_config, cfg, world)
     if (ds_config.get("fp16") or {}).get("enabled"):
         raise ConfigError("fp16.enabled: ds_async trains in bf16, torch_autocast or fp32")

@@ -446,6 +446,11 @@ def test_cli_table_json_and_errors(tmp_path, capsys):
     path.write_text(json.dumps(bad))
     assert planner.main([str(path)]) == 1
     assert "optimizer.type" in capsys.readouterr().err
+    bad = json.loads(write_config(tmp_path).read_text())
+    bad["ds_async"]["schedule"] = "delay2"
+    path.write_text(json.dumps(bad))
+    assert planner.main([str(path)]) == 1
+    assert capsys.readouterr().err.startswith("ds_async: error: ds_async.schedule: 'delay2' is emulation only")
 
 
 if __name__ == "__main__":
