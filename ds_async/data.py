@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import functools
@@ -12,6 +13,7 @@ import itertools
 import json
 import logging
 import os
+import time
 import warnings
 from collections.abc import Sequence
 
@@ -33,6 +35,30 @@ _LEE_FILES = {"train": "lee_background.cor", "validation": "lee.cor"}
 _LEE_ENCODING = "latin-1"
 _BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".txt": "text", ".cor": "text"}
 _DEFAULT_SPLIT = {"train": "train", "validation": "validation"}
+
+# datasets sleeps config.SLEEP_TIME_ON_THREADS_SHUTDOWN (5 s) whenever an iterator over several shards ends, so that
+# arrow's reader threads are gone before the interpreter is (apache/arrow#45214). Only interpreter exit needs that:
+# the end of an epoch or a dropped stream does not, and there it stalls training and every short job. So the sleep is
+# 0 while a process runs, and at exit the process waits for what is left of it since it last read a stream.
+_EXIT_WAIT = datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN
+datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0
+_last_read = [None]  # time.monotonic() of the last row read through this module
+
+
+def _wait_for_reader_threads() -> None:
+    if _last_read[0] is not None:
+        time.sleep(max(0.0, _EXIT_WAIT - (time.monotonic() - _last_read[0])))
+
+
+atexit.register(_wait_for_reader_threads)
+
+
+def read_rows(stream):
+    """The rows of a datasets stream, each read noted for the wait at exit (see above)."""
+    for row in stream:
+        _last_read[0] = time.monotonic()
+        yield row
+    _last_read[0] = time.monotonic()
 
 
 class DataError(ValueError):
@@ -409,6 +435,7 @@ class _Documents:
         size = max(self._size, 1)
         while len(self._kept) < size:
             row = next(self._rows, _END)
+            _last_read[0] = time.monotonic()
             if row is _END:
                 self.exhausted = True
                 break
@@ -701,6 +728,6 @@ def open_batches(data: DataConfig, role: str, tokenizer, micro_batch_size: int, 
 def _first_texts(stream: datasets.IterableDataset, n: int, text_field: str, key: str) -> list:
     """The `text_field` values of the first `n` rows of `stream` in file order (the held-out documents)."""
     try:
-        return [row.get(text_field) for row in itertools.islice(stream, n)]
+        return [row.get(text_field) for row in itertools.islice(read_rows(stream), n)]
     except Exception as e:  # noqa: BLE001 - datasets/pyarrow errors rarely name the source
         raise DataError(f"{key}: reading the held-out documents failed ({_one_line(e)})") from None

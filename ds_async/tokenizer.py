@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ds_async.data import EMBEDDED_CORPUS, EOS_TOKEN, load_text_stream
+from ds_async.data import EMBEDDED_CORPUS, EOS_TOKEN, load_text_stream, read_rows
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     stream = load_text_stream(args.data, args.split, args.text_field)
-    texts = (row[args.text_field] for row in stream)
+    texts = (row[args.text_field] for row in read_rows(stream))
     if args.max_docs is not None:
         texts = itertools.islice(texts, args.max_docs)
     path = train_bpe(texts, args.vocab_size, args.out, args.min_frequency)

@@ -532,3 +532,13 @@ def test_resume_continues_from_the_streams_own_position(tmp_path, tokenizer, lee
             mid_epoch += 1
             assert rereading >= stream["read"] and with_state <= rereading - stream["read"] + 8
     assert mid_epoch >= 2
+
+
+def test_streams_end_without_datasets_shutdown_sleep():
+    """datasets sleeps at the end of every iterator over several shards (5 s, for interpreter exit only): ds_async
+    turns that off while the process runs and waits once at exit instead (``ds_async.data``)."""
+    import datasets
+
+    import ds_async.data  # noqa: F401
+
+    assert datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN == 0

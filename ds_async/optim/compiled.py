@@ -9,8 +9,15 @@ import torch
 def compiled_on_gpus(fn):
     """``fn`` compiled by Inductor (one kernel per tensor) when its first argument, a list of tensors, is on a GPU;
     the eager ops elsewhere, so CPU runs round exactly as the torch ops the tests compare against. ``.compiled`` is
-    the compiled function, for tests that check it on CPU."""
-    compiled = torch.compile(fn, dynamic=False)
+    the compiled function, for tests that check it on CPU. ``torch.compile`` is called at the first compiled use,
+    not at import: importing the compiler costs every process about a second, and CPU jobs never use it."""
+
+    @functools.cache
+    def build():
+        return torch.compile(fn, dynamic=False)
+
+    def compiled(*args, **kwargs):
+        return build()(*args, **kwargs)
 
     @functools.wraps(fn)
     def run(tensors, *args):

@@ -371,13 +371,6 @@ def train(runs: list[Run], out: Path, runner: str, sets: dict, force: bool, devi
     wait; a later call resumes it."""
     failed = []
     t0 = time.perf_counter()
-    if runner == "emulation":
-        import datasets
-
-        # Closing a stream over several parquet shards sleeps so that arrow's reader threads end before the
-        # interpreter does (apache/arrow#45214); this process goes on to the next run instead (the script pauses
-        # once before it ends).
-        pause, datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN, 0
     for k, run in enumerate(runs):
         folder = run_dir(out, runner, run)
         if (folder / "summary.json").exists() and not force:
@@ -411,8 +404,6 @@ def train(runs: list[Run], out: Path, runner: str, sets: dict, force: bool, devi
         except Exception:  # noqa: BLE001 - one failed run must not stop the others
             traceback.print_exc()
             failed.append(f"{run.group}/{run.name}")
-    if runner == "emulation":
-        datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = pause
     print(f"[matrix] {len(runs) - len(failed)}/{len(runs)} runs ({runner}) in {time.perf_counter() - t0:.1f}s"
           + (f"; failed: {failed}" if failed else ""), flush=True)
     return len(failed)
@@ -506,7 +497,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
-    if "datasets" in sys.modules:  # the pause the emulation runs' streams skipped (see train)
-        time.sleep(sys.modules["datasets"].config.SLEEP_TIME_ON_THREADS_SHUTDOWN)
-    sys.exit(status)
+    sys.exit(main())
