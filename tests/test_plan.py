@@ -8,6 +8,7 @@ output, against the planner's per-micro-batch estimate. The shipped 4-GPU config
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -137,10 +138,10 @@ def test_state_bytes_equal_deepspeed_bf16_engine(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- activations
 
-def saved_bytes(layers, x) -> tuple[int, torch.Tensor]:
-    """Bytes autograd saves in a forward of ``layers`` on ``x`` (unique storages, parameters excluded), plus the
-    input and output the stage holds."""
-    params = {q.untyped_storage().data_ptr() for layer in layers for q in layer.parameters()}
+@contextlib.contextmanager
+def saved_storages(params: set[int]):
+    """``{storage pointer: bytes}`` of what autograd saves for backward inside the block, the storages in
+    ``params`` (the parameters') left out; callers add the input and output the stage holds."""
     seen = {}
 
     def pack(t):
@@ -150,6 +151,14 @@ def saved_bytes(layers, x) -> tuple[int, torch.Tensor]:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield seen
+
+
+def saved_bytes(layers, x) -> tuple[int, torch.Tensor]:
+    """Bytes autograd saves in a forward of ``layers`` on ``x`` (unique storages, parameters excluded), plus the
+    input and output the stage holds."""
+    params = {q.untyped_storage().data_ptr() for layer in layers for q in layer.parameters()}
+    with saved_storages(params) as seen:
         out = x
         for layer in layers:
             out = layer(out)
@@ -197,14 +206,7 @@ def test_activations_of_the_last_stage_with_checkpointing(tmp_path):
         x = torch.randn(2, 128, 64, requires_grad=True)
         labels = torch.randint(0, 512, (2, 128))
         params = {q.untyped_storage().data_ptr() for q in layers.parameters()}
-        seen = {}
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in params:
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved_storages(params) as seen:
             h = x
             for f in run:
                 h = f(h)
@@ -300,14 +302,7 @@ def test_compiled_activations_match_inductor(tmp_path, backend):
             if backend == "inductor":
                 pytest.skip(f"inductor cannot compile on this CPU: {type(e).__name__}: {str(e)[:200]}")
             raise
-        seen = {}
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in params:
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved_storages(params) as seen:
             out = run(x.clone())
         for t in (x, labels) if last else (x, out):
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
