@@ -37,10 +37,11 @@ _BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".txt": "
 _DEFAULT_SPLIT = {"train": "train", "validation": "validation"}
 
 # datasets sleeps config.SLEEP_TIME_ON_THREADS_SHUTDOWN (5 s) whenever an iterator over several shards ends, so that
-# arrow's reader threads are gone before the interpreter is (apache/arrow#45214). Only interpreter exit needs that:
-# the end of an epoch or a dropped stream does not, and there it stalls training and every short job. So the sleep is
-# 0 while a process runs, and at exit the process waits for what is left of it since it last read a stream.
-_EXIT_WAIT = datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN
+# arrow's reader threads are gone before the interpreter is (apache/arrow#45214; arrow#39862 reports 100 ms after a
+# scan enough). Only interpreter exit needs that: the end of an epoch or a dropped stream does not, and there it
+# stalls training and every short job. So the sleep is 0 while a process runs, and at exit the process waits until
+# _EXIT_WAIT seconds have passed since it last read a stream (ten times the reported need).
+_EXIT_WAIT = 1.0
 datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0
 _last_read = [None]  # time.monotonic() of the last row read through this module
 

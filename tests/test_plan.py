@@ -93,13 +93,11 @@ def test_state_bytes_equal_master_weights_muon_ef(tmp_path, family):
 def engine_job(config_path: str, out: str) -> None:
     """One process, one stage: a real ds_async engine (DeepSpeed's bf16 optimizer) trains one step; the bytes of
     its tensors go to ``out``."""
-    import deepspeed
-
     from ds_async import config as cfgmod
-    from ds_async import initialize
+    from ds_async import init_distributed, initialize
     from ds_async.models import build_pipeline, model_config
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed()  # ds_async's: gloo, without DeepSpeed's JIT build of its CPU shm op
     ds_config, cfg = cfgmod.load(config_path)
     module = build_pipeline(cfg, model_config(cfg))
     engine = initialize(module, ds_config, schedule=cfg.schedule, correction=cfg.correction,
