@@ -390,6 +390,7 @@ class Emulation:
     def __init__(self, config_path: str, max_steps: int | None = None, run_name: str | None = None,
                  device: str | None = None):
         from . import config as cfgmod
+        from .trainer import steps_for
 
         self.config_path = config_path
         ds_config, cfg = cfgmod.load(config_path)
@@ -398,12 +399,9 @@ class Emulation:
         self.cfg, self.dp = cfg, data_parallel_degree(ds_config)
         _, self.mbs, self.gas = cfgmod.check_batch(ds_config, cfg, cfg.pipeline_stages * self.dp)
         self.tokens_per_step = self.mbs * self.gas * self.dp * cfg.data.seq_len
-        from .trainer import steps_for
-
-        self.ds_config = cfgmod.with_schedule_length(ds_config, steps_for(cfg, self.tokens_per_step))
-        self.total_steps = steps_for(cfg, self.tokens_per_step)
-        if max_steps is not None:
-            self.total_steps = min(self.total_steps, max_steps)
+        planned = steps_for(cfg, self.tokens_per_step)
+        self.ds_config = cfgmod.with_schedule_length(ds_config, planned)
+        self.total_steps = planned if max_steps is None else min(planned, max_steps)
         self._place(device)
         self._build()
         self._open_data()

@@ -547,7 +547,8 @@ def long_findings(runs: pd.DataFrame, short: pd.DataFrame | None = None) -> str:
 
 def time_to_loss(seconds: list[float], losses: list[float], target: float) -> float | None:
     """Wall-clock seconds at which a validation curve first reaches ``target`` (linear between evaluation points;
-    the first point counts as reached at its own time), or None if it never does."""
+    the first point counts as reached at its own time), or None if it never does. ``seconds`` may be any increasing
+    x of the evaluations: given their steps it gives the (fractional) step of the same crossing."""
     for k, (t, loss) in enumerate(zip(seconds, losses)):
         if loss <= target:
             if k == 0:

@@ -62,15 +62,10 @@ def result(summary: dict, tokens_per_step: int, target: float) -> dict:
 
     history = summary["history"]
     val, seconds = history["validation"], history["validation_seconds"]
-    at = time_to_loss([t for _, t in seconds], [v for _, v in val], target)
-    steps = [s for s, _ in val]
-    tokens = None
-    if at is not None:  # the step at which the target was reached, at the same interpolation point
-        ts = [t for _, t in seconds]
-        k = next(i for i, t in enumerate(ts) if t >= at)
-        frac = 0.0 if k == 0 else (at - ts[k - 1]) / (ts[k] - ts[k - 1])
-        step = steps[k] if k == 0 else steps[k - 1] + frac * (steps[k] - steps[k - 1])
-        tokens = round(step * tokens_per_step)
+    losses = [v for _, v in val]
+    at = time_to_loss([t for _, t in seconds], losses, target)
+    step = time_to_loss([s for s, _ in val], losses, target)  # the same crossing, in steps
+    tokens = None if step is None else round(step * tokens_per_step)
     return {"steps": summary["steps"], "tokens": summary["tokens"], "step_time_s": summary["step_time_s"],
             "final_validation_loss": summary["final_validation_loss"], "seconds": summary["seconds"],
             "time_to_loss": None if at is None else round(at, 1), "tokens_to_loss": tokens,
