@@ -217,6 +217,11 @@ class PerformanceConfig:
     """Recompute the activations of every this many layers in backward instead of storing them (DeepSpeed's
     ``PipelineModule`` checkpointing; under flush-free schedules the recompute runs on the micro-batch's own
     weight version). 0: store all activations."""
+    activation_checkpoint_layers: int | list[int] = 0
+    """Recompute this many decoder layers of every stage in backward, each alone, the stage's first ones (Megatron's
+    "block" recompute); a list gives each stage its own count. A pipeline stage holds ``p - s`` micro-batches at
+    once, so the first stages need recompute where the last need none: ``python -m ds_async.plan`` suggests the
+    fewest layers per stage that fit the card. Not with ``activation_checkpoint_interval``."""
     fused_optimizer_step: bool = False
     """Take the optimizer step in a few passes per tensor, from the bf16 gradients straight to the fp32 masters, the
     optimizer state, the bf16 weights and (flush-free schedules) the new weight version. Two cases: DeepSpeed's bf16
@@ -258,6 +263,20 @@ class DsAsyncConfig:
     """Where and how often to save checkpoints (see ``ds_async.checkpoint``)."""
     performance: PerformanceConfig = field(default_factory=PerformanceConfig)
     """Speed levers: compiled decoder layers, chunked cross-entropy, activation checkpointing."""
+
+
+def recomputed_layers(perf: PerformanceConfig, stages: int) -> list[int]:
+    """``performance.activation_checkpoint_layers`` as one count per stage."""
+    n = perf.activation_checkpoint_layers
+    return list(n) if isinstance(n, list) else [n] * stages
+
+
+def check_recompute(counts: list[int], decoders: list[int]) -> None:
+    """Refuse ``activation_checkpoint_layers`` asking a stage for more decoder layers than it has."""
+    for stage, (n, have) in enumerate(zip(counts, decoders)):
+        if n > have:
+            raise ConfigError(f"ds_async.performance.activation_checkpoint_layers: stage {stage} has {have} decoder "
+                              f"layers, asked to recompute {n}")
 
 
 def _type_name(tp) -> str:
@@ -347,6 +366,18 @@ def parse(section: dict) -> DsAsyncConfig:
     perf = cfg.performance
     if perf.compile_scope != "layer" and not perf.compile:
         raise ConfigError(f"ds_async.performance.compile_scope: '{perf.compile_scope}' needs compile: true")
+    layers = perf.activation_checkpoint_layers
+    key = "ds_async.performance.activation_checkpoint_layers"
+    if isinstance(layers, list) and len(layers) != cfg.pipeline_stages:
+        raise ConfigError(f"{key}: one count per stage ({cfg.pipeline_stages}), got {layers}")
+    if any(n < 0 for n in (layers if isinstance(layers, list) else [layers])):
+        raise ConfigError(f"{key}: counts must be >= 0, got {layers}")
+    if perf.activation_checkpoint_interval and any(recomputed_layers(perf, cfg.pipeline_stages)):
+        raise ConfigError(f"{key}: not with activation_checkpoint_interval "
+                          f"({perf.activation_checkpoint_interval}); choose one")
+    if perf.compile_scope == "stage" and any(recomputed_layers(perf, cfg.pipeline_stages)):
+        raise ConfigError("ds_async.performance.compile_scope: 'stage' needs activation_checkpoint_layers 0 "
+                          "(checkpointing runs layer by layer)")
     if perf.compile_scope == "stage" and perf.activation_checkpoint_interval:
         raise ConfigError("ds_async.performance.compile_scope: 'stage' needs activation_checkpoint_interval 0 "
                           "(checkpointing runs layer by layer)")

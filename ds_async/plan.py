@@ -92,6 +92,7 @@ before the compiled model and the max over time it was 7-38% above). The table: 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -127,6 +128,7 @@ class Job:
     fused_step: bool
     checkpoint_interval: int
     loss_chunk: int
+    recompute: tuple[int, ...] = ()  # activation_checkpoint_layers per stage (empty: none)
     compiled: bool = False    # performance.compile: inductor's saved tensors (see compiled_decoder_bytes)
     clip: float = 0.0         # gradient_clipping
 
@@ -149,7 +151,7 @@ class Job:
 
 def job_of(ds_config: dict, cfg, world: int):
     """The :class:`Job` of a parsed config at world size ``world``; raises ``ConfigError`` naming the key."""
-    from .config import ConfigError, check_batch
+    from .config import ConfigError, check_batch, recomputed_layers
     from .optim import needs_client_optimizer
 
     from .pipe.version_rule import get
@@ -186,6 +188,8 @@ def job_of(ds_config: dict, cfg, world: int):
                grad_accum_bytes=2 if accum in ("bf16", "bfloat16") else 4,
                fused_step=cfg.performance.fused_optimizer_step,
                checkpoint_interval=cfg.performance.activation_checkpoint_interval,
+               recompute=tuple(recomputed_layers(cfg.performance, cfg.pipeline_stages))
+               if cfg.performance.activation_checkpoint_layers else (),
                loss_chunk=cfg.performance.loss_chunk, compiled=bool(cfg.performance.compile),
                clip=float(ds_config.get("gradient_clipping") or 0.0))
 
@@ -421,8 +425,20 @@ def layer_bytes(job: Job, hf, kind: str) -> int:
     return 0  # the embedding keeps its input_ids, which the stage holds anyway
 
 
-def chunks_of(kinds: list[str], interval: int) -> list[tuple[list[str], bool]]:
-    """The stage's layers in DeepSpeed's checkpoint chunks, each with whether it is checkpointed (decoders only)."""
+def chunks_of(kinds: list[str], interval: int, recompute: int = 0) -> list[tuple[list[str], bool]]:
+    """The stage's layers in checkpoint chunks, each with whether it is checkpointed (decoders only): DeepSpeed's
+    chunks of ``interval`` layers, or (``activation_checkpoint_layers``) the first ``recompute`` decoder layers one
+    by one and every other layer as it runs."""
+    if recompute:
+        out, left = [], recompute
+        for k in kinds:
+            checkpointed = left > 0 and k == "decoder"
+            left -= checkpointed
+            if checkpointed or not out or out[-1][1]:
+                out.append(([k], checkpointed))
+            else:
+                out[-1][0].append(k)
+        return out
     if not interval:
         return [(kinds, False)]
     return [(kinds[i:i + interval], all(k == "decoder" for k in kinds[i:i + interval]))
@@ -435,7 +451,8 @@ def activation_memory(job: Job, hf, kinds: list[str], stage: int) -> tuple[int, 
     first, last = stage == 0, stage == job.stages - 1
     held = (8 * t if first else r * h * t if r != 4 else 0) + (8 * t if last else r * h * t)
     working, f = 0, hf.intermediate_size * (getattr(hf, "num_experts_per_tok", None) or 1)
-    for i, (chunk, checkpointed) in enumerate(chunks_of(kinds, job.checkpoint_interval)):
+    recompute = job.recompute[stage] if job.recompute else 0
+    for i, (chunk, checkpointed) in enumerate(chunks_of(kinds, job.checkpoint_interval, recompute)):
         full = sum(layer_bytes(job, hf, k) for k in chunk)
         if checkpointed:
             held += r * h * t if i else (r * h * t if r == 4 and not first else 0)
@@ -590,13 +607,47 @@ class Plan:
     balanced_peak: int = 0
     flops_imbalance: float = 0.0
     balanced_flops_imbalance: float = 0.0
+    recompute: list[int] = field(default_factory=list)
+    suggested_recompute: list[int] | None = None
+    suggested_recompute_peak: int = 0
+    suggested_recompute_imbalance: float = 0.0
     fits: bool = False
 
 
-def imbalance(layers: list[Layer], bounds: list[int]) -> float:
-    """Largest stage's FLOPs over the mean stage's (1 = perfectly balanced)."""
+def imbalance(layers: list[Layer], bounds: list[int], recompute: list[int] | None = None) -> float:
+    """Largest stage's FLOPs over the mean stage's (1 = perfectly balanced); with ``recompute`` (decoder layers per
+    stage run forward twice: a third more of their training FLOPs) the largest stage's over the mean without."""
     parts = [sum(x.flops for x in layers[a:b]) for a, b in zip(bounds, bounds[1:])]
-    return max(parts) / (sum(parts) / len(parts))
+    mean = sum(parts) / len(parts)
+    if recompute:
+        for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            decoders = [x for x in layers[a:b] if x.kind == "decoder"][:recompute[s]]
+            parts[s] += sum(x.flops for x in decoders) / 3
+    return max(parts) / mean
+
+
+RECOMPUTE_HEADROOM = 0.9
+"""The share of the card the suggested recompute stays under: the planner is within 10% of measured peaks."""
+
+
+def suggest_recompute(job: Job, hf, layers: list[Layer], bounds: list[int], gpu_bytes: int
+                      ) -> tuple[list[int], int] | None:
+    """The fewest decoder layers each stage recomputes (``activation_checkpoint_layers``) for every stage to stay
+    under ``RECOMPUTE_HEADROOM`` of the card, with the largest stage total; ``None`` if recomputing all does not."""
+    base = dataclasses.replace(job, checkpoint_interval=0)
+    counts, peak = [], 0
+    for stage, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        decoders = sum(1 for x in layers[a:b] if x.kind == "decoder")
+        for k in range(decoders + 1):
+            trial = dataclasses.replace(base, recompute=tuple(k if s == stage else 0 for s in range(job.stages)))
+            total = stage_plan(trial, hf, layers, bounds, stage, gpu_bytes).total
+            if total <= RECOMPUTE_HEADROOM * gpu_bytes:
+                counts.append(k)
+                peak = max(peak, total)
+                break
+        else:
+            return None
+    return counts, peak
 
 
 def plan(config_path: str, gpus: int | None = None, gpu_memory_gib: float | None = None) -> Plan:
@@ -617,11 +668,15 @@ def plan(config_path: str, gpus: int | None = None, gpu_memory_gib: float | None
     check_seq_len(cfg, hf)
     layers = layers_of(hf, cfg.model.family, cfg.data.seq_len)
     bounds = bounds_of(cfg, layers)
+    if job.recompute:
+        cfgmod.check_recompute(list(job.recompute), [sum(1 for x in layers[a:b] if x.kind == "decoder")
+                                                     for a, b in zip(bounds, bounds[1:])])
     gpu_bytes = int((gpu_memory_gib if gpu_memory_gib is not None else default_gpu_gib()) * GIB)
     stages = [stage_plan(job, hf, layers, bounds, s, gpu_bytes) for s in range(job.stages)]
     balanced = balanced_bounds([x.flops for x in layers], job.stages)
     trial = [stage_plan(job, hf, layers, balanced, s, gpu_bytes) for s in range(job.stages)]
     rule = get(job.schedule)
+    suggested = suggest_recompute(job, hf, layers, bounds, gpu_bytes)
     return Plan(config=config_path, family=job.family, world=gpus, stages=job.stages, replicas=job.replicas,
                 micro_batch=job.micro_batch, micro_batches=job.micro_batches, seq_len=job.seq_len,
                 schedule=job.schedule, optimizer=job.optimizer, correction=job.correction, precision=job.precision,
@@ -633,7 +688,11 @@ def plan(config_path: str, gpus: int | None = None, gpu_memory_gib: float | None
                 min_micro_batches=rule.min_micro_batches(job.stages), boundaries=bounds, stage_list=stages,
                 balanced_boundaries=balanced, balanced_fits=all(s.fits for s in trial),
                 balanced_peak=max(s.total for s in trial), flops_imbalance=imbalance(layers, bounds),
-                balanced_flops_imbalance=imbalance(layers, balanced), fits=all(s.fits for s in stages))
+                balanced_flops_imbalance=imbalance(layers, balanced), recompute=list(job.recompute),
+                suggested_recompute=suggested[0] if suggested else None,
+                suggested_recompute_peak=suggested[1] if suggested else 0,
+                suggested_recompute_imbalance=imbalance(layers, bounds, suggested[0]) if suggested else 0.0,
+                fits=all(s.fits for s in stages))
 
 
 def default_gpu_gib() -> float:
@@ -665,7 +724,7 @@ def render(p: Plan) -> str:
             f"{p.seq_len} tokens, m = {p.micro_batches}",
             f"precision {p.precision}: {PATHS[p.optimizer_path] if p.precision != 'autocast' else 'fp32 weights, bf16 autocast'}"
             f"; optimizer {p.optimizer}, correction {p.correction}, ZeRO {p.zero}",
-            f"memory    checkpoint every {p.checkpoint_interval or '-'} layer(s), loss chunk {p.loss_chunk or '-'}; "
+            f"memory    {checkpointing(p)}, loss chunk {p.loss_chunk or '-'}; "
             f"GiB per GPU, card {p.gpu_memory / GIB:.1f} GiB", ""]
     head = ("stage", "layers", "params", "weights", "versions", "grads", "masters", "optim", "correct", "step",
             "activ", "x", "next", "peak", "context", "total", "fits")
@@ -690,9 +749,24 @@ def render(p: Plan) -> str:
              f"suggest   \"partition\": {{\"method\": \"explicit\", \"boundaries\": {p.balanced_boundaries}}} "
              f"({p.balanced_flops_imbalance:.3f}x; peak {p.balanced_peak / GIB:.1f} GiB, "
              f"{'fits' if p.balanced_fits else 'does NOT fit'})",
+             f"recompute {recompute_note(p)}",
              f"fits      {'yes' if p.fits else 'NO'}: peak {max(s.total for s in p.stage_list) / GIB:.1f} GiB of "
              f"{p.gpu_memory / GIB:.1f} GiB"]
     return "\n".join(rows)
+
+
+def checkpointing(p: Plan) -> str:
+    if p.recompute:
+        return f"recompute {p.recompute} decoder layer(s) per stage"
+    return f"checkpoint every {p.checkpoint_interval or '-'} layer(s)"
+
+
+def recompute_note(p: Plan) -> str:
+    if p.suggested_recompute is None:
+        return f"recomputing every decoder layer does not keep a stage under {RECOMPUTE_HEADROOM:.0%} of the card"
+    return (f"suggest \"activation_checkpoint_layers\": {p.suggested_recompute} (the fewest per stage that stay "
+            f"under {RECOMPUTE_HEADROOM:.0%} of the card: peak {p.suggested_recompute_peak / GIB:.1f} GiB; largest "
+            f"stage {p.suggested_recompute_imbalance:.3f}x the mean FLOPs with the recompute)")
 
 
 def to_json(p: Plan) -> dict:

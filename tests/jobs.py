@@ -89,13 +89,15 @@ def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: i
               schedule: str = "1f1b", optimizer: dict | None = None, clip: float = 1.0, export: bool = False,
               stock: bool = False, correction: dict | None = None, stats: bool = False,
               deepspeed_bf16_step: bool = False, clip_at_hand_over: bool | None = None,
-              drop_grad_at: int | None = None, **ds_extra) -> None:
+              drop_grad_at: int | None = None, count_calls: bool = False, **ds_extra) -> None:
     """Train ``steps`` steps on fixed data; save per-step losses and final parameters.
 
     ``deepspeed_bf16_step``: undo the engine's swap of DeepSpeed's bf16 optimizer class, so DeepSpeed's own step
     (and its zeroing of the fp32 gradients after every step) runs: the reference for ds_async's.
     ``clip_at_hand_over``: override the engine's choice of clipping bf16 gradients as it hands them over.
-    ``drop_grad_at``: in that batch, the stage's first parameter gets no gradient (as if unused in the batch)."""
+    ``drop_grad_at``: in that batch, the stage's first parameter gets no gradient (as if unused in the batch).
+    ``count_calls``: ``calls_stage<s>.json`` lists how often each of the stage's layers ran forward (a recomputed
+    layer runs twice per micro-batch)."""
     engine, hf_config = _engine(stages, mbs, gas, schedule=schedule, optimizer=optimizer, clip=clip, stock=stock,
                                 correction=correction, **ds_extra)
     if deepspeed_bf16_step:
@@ -122,7 +124,13 @@ def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: i
         engine.drain_after(steps - 1)
     if stats:
         engine.stats_every = steps  # the figures of the last step
+    calls = [0] * len(engine.module.forward_funcs)
+    if count_calls:
+        for i, layer in enumerate(engine.module.forward_funcs):
+            layer.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
     losses = [engine.train_batch(it) for _ in range(steps)]
+    if count_calls and engine.grid.data_parallel_id == 0:
+        (out / f"calls_stage{engine.stage_id}.json").write_text(json.dumps(calls))
     optimizer_stats = engine.optimizer_stats() if stats else None  # collective: every rank
     _save_params(engine, out)
     master = getattr(engine.optimizer, "fp32_groups_flat_partition", None)  # DeepSpeed's bf16 optimizer

@@ -3,6 +3,8 @@
 Each case trains >= 10 steps through real DeepSpeed pipelines (gloo, fp32) and compares the final parameters,
 name by name, with ``ds_async.emulate.DelayedTrainer`` run on the same model, data order and optimizer.
 """
+import json
+
 import pytest
 import torch
 
@@ -76,6 +78,21 @@ def test_speed_levers_keep_the_update_rule(tmp_path, schedule):
     losses, want = emulate_run(schedule, 2, STEPS, 4, 1, SGD_M, seq_len=SEQ, mbs=MBS)
     torch.testing.assert_close(got["losses"], losses, rtol=1e-6, atol=0)
     assert_params_close(stage_params(tmp_path, 2), want, rel=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b"])
+def test_recomputed_layers_keep_the_update_rule(tmp_path, schedule):
+    """``activation_checkpoint_layers`` [1, 2]: stage 0 recomputes its first decoder layer, stage 1 both of its
+    own, each on the micro-batch's own weight version under 2BW; bit-equal to the emulation, and the chosen layers,
+    and only they, run forward twice per micro-batch."""
+    got = run_job(2, "train", tmp_path, stages=2, steps=STEPS, mbs=MBS, gas=4, seq_len=SEQ, schedule=schedule,
+                  optimizer=SGD_M, performance={"activation_checkpoint_layers": [1, 2]}, count_calls=True)
+    losses, want = emulate_run(schedule, 2, STEPS, 4, 1, SGD_M, seq_len=SEQ, mbs=MBS)
+    torch.testing.assert_close(got["losses"], losses, rtol=1e-6, atol=0)
+    assert_params_close(stage_params(tmp_path, 2), want, rel=0)
+    n = STEPS * 4
+    calls = [json.loads((tmp_path / f"calls_stage{s}.json").read_text()) for s in range(2)]
+    assert calls == [[n, 2 * n, n], [2 * n, 2 * n, n]]  # [embedding, decoder, decoder], [decoder, decoder, head]
 
 
 def test_stage_compiled_as_one_region_keeps_the_update_rule(tmp_path):

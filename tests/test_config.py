@@ -94,6 +94,25 @@ def test_compile_scope_needs_compile_and_no_checkpointing():
         parse(performance={"compile": True, "compile_scope": "stage", "activation_checkpoint_interval": 1})
 
 
+def test_recomputed_layers_per_stage():
+    """``activation_checkpoint_layers``: one count for every stage or one per stage; refused naming the key."""
+    from ds_async.config import recomputed_layers
+    assert recomputed_layers(parse(performance={"activation_checkpoint_layers": 2}).performance, 2) == [2, 2]
+    assert parse(performance={"activation_checkpoint_layers": [3, 0]}).performance.activation_checkpoint_layers == [3, 0]
+    key = "ds_async.performance.activation_checkpoint_layers"
+    for perf, why in (({"activation_checkpoint_layers": [1, 2, 3]}, "one count per stage"),
+                      ({"activation_checkpoint_layers": -1}, "counts must be >= 0"),
+                      ({"activation_checkpoint_layers": True}, "expected int or list"),
+                      ({"activation_checkpoint_layers": 1, "activation_checkpoint_interval": 1}, "not with"),
+                      ({"activation_checkpoint_layers": [0, 1], "compile": True, "compile_scope": "stage"},
+                       "needs activation_checkpoint_layers 0")):
+        with pytest.raises(ConfigError, match=why) as e:
+            parse(performance=perf)
+        assert str(e.value).startswith(key) or "compile_scope" in str(e.value)
+    assert parse(performance={"activation_checkpoint_layers": [0, 0], "compile": True,
+                              "compile_scope": "stage"}).performance.compile_scope == "stage"
+
+
 def test_resolved_config_loads_back():
     """The manifest's ``ds_async`` (every default filled in) is a valid section that parses to the same config,
     JSON key names included (``correction.lambda``)."""

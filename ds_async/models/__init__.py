@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from deepspeed.pipe import PipelineModule
 
-from ..config import ConfigError, DsAsyncConfig
+from ..config import ConfigError, DsAsyncConfig, check_recompute, recomputed_layers
 from .. import hub
 from . import hf_io, llama, mixtral
 
@@ -16,22 +16,49 @@ FAMILIES = {"llama": llama, "mixtral": mixtral}
 class StagedPipelineModule(PipelineModule):
     """``PipelineModule`` that also accepts an explicit list of stage boundaries."""
 
-    def __init__(self, layers, boundaries: list[int] | None = None, **kwargs):
+    def __init__(self, layers, boundaries: list[int] | None = None, recompute: list[int] | None = None, **kwargs):
         self._explicit = boundaries
         super().__init__(layers, **kwargs)
         self._compiled_stage = None
+        self.recompute_layers = 0
+        """Decoder layers of this stage recomputed in backward, each alone (``activation_checkpoint_layers``)."""
+        if recompute is not None:
+            self._set_recompute(recompute)
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether a backward of this stage reruns part of its forward (which must see the forward's weights)."""
+        return bool(self.activation_checkpoint_interval or self.recompute_layers)
+
+    def _set_recompute(self, counts: list[int]) -> None:
+        if self.activation_checkpoint_interval or self.seed_layers:
+            raise ValueError("activation_checkpoint_layers replaces DeepSpeed's checkpoint interval and seeded layers")
+        check_recompute(counts, [sum(1 for spec in self._layer_specs[a:b] if _recomputable(spec))
+                                 for a, b in zip(self.parts, self.parts[1:])])
+        self.recompute_layers = counts[self.stage_id]
 
     def compile_stage(self, **compile_kwargs) -> None:
         """Run this stage's layers as one compiled region (``performance.compile_scope = "stage"``)."""
-        if self.activation_checkpoint_interval or self.seed_layers:
+        if self.recomputes or self.seed_layers:
             raise ValueError("a stage compiled as one region cannot checkpoint or seed layer by layer")
         self._compiled_stage = compiled_stage(self.forward_funcs, **compile_kwargs)
 
     def forward(self, forward_input):
-        if self._compiled_stage is None:
+        if self._compiled_stage is None and not self.recompute_layers:
             return super().forward(forward_input)
         self.micro_offset += 1  # as DeepSpeed's forward; only seeded layers read it, refused above
-        return self._compiled_stage(forward_input)
+        if self._compiled_stage is not None:
+            return self._compiled_stage(forward_input)
+        x, left = forward_input, self.recompute_layers
+        for layer in self.forward_funcs:
+            if left and _recomputable(layer):
+                # DeepSpeed's reentrant checkpoint, as activation_checkpoint_interval runs it: the layer's input is
+                # kept, the rest recomputed in backward
+                x = self.activation_checkpoint_func(_unpacked(layer), *(x if isinstance(x, tuple) else (x,)))
+                left -= 1
+            else:
+                x = layer(x)
+        return x
 
     def _partition_layers(self, method="uniform"):
         if self._explicit is None:
@@ -39,6 +66,19 @@ class StagedPipelineModule(PipelineModule):
         self.parts = list(self._explicit)
         stage_id = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+
+def _recomputable(layer) -> bool:
+    """A decoder layer (a built one or its ``LayerSpec``): what ``activation_checkpoint_layers`` counts."""
+    kinds = (llama.DecoderLayerPipe, mixtral.MoeDecoderLayerPipe)
+    return issubclass(layer.typename, kinds) if hasattr(layer, "typename") else isinstance(layer, kinds)
+
+
+def _unpacked(layer):
+    """``layer`` as DeepSpeed's checkpoint calls it: with the stage tuple's items as separate arguments."""
+    def run(*inputs):
+        return layer(inputs[0] if len(inputs) == 1 else inputs)
+    return run
 
 
 def compiled_stage(layers, **compile_kwargs):
@@ -178,6 +218,8 @@ def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineMod
                                   partition_method="uniform" if cfg.partition.method == "explicit"
                                   else cfg.partition.method,
                                   activation_checkpoint_interval=perf.activation_checkpoint_interval,
+                                  recompute=(recomputed_layers(perf, cfg.pipeline_stages)
+                                             if perf.activation_checkpoint_layers else None),
                                   # DeepSpeed's (reentrant) checkpoint cannot start at the embedding, whose input
                                   # needs no gradient: recompute decoder layers only (DeepSpeed matches by name).
                                   checkpointable_layers=[llama.DecoderLayerPipe.__name__,

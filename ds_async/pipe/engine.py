@@ -153,7 +153,7 @@ class AsyncPipelineEngine(PipelineEngine):
             self._batch_losses[batch] = self._batch_losses.get(batch, 0.0) + self.loss.detach().float()
 
     def _exec_stashed_backward(self, buffer_id: int, micro_batch: int, version: int):
-        if self.module.activation_checkpoint_interval:
+        if self.module.recomputes:
             self.versions.point_at(version)  # the recomputed forward runs on the original forward's weights
         self._exec_backward_pass(buffer_id)
         self.versions.backward_done(version)
@@ -206,9 +206,36 @@ class AsyncPipelineEngine(PipelineEngine):
 
     def _exec_backward_pass(self, buffer_id: int):
         token = self.pass_timer.pass_begin() if self.pass_timer is not None else None
-        super()._exec_backward_pass(buffer_id)
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        if isinstance(outputs, tuple) and not self.is_last_stage() and not self.is_pipe_partitioned:
+            self._joint_backward(buffer_id, outputs)
+        else:
+            super()._exec_backward_pass(buffer_id)
         if self.pass_timer is not None:
             self.pass_timer.pass_end(token)
+
+    def _joint_backward(self, buffer_id: int, outputs: tuple) -> None:
+        """DeepSpeed's backward of a stage whose output is a tuple (a MoE stage's hidden states and router sums), in
+        one ``torch.autograd.backward`` over every float output instead of one ``backward`` per output.
+
+        Per output, DeepSpeed's reentrant activation checkpoint frees its saved inputs in the first backward and the
+        second fails (``ctx.deepspeed_saved_tensors`` is None); and gradients come out as sums of partial passes,
+        not the single pass the emulation runs. Otherwise as DeepSpeed: bf16 optimizer hooks, buffers freed."""
+        out_tensors = [t for t in outputs if t.is_floating_point()]
+        grads = self.grad_layer
+        if len(out_tensors) != len(grads):
+            raise RuntimeError(f"stage {self.stage_id}: {len(out_tensors)} float outputs but {len(grads)} gradients")
+        if self.using_bf16_optimizer:
+            self.optimizer.clear_lp_grads()
+        self._running_engine_backward = True  # DeepSpeed's post-backward hook checks it
+        try:
+            torch.autograd.backward(out_tensors, list(grads))
+        finally:
+            self._running_engine_backward = False
+        if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
+            self.optimizer.update_hp_grads(clear_lp_grads=False)
+        self.pipe_buffers["output_tensors"][buffer_id] = None
+        self.pipe_buffers["outputs"][buffer_id] = None
 
     def _exec_batch_step(self, batch: int):
         self.versions.restore_master()  # DeepSpeed's step reads the module's parameters (fp32 clipping)

@@ -182,6 +182,10 @@ def main() -> None:
                     help="chunked cross-entropy with this many tokens per chunk (performance.loss_chunk; 0: off)")
     ap.add_argument("--activation-checkpoint-interval", type=int, default=0,
                     help="recompute every this many decoder layers in backward (0: off)")
+    ap.add_argument("--activation-checkpoint-layers", default=None,
+                    help="decoder layers each stage recomputes, one count or one per stage, e.g. 2,0,0,0 "
+                         "(performance.activation_checkpoint_layers; with --config it replaces the config's "
+                         "checkpointing, e.g. what python -m ds_async.plan suggests)")
     ap.add_argument("--adamw", choices=["foreach", "fused"], default="foreach",
                     help="torch AdamW implementation (DeepSpeed passes the flag through to torch.optim.AdamW)")
     ap.add_argument("--host-batches", action="store_true",
@@ -230,6 +234,7 @@ def main() -> None:
                         "performance": {"compile": a.compile, "compile_scope": a.compile_scope,
                                         "loss_chunk": a.loss_chunk,
                                         "activation_checkpoint_interval": a.activation_checkpoint_interval,
+                                        "activation_checkpoint_layers": recompute_counts(a),
                                         "fused_optimizer_step": a.fused_step}})
     hf = LlamaConfig(**model, tie_word_embeddings=False)
     ds_config = {"train_micro_batch_size_per_gpu": a.micro_batch_size, "gradient_accumulation_steps": a.micro_batches,
@@ -243,6 +248,12 @@ def main() -> None:
     else:
         ds_config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     measure(a, cfg, hf, ds_config, model, world, stages)
+
+
+def recompute_counts(a) -> int | list[int]:
+    """``--activation-checkpoint-layers`` as the config takes it (0 when not given)."""
+    counts = [int(x) for x in (a.activation_checkpoint_layers or "0").split(",")]
+    return counts if len(counts) > 1 else counts[0]
 
 
 def bench_config(a, world: int) -> None:
@@ -262,6 +273,9 @@ def bench_config(a, world: int) -> None:
         raw["ds_async"].setdefault("performance", {})["fused_optimizer_step"] = False
     if a.micro_batches:
         raw["gradient_accumulation_steps"] = a.micro_batches
+    if a.activation_checkpoint_layers is not None:
+        perf = raw["ds_async"].setdefault("performance", {})
+        perf.update(activation_checkpoint_interval=0, activation_checkpoint_layers=recompute_counts(a))
     raw.pop("train_batch_size", None)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(raw, f)
