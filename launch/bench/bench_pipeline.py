@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import faulthandler
 import gc
 import json
 import os
@@ -204,9 +203,6 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="append the result row to this JSON-lines file")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None)
     a = ap.parse_args()
-    if os.environ.get("BENCH_TRACEBACK_AFTER"):
-        # a row that hangs (a collective never matched) shows every thread's stack in its log before the timeout
-        faulthandler.dump_traceback_later(float(os.environ["BENCH_TRACEBACK_AFTER"]), exit=False)
 
     from deepspeed import comm as dist
     from transformers import LlamaConfig
