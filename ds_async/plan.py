@@ -75,8 +75,10 @@ compiled layers keep the eager formula (not measured compiled: an upper bound).
 Without checkpointing a stage holds per micro-batch its layers' tensors, its input (``r h``; ``input_ids`` on stage
 0) and its output (``r h``; logits ``e V`` on the last stage, plus the loss's ``4 V`` fp32 log-softmax, or ``13``
 bytes a token chunked). ``activation_checkpoint_interval = c`` splits a stage's layers in chunks of ``c`` as
-DeepSpeed does; a chunk of decoder layers only keeps its input, any other runs normally. The working set is one
-checkpointed chunk recomputed, three ``e f`` gradient temporaries and, last stage, the loss's backward (``e V`` plus
+DeepSpeed does; a chunk of decoder layers only keeps its input, any other runs normally.
+``activation_checkpoint_layers`` checkpoints a stage's first ``k`` decoder layers one by one instead; the plan
+suggests the fewest per stage that keep every stage under :data:`RECOMPUTE_HEADROOM` of the card. The working set
+is one checkpointed chunk recomputed, three ``e f`` gradient temporaries and, last stage, the loss's backward (``e V`` plus
 ``4 V`` fp32 per row of a chunk, or of all rows unchunked). ``tests/test_plan.py`` checks the state bytes exactly and
 the activations within 10% against real CPU tensors.
 

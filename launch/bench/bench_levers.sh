@@ -34,7 +34,12 @@ case $matrix in
     "NPROC=4 --schedule 2bw --micro-batches 8 --stages 2 --compile --compile-scope stage --optimizer muon-ef --fused-step"
     "NPROC=4 --schedule 2bw --micro-batches 8 --stages 2 --compile --compile-scope stage --adamw fused"
     "NPROC=2 --schedule 2bw --micro-batches 8 --stages 2 --compile --compile-scope stage --optimizer muon-ef --fused-step") ;;
-  big) runs+=(  # issue 24: the shipped 8B and Mixtral configs (their own levers and partition), 1F1B against 2BW
+  big) runs+=(  # issue 24: the shipped 8B and Mixtral configs (their own levers and partition), 1F1B against 2BW;
+    # then with only the recompute python -m ds_async.plan suggests (activation_checkpoint_layers)
+    "--config ds_configs/llama3_8b_4gpu_2bw_adamw.json --schedule 2bw --micro-batches 8 --activation-checkpoint-layers 2,0,0,0"
+    "--config ds_configs/llama3_8b_4gpu_2bw_adamw.json --schedule 1f1b --micro-batches 8 --activation-checkpoint-layers 2,0,0,0"
+    "--config ds_configs/llama3_8b_4gpu_2bw_muon_ef.json --schedule 2bw --micro-batches 8 --activation-checkpoint-layers 2,1,0,0"
+    "--config ds_configs/mixtral_8x1b_4gpu_2bw_muon_ef.json --schedule 2bw --micro-batches 8 --activation-checkpoint-layers 0"
     "--config ds_configs/llama3_8b_4gpu_2bw_adamw.json --schedule 2bw --micro-batches 8"
     "--config ds_configs/llama3_8b_4gpu_2bw_adamw.json --schedule 1f1b --micro-batches 8"
     "--config ds_configs/llama3_8b_4gpu_2bw_muon_ef.json --schedule 2bw --micro-batches 8"
