@@ -95,7 +95,7 @@ for r in "${all[@]}"; do
   n=$ngpu; [[ $r == NPROC=* ]] && { n=${r%% *}; n=${n#NPROC=}; r=${r#* }; }
   flags=$r; [[ $r == *--stages* || $r == *--config* ]] || flags="$r --partition $part"
   t0=$(date +%s)
-  timeout ${RUN_TIMEOUT:-170} torchrun --nproc_per_node "$n" launch/bench/bench_pipeline.py $flags --out "$out" \
+  timeout ${RUN_TIMEOUT:-300} torchrun --nproc_per_node "$n" launch/bench/bench_pipeline.py $flags --out "$out" \
     --warmup ${WARMUP:-3} --steps ${STEPS:-8} > /tmp/bench_run.log 2>&1
   rc=$?
   echo "[$(( $(date +%s) - t0 ))s rc=$rc] n=$n $flags"
