@@ -187,52 +187,15 @@ def test_activations_of_a_middle_stage(tmp_path, family, dtype):
     assert abs(want - have) <= 0.1 * have, (want, have)
 
 
-def test_activations_of_the_last_stage_with_checkpointing(tmp_path):
-    """The last stage (decoder, decoder, head, chunked loss) with and without per-layer checkpointing (reentrant,
-    as DeepSpeed's: a checkpointed layer keeps its input)."""
+def last_stage_saved_bytes(cfg, checkpointed: list[bool]) -> int:
+    """Bytes autograd keeps for a last stage of the tiny model (two decoder layers, each checkpointed as
+    ``checkpointed`` says: reentrant, as DeepSpeed's, keeping the layer's input; head, loss in chunks of 64) on one
+    micro-batch of 2 x 128 tokens, its input and labels included."""
     from torch.utils.checkpoint import checkpoint
 
-    from ds_async import config as cfgmod
-    from ds_async.models import model_config
-    for interval in (0, 1):
-        path = write_config(tmp_path, stages=2, seq_len=128, bf16=False,
-                            performance={"loss_chunk": 64, "activation_checkpoint_interval": interval})
-        ds_config, cfg = cfgmod.load(str(path))
-        job, hf = planner.job_of(ds_config, cfg, 2), model_config(cfg)
-        layers, loss_fn, _ = build_layers(cfg.model, loss_chunk=64)
-        run = [(lambda t, f=f: checkpoint(f, t, use_reentrant=True)) if interval else f for f in layers[3:5]]
-        head = layers[5]
-        x = torch.randn(2, 128, 64, requires_grad=True)
-        labels = torch.randint(0, 512, (2, 128))
-        params = {q.untyped_storage().data_ptr() for q in layers.parameters()}
-        with saved_storages(params) as seen:
-            h = x
-            for f in run:
-                h = f(h)
-            loss_fn(head(h), labels)
-        for t in (x, labels):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        have = sum(seen.values())
-        want, _ = planner.activation_memory(job, hf, ["decoder", "decoder", "head"], 1)
-        print(f"last stage, checkpoint interval {interval}: planned {want}, saved {have}")
-        assert abs(want - have) <= 0.1 * have, (interval, want, have)
-
-
-@pytest.mark.parametrize("recompute", [1, 2])
-def test_activations_of_the_last_stage_with_recomputed_layers(tmp_path, recompute):
-    """``activation_checkpoint_layers``: the last stage (decoder, decoder, head, chunked loss) with its first
-    ``recompute`` decoder layers checkpointed one by one (reentrant, as the module runs them): within 10%."""
-    from torch.utils.checkpoint import checkpoint
-
-    from ds_async import config as cfgmod
-    from ds_async.models import model_config
-    path = write_config(tmp_path, stages=2, seq_len=128, bf16=False,
-                        performance={"loss_chunk": 64, "activation_checkpoint_layers": [0, recompute]})
-    ds_config, cfg = cfgmod.load(str(path))
-    job, hf = planner.job_of(ds_config, cfg, 2), model_config(cfg)
     layers, loss_fn, _ = build_layers(cfg.model, loss_chunk=64)
-    run = [(lambda t, f=f: checkpoint(f, t, use_reentrant=True)) if i < recompute else f
-           for i, f in enumerate(layers[3:5])]
+    run = [(lambda t, f=f: checkpoint(f, t, use_reentrant=True)) if c else f
+           for f, c in zip(layers[3:5], checkpointed)]
     x = torch.randn(2, 128, 64, requires_grad=True)
     labels = torch.randint(0, 512, (2, 128))
     params = {q.untyped_storage().data_ptr() for q in layers.parameters()}
@@ -243,7 +206,36 @@ def test_activations_of_the_last_stage_with_recomputed_layers(tmp_path, recomput
         loss_fn(layers[5](h), labels)
     for t in (x, labels):
         seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    have = sum(seen.values())
+    return sum(seen.values())
+
+
+def test_activations_of_the_last_stage_with_checkpointing(tmp_path):
+    """The last stage (decoder, decoder, head, chunked loss) with and without per-layer checkpointing (reentrant,
+    as DeepSpeed's: a checkpointed layer keeps its input)."""
+    from ds_async import config as cfgmod
+    from ds_async.models import model_config
+    for interval in (0, 1):
+        path = write_config(tmp_path, stages=2, seq_len=128, bf16=False,
+                            performance={"loss_chunk": 64, "activation_checkpoint_interval": interval})
+        ds_config, cfg = cfgmod.load(str(path))
+        job, hf = planner.job_of(ds_config, cfg, 2), model_config(cfg)
+        have = last_stage_saved_bytes(cfg, [bool(interval)] * 2)
+        want, _ = planner.activation_memory(job, hf, ["decoder", "decoder", "head"], 1)
+        print(f"last stage, checkpoint interval {interval}: planned {want}, saved {have}")
+        assert abs(want - have) <= 0.1 * have, (interval, want, have)
+
+
+@pytest.mark.parametrize("recompute", [1, 2])
+def test_activations_of_the_last_stage_with_recomputed_layers(tmp_path, recompute):
+    """``activation_checkpoint_layers``: the last stage (decoder, decoder, head, chunked loss) with its first
+    ``recompute`` decoder layers checkpointed one by one (reentrant, as the module runs them): within 10%."""
+    from ds_async import config as cfgmod
+    from ds_async.models import model_config
+    path = write_config(tmp_path, stages=2, seq_len=128, bf16=False,
+                        performance={"loss_chunk": 64, "activation_checkpoint_layers": [0, recompute]})
+    ds_config, cfg = cfgmod.load(str(path))
+    job, hf = planner.job_of(ds_config, cfg, 2), model_config(cfg)
+    have = last_stage_saved_bytes(cfg, [i < recompute for i in range(2)])
     want, _ = planner.activation_memory(job, hf, ["decoder", "decoder", "head"], 1)
     none, _ = planner.activation_memory(dataclasses.replace(job, recompute=()), hf, ["decoder", "decoder", "head"], 1)
     print(f"last stage, {recompute} recomputed: planned {want}, saved {have}; none recomputed {none}")
