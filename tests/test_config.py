@@ -98,7 +98,8 @@ def test_recomputed_layers_per_stage():
     """``activation_checkpoint_layers``: one count for every stage or one per stage; refused naming the key."""
     from ds_async.config import recomputed_layers
     assert recomputed_layers(parse(performance={"activation_checkpoint_layers": 2}).performance, 2) == [2, 2]
-    assert parse(performance={"activation_checkpoint_layers": [3, 0]}).performance.activation_checkpoint_layers == [3, 0]
+    perf = parse(performance={"activation_checkpoint_layers": [3, 0]}).performance
+    assert perf.activation_checkpoint_layers == [3, 0] and recomputed_layers(perf, 2) == [3, 0]
     key = "ds_async.performance.activation_checkpoint_layers"
     for perf, why in (({"activation_checkpoint_layers": [1, 2, 3]}, "one count per stage"),
                       ({"activation_checkpoint_layers": -1}, "counts must be >= 0"),
