@@ -433,7 +433,9 @@ def gap_curves(runs: pd.DataFrame, sync: str = "sync") -> pd.DataFrame:
 # ---------------------------------------------------------------------------------------------------------------
 # The study at a real length (long.json: 20 tokens per parameter)
 
-LONG_GROUPS = ("long", "long-lr", "long-lengths")
+LONG_GROUPS = ("long", "long-lr", "long-async-lr", "long-lengths", "long-lambda")
+LR_GROUPS = ("long", "long-lr", "long-async-lr", "long-lambda")
+"""The groups whose runs sit on long.json's LR axis (long-lambda's lambda-1 points are 2bw+ef's)."""
 # Two-sided 95% quantiles of Student's t by degrees of freedom (1.96 beyond the table).
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
@@ -485,12 +487,33 @@ def length_table(runs: pd.DataFrame) -> pd.DataFrame:
     return _fmt(t, {"tokens/param": 2, "sync": 3, "2bw": 3, "gap": "+3"})
 
 
+LR_LABELS = ("sync", "2bw", "2bw+ef")
+
+
 def long_lr_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """Sync's final loss against its peak LR at long.json's point (Muon: both of its rates scaled)."""
+    """Final loss against the peak LR at long.json's point (Muon: both of its rates scaled) for sync, 2BW and
+    2BW + EF; the gap is 2BW − sync at the same LR."""
     ref = reference(runs, group="long")
-    t = sweep(runs, "lr_scale", ref, x="lr")
+    t = sweep(runs, "lr_scale", ref, labels=LR_LABELS, x="lr")
     t = t.drop(columns=["lr_scale"])
-    return _fmt(t, {"lr": "g", "sync": 3, "2bw": 3, "gap": "+3", "seeds": "g"})
+    return _fmt(t, {"lr": "g", "sync": 3, "2bw": 3, "2bw+ef": 3, "gap": "+3", "seeds": "g"})
+
+
+def own_best_lr(runs: pd.DataFrame) -> pd.DataFrame:
+    """Each optimizer's sync, 2BW and 2BW + EF at the best peak LR each has run (``LR_GROUPS``, seed 0 where
+    the sweep is): the LR, the loss, how many LRs were tried and whether the best lies inside them."""
+    ref = reference(runs, group="long")
+    t = sweep(runs, "lr_scale", ref, labels=LR_LABELS, x="lr")
+    rows = []
+    for opt, part in t.groupby("optimizer"):
+        for label in LR_LABELS:
+            tried = part.dropna(subset=[label]).sort_values("lr") if label in part else part.iloc[0:0]
+            if tried.empty:
+                continue
+            best = tried.loc[tried[label].idxmin()]
+            rows.append({"optimizer": opt, "label": label, "lr": best["lr"], "loss": best[label],
+                         "lrs": len(tried), "inside": tried["lr"].iloc[0] < best["lr"] < tried["lr"].iloc[-1]})
+    return pd.DataFrame(rows, columns=["optimizer", "label", "lr", "loss", "lrs", "inside"])
 
 
 def long_findings(runs: pd.DataFrame, short: pd.DataFrame | None = None) -> str:
@@ -509,6 +532,8 @@ def long_findings(runs: pd.DataFrame, short: pd.DataFrame | None = None) -> str:
         lines.append(f"- **The gap against length** (2BW − sync at {per} tokens per parameter): {series}.")
         ahead = []
         for opt, part in gaps.items():  # a power law through the two longest points, carried to the paper's gap
+            if len(part) < 2:
+                continue
             (l0, g0), (l1, g1) = zip(part["tokens"].iloc[-2:] / params, part["gap"].iloc[-2:])
             target = PAPER.loc[opt, "2bw"] - PAPER.loc[opt, "sync"] if opt in PAPER.index else math.nan
             if g0 > g1 > 0 and math.isfinite(target):
@@ -532,7 +557,7 @@ def long_findings(runs: pd.DataFrame, short: pd.DataFrame | None = None) -> str:
             lines.append(f"- **EF on {opt}** recovers {100 * table.loc[opt, col]:.0f}% of the gap (paper "
                          f"{100 * paper:.0f}%): 2BW + EF {table.loc[opt, '2bw+ef']:.3f} against sync "
                          f"{table.loc[opt, 'sync']:.3f} and 2BW {table.loc[opt, '2bw']:.3f}.")
-    lr = sweep(runs[runs["group"].isin(["long", "long-lr"])], "lr_scale", ref, x="lr").dropna(subset=["sync"])
+    lr = sweep(runs[runs["group"].isin(LR_GROUPS)], "lr_scale", ref, x="lr").dropna(subset=["sync"])
     for opt, part in lr.groupby("optimizer"):
         if len(part) < 2:
             continue
@@ -542,6 +567,16 @@ def long_findings(runs: pd.DataFrame, short: pd.DataFrame | None = None) -> str:
                  else "at the sweep's edge: not bracketed yet")
         points = ", ".join(f"{x:g}: {v:.3f}" for x, v in zip(part["lr"], part["sync"]))
         lines.append(f"- **{opt}'s sync LR** ({points}): the best, {best['lr']:g}, is {where}.")
+    own = own_best_lr(runs[runs["group"].isin(LR_GROUPS)])
+    for opt, part in own.groupby("optimizer"):
+        best = part.set_index("label")
+        if len(part) < 2 or "sync" not in best.index or (best["lrs"] < 2).any():
+            continue  # a variant at one LR has no "own best" yet
+        each = "; ".join(f"{label} {r['loss']:.3f} at {r['lr']:g} (of {r['lrs']} LRs"
+                         f"{'' if r['inside'] else ', at the edge'})" for label, r in best.iterrows())
+        gaps = ", ".join(f"{label} {best.loc[label, 'loss'] - best.loc['sync', 'loss']:+.3f}"
+                         for label in best.index if label != "sync")
+        lines.append(f"- **{opt}, each at its own best LR:** {each}; gaps to sync's best: {gaps}.")
     return "\n".join(lines) + "\n"
 
 
@@ -766,8 +801,9 @@ def report(runs: pd.DataFrame) -> dict[str, str]:
         lengths = long[long["group"].isin(["long", "long-lengths"])]
         blocks["long-lengths"] = (markdown(length_table(lengths), index=False) + "\n"
                                   + _ran(long[long["group"] == "long-lengths"]))
-        lrs = long[long["group"].isin(["long", "long-lr"])]
-        blocks["long-lr"] = markdown(long_lr_table(lrs), index=False) + "\n" + _ran(long[long["group"] == "long-lr"])
+        lrs = long[long["group"].isin(LR_GROUPS)]
+        blocks["long-lr"] = markdown(long_lr_table(lrs), index=False) + "\n" + _ran(
+            long[long["group"].isin(["long-lr", "long-async-lr"])])
         blocks["long-findings"] = long_findings(long, core)
     paper = pd.DataFrame({"sync": PAPER["sync"], "2bw": PAPER["2bw"], "2bw+ef": PAPER["2bw+ef"],
                           "gap 2bw − sync": PAPER["2bw"] - PAPER["sync"],

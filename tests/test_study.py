@@ -102,6 +102,27 @@ def test_sweeps_use_the_reference_and_common_seeds():
     assert depth.iloc[0]["gap 2bw"] == pytest.approx(0.2)
 
 
+def test_each_variant_at_its_own_best_lr():
+    """The LR table and the findings' own-best line: sync, 2bw and 2bw+ef each at the lowest loss over the LRs it
+    ran (seed 0), inside the sweep or at its edge; no own-best line while a variant has one LR."""
+    at = {0.5: {"lr_scale": 0.5, "lr": 0.01}, 1.0: {"lr": 0.02}, 2.0: {"lr_scale": 2.0, "lr": 0.04}}
+    losses = {"sync": (2.99, 2.97, 2.96), "2bw": (3.05, 3.00, 2.98), "2bw+ef": (3.00, 2.98, 2.99)}
+    rows = [("muon", label, 0, loss, {"group": "long", "parameters": 1000, **at[x]})
+            for label, values in losses.items() for x, loss in zip(at, values)]
+    runs = _runs(rows)
+    table = study.long_lr_table(runs).set_index("lr")
+    assert table.loc["0.04", "2bw+ef"] == "2.990" and table.loc["0.02", "gap"] == "+0.030"
+    own = study.own_best_lr(runs).set_index("label")
+    assert own.loc["sync", "lr"] == 0.04 and not own.loc["sync", "inside"]
+    assert own.loc["2bw+ef", "lr"] == 0.02 and own.loc["2bw+ef", "inside"] and own["lrs"].tolist() == [3, 3, 3]
+    line = study.long_findings(runs).splitlines()[-1]
+    assert line == ("- **muon, each at its own best LR:** sync 2.960 at 0.04 (of 3 LRs, at the edge); 2bw 2.980 at "
+                    "0.04 (of 3 LRs, at the edge); 2bw+ef 2.980 at 0.02 (of 3 LRs); gaps to sync's best: 2bw +0.020, "
+                    "2bw+ef +0.020.")
+    one = _runs([r for r in rows if r[1] == "sync" or r[4]["lr"] == 0.02])
+    assert "own best" not in study.long_findings(one)
+
+
 def _paired_runs(rows, noise_rows=()) -> pd.DataFrame:
     """Hand-made engine pairs (optimizer, label, seed, emulation loss, engine loss), plus main matrix runs
     (optimizer, label, seed, loss) for the seed noise."""

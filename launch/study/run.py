@@ -256,7 +256,9 @@ def matrix(name: str) -> list[Run]:
     micro-batches of 2), to run with both runners. ``depth8`` (8 GPUs) and ``depth8-cpu``
     (8 CPU ranks, a 6-layer tiny model, 200 steps, seeds 0 and 1): Muon sync vs 2bw+ef through 8 stages.
     ``long``: ``main`` at a real length on ``long.json`` (20 tokens per parameter, bf16 weights with fp32 masters
-    as on the engine's fast path; 18). ``long-lr``: each optimizer's sync peak LR x0.5 and x2 there (seed 0).
+    as on the engine's fast path; 18). ``long-lr``: each optimizer's sync peak LR x0.5, x2 and x4 there (seed 0;
+    6). ``long-async-lr``: 2bw at x0.5 and x2 (seed 0; 4): with ``long-lambda``'s lambda-1 points, each async
+    variant at its own best LR.
     ``long-lengths``: sync and 2bw at 1/27, 1/9 and 1/3 of that length, seeds 0 and 1 (24).
     ``long-lambda``: 2bw + EF at lambda 0.5/1/2/3 x peak LR x0.5/x1/x2, less ``long``'s own point (seed 0; 22).
     ``long-delay``: m = 1, PipeDream at p = 3 and 5 against the constant delays of their means (``delay1``,
@@ -285,6 +287,10 @@ def matrix(name: str) -> list[Run]:
     if name == "long-lr":  # each optimizer's sync LR bracketed around long.json's, seed 0
         return [r for opt in LONG_OPTIMIZERS for r in long_product(
             "long-lr", {opt: LONG_OPTIMIZERS[opt]}, {"sync": VARIANTS["sync"]},
+            {f"lr{x:g}x": lr_scaled(opt, x) for x in (0.5, 2.0, 4.0)}, seeds(0))]
+    if name == "long-async-lr":  # 2bw at its own LRs; 2bw+ef's are long-lambda's lambda-1 points
+        return [r for opt in LONG_OPTIMIZERS for r in long_product(
+            "long-async-lr", {opt: LONG_OPTIMIZERS[opt]}, {"2bw": VARIANTS["2bw"]},
             {f"lr{x:g}x": lr_scaled(opt, x) for x in (0.5, 2.0)}, seeds(0))]
     if name == "long-lengths":
         return long_product("long-lengths", LONG_OPTIMIZERS, {k: VARIANTS[k] for k in ("sync", "2bw")},
@@ -309,8 +315,8 @@ def matrix(name: str) -> list[Run]:
     raise ValueError(f"unknown matrix {name!r}; known: {', '.join(MATRICES)}")
 
 
-MATRICES = ("main", "extras", "pairs", "tiny", "tiny-pairs", "depth8", "depth8-cpu", "long", "long-lr", "long-lengths",
-            "long-lambda", "long-delay", "long-moe", "long-moe-ns")
+MATRICES = ("main", "extras", "pairs", "tiny", "tiny-pairs", "depth8", "depth8-cpu", "long", "long-lr", "long-async-lr",
+            "long-lengths", "long-lambda", "long-delay", "long-moe", "long-moe-ns")
 
 
 # ---------------------------------------------------------------------------------------------------------------
