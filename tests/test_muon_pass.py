@@ -144,7 +144,8 @@ def test_hybrid_muon_step_equals_muon_step_with_split_gate_up(ef, grad_dtype):
 
 def assert_fused_step_equals_class_step(ref, fast, grad_dtype):
     """Step ``ref`` (``Muon.step()``) and ``fast`` (``hybrid_muon_step_``) with the same bf16 gradients: every
-    parameter and state tensor bit-equal after each step, the bf16 outputs written, the lrs recorded."""
+    parameter and state tensor bit-equal after each step, the bf16 outputs written, the lrs and the update
+    statistics recorded."""
     masters = [p for g in fast.param_groups for p in g["params"]]  # group after group
     outs = [[torch.empty_like(p, dtype=torch.bfloat16) for p in masters] for _ in range(2)]
     gen = torch.Generator().manual_seed(1)
@@ -170,6 +171,13 @@ def assert_fused_step_equals_class_step(ref, fast, grad_dtype):
                 k = next(k for k, m in enumerate(masters) if m is pf)
                 for out in outs:
                     assert torch.equal(out[k], pf.detach().to(torch.bfloat16)), what
+        # The statistics tensorboard logs: the same keys, the same values up to the order of fp32 additions (the
+        # fused step sums squares per tensor, the class squares per-chunk norms).
+        want, got = ref.stats(), fast.stats()
+        assert got.keys() == want.keys() and any(k.startswith("update_rms/") for k in want)
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-5), (step, key)
+            assert value > 0, (step, key)
     assert fast.last_lrs == ref.last_lrs
 
 

@@ -34,10 +34,12 @@ def adamw_hyper(group: dict, step: int, device: torch.device) -> torch.Tensor:
 @compiled_on_gpus
 def _adamw_pass(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                 exp_avg_sqs: list[torch.Tensor], outs: list[list[torch.Tensor]], hyper: torch.Tensor,
-                grad_scale: torch.Tensor, grad_dtype: torch.dtype) -> None:
+                grad_scale: torch.Tensor, grad_dtype: torch.dtype, update_sq: bool = False) -> torch.Tensor | None:
     decay, one_minus_beta1, beta2, one_minus_beta2, neg_step_size, bias_correction2_sqrt, eps = hyper.unbind()
+    total = None
     for k, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         g = (g.to(grad_dtype) * grad_scale).to(p.dtype)
+        old = p.clone() if update_sq else None
         p.mul_(decay)
         m.lerp_(g, one_minus_beta1)
         # torch: addcmul_(g, g, value=1 - beta2), i.e. v + ((1 - beta2) * g) * g; the factor is pre-multiplied here
@@ -47,16 +49,24 @@ def _adamw_pass(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
         p.addcdiv_(m * neg_step_size, denom)
         for out in outs:
             out[k].copy_(p)
+        if old is not None:
+            sq = (old - p).square().sum(dtype=torch.float32)
+            total = sq if total is None else total + sq
+    return total
 
 
 @torch.no_grad()
 def adamw_pass_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
                 exp_avg_sqs: Sequence[torch.Tensor], outs: Sequence[Sequence[torch.Tensor]], hyper: torch.Tensor,
-                grad_scale: torch.Tensor, grad_dtype: torch.dtype = torch.float32) -> None:
+                grad_scale: torch.Tensor, grad_dtype: torch.dtype = torch.float32, *, update_sq: bool = False
+                ) -> torch.Tensor | None:
     """One AdamW step, in place, on fp32 ``params`` and moments from ``grads`` times ``grad_scale`` (a 0-dim
     tensor, e.g. the clip factor), with ``hyper`` from :func:`adamw_hyper`; each list in ``outs`` (e.g. bf16
     weights) receives the new params, tensor by tensor. The scaled gradient is computed and rounded in
-    ``grad_dtype``, as DeepSpeed's gradient buffers of that dtype (its ``grad_accum_dtype``) would hold it."""
+    ``grad_dtype``, as DeepSpeed's gradient buffers of that dtype (its ``grad_accum_dtype``) would hold it.
+    ``update_sq``: also return the update's sum of squares over all tensors (fp32, 0-dim; for the optimizer's
+    statistics), else ``None``."""
     if params:
-        _adamw_pass(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [list(o) for o in outs], hyper,
-                    grad_scale.to(grad_dtype), grad_dtype)
+        return _adamw_pass(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [list(o) for o in outs],
+                           hyper, grad_scale.to(grad_dtype), grad_dtype, update_sq)
+    return None

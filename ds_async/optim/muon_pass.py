@@ -30,7 +30,9 @@ the host (``add``'s ``alpha``) is read there by the eager pass (CPUs) and is a t
 way: Muon groups by :func:`muon_pass_`, AdamW groups (embeddings, head, norms) by the one-pass AdamW
 :func:`~ds_async.optim.adamw_pass.adamw_pass_` followed, with EF, by :func:`ef_pass_`; bit-equal on CPU to setting
 ``.grad = g`` and calling ``Muon.step()``. Its state stays the class's (same keys), so ``state_dict`` and
-checkpoints are unchanged. The class's update statistics (``stats()``) are not collected by this step.
+checkpoints are unchanged. It keeps the class's update statistics (``stats()``: the update's and, with EF, the
+base update's and the buffer's squares), summed per tensor where the class sums per chunk of norms, so equal up to
+the order of the additions.
 
 Measured (``launch/bench/bench_newton_schulz.py``, one H100, torch 2.11, the 28 matrices of a 902M-LLaMA stage of
 4 layers): Muon + EF 22.6 ms a step here against 29.8 ms for ``Muon.step()`` on fp32 parameters; Newton-Schulz
@@ -90,35 +92,50 @@ def _add_scaled(x: Tensor, o: Tensor, alpha: Tensor) -> Tensor:
     return torch.add(x, o, alpha=alpha)
 
 
+def _square_sum(t: Tensor) -> Tensor:
+    return t.square().sum(dtype=torch.float32)
+
+
 @compiled_on_gpus
 def _muon_tail(params: list[Tensor], orthogonalised: list[Tensor], prev_updates: list[Tensor] | None,
-               outs: list[list[Tensor]], hyper: Tensor) -> None:
+               outs: list[list[Tensor]], hyper: Tensor) -> tuple[Tensor, Tensor]:
     # muon_apply: decayed(x).add_(O, alpha=-adjusted_lr); UpdateOptimizer._apply with ErrorFeedback: u = x - new,
-    # e = (u - u_prev) * lam, u_prev <- u, new -= e, x <- new.
+    # e = (u - u_prev) * lam, u_prev <- u, new -= e, x <- new. Returns the sums of squares of the applied update
+    # and of the update before the correction (the statistics UpdateOptimizer._apply keeps).
     decay, lam = hyper[2], hyper[3]
+    applied_sq = base_sq = torch.zeros((), dtype=torch.float32, device=hyper.device)
     for k, (p, o) in enumerate(zip(params, orthogonalised)):
         new = _add_scaled(p * decay, o, hyper[4 + k])
+        u = p - new
+        base_sq = base_sq + _square_sum(u)
         if prev_updates is not None:
-            u = p - new
             extra = (u - prev_updates[k]) * lam
             prev_updates[k].copy_(u)
             new = new - extra
+            u = u + extra
+        applied_sq = applied_sq + _square_sum(u)
         p.copy_(new)
         for out in outs:
             out[k].copy_(p)
+    return applied_sq, base_sq
 
 
 @compiled_on_gpus
 def _ef_tail(params: list[Tensor], olds: list[Tensor], prev_updates: list[Tensor], outs: list[list[Tensor]],
-             lam: Tensor) -> None:
+             lam: Tensor) -> tuple[Tensor, Tensor]:
     # ErrorFeedback on an update already applied: params hold the base optimizer's new values, olds the values before.
+    # Returns the sums of squares of the applied update and of the base one, as _muon_tail.
+    applied_sq = base_sq = torch.zeros((), dtype=torch.float32, device=lam.device)
     for k, (p, old, prev) in enumerate(zip(params, olds, prev_updates)):
         u = old - p
         extra = (u - prev) * lam
         prev.copy_(u)
         p.sub_(extra)
+        base_sq = base_sq + _square_sum(u)
+        applied_sq = applied_sq + _square_sum(u + extra)
         for out in outs:
             out[k].copy_(p)
+    return applied_sq, base_sq
 
 
 @torch.no_grad()
@@ -127,7 +144,7 @@ def muon_pass_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffe
                grad_scale: Tensor, grad_dtype: torch.dtype = torch.float32, *, nesterov: bool = True,
                ns_steps: int = NS_STEPS, ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
                ns_eps: float = NS_EPS, orthogonalise: Orthogonalise = orthogonalise_batched,
-               row_blocks: int = 1) -> None:
+               row_blocks: int = 1) -> tuple[Tensor, Tensor] | None:
     """One Muon step, in place, on the fp32 master matrices ``params`` (whole tensors, >= 2-D; stacks of experts
     ``[E, rows, cols]`` included) and their fp32 ``momentum_buffers`` from the bf16 ``grads`` times ``grad_scale``
     (0-dim), rounded in ``grad_dtype``; ``hyper`` from :func:`muon_hyper` over the params' shapes (and EF's
@@ -136,27 +153,30 @@ def muon_pass_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffe
     (bf16 module weights, weight-version slots) receives the new params. ``orthogonalise(directions, ns_steps,
     ns_coefficients, ns_eps)`` must return what :func:`orthogonalise_batched` returns (bf16, the same bits).
     ``row_blocks``: each matrix is orthogonalised as that many equal blocks of rows (``hyper`` must then hold the
-    lr adjusted for a block's shape, as :func:`muon_hyper` of a group with that ``row_blocks`` does)."""
+    lr adjusted for a block's shape, as :func:`muon_hyper` of a group with that ``row_blocks`` does).
+    Returns the sums of squares (fp32, 0-dim) of the applied update and of the update before the correction."""
     if not params:
-        return
+        return None
     params, grads = list(params), list(grads)
     directions = [torch.empty_like(g, dtype=torch.bfloat16) for g in grads]
     _muon_directions(grads, list(momentum_buffers), directions, hyper, grad_scale.to(grad_dtype), grad_dtype,
                      nesterov)
     orthogonalised = orthogonalise_blocks(orthogonalise, directions, row_blocks, ns_steps, ns_coefficients, ns_eps)
-    _muon_tail(params, list(orthogonalised), None if prev_updates is None else list(prev_updates),
-               [list(o) for o in outs], hyper)
+    return _muon_tail(params, list(orthogonalised), None if prev_updates is None else list(prev_updates),
+                      [list(o) for o in outs], hyper)
 
 
 @torch.no_grad()
 def ef_pass_(params: Sequence[Tensor], olds: Sequence[Tensor], prev_updates: Sequence[Tensor],
-             outs: Sequence[Sequence[Tensor]], lam: Tensor) -> None:
+             outs: Sequence[Sequence[Tensor]], lam: Tensor) -> tuple[Tensor, Tensor] | None:
     """Error feedback after a base step that already wrote its new values into ``params`` (``olds``: the values
     before it): ``u = old - x``, ``x <- x - lam (u - u_prev)``, ``u_prev <- u``, and every list in ``outs`` receives
     the corrected params; ``lam`` a 0-dim fp32 tensor. Bit-equal on CPU to the class's ``_apply`` with EF (which
-    subtracts the same term from the same new value)."""
+    subtracts the same term from the same new value). Returns the sums of squares of the applied and the base
+    update."""
     if params:
-        _ef_tail(list(params), list(olds), list(prev_updates), [list(o) for o in outs], lam)
+        return _ef_tail(list(params), list(olds), list(prev_updates), [list(o) for o in outs], lam)
+    return None
 
 
 def _correction_lam(correction) -> float | None:
@@ -193,11 +213,9 @@ def hybrid_muon_step_(optimizer, grads: Sequence[Tensor | None], grad_scale: Ten
     for what, items in [("grads", grads), *((f"outs[{k}]", o) for k, o in enumerate(outs))]:
         if len(items) != total:
             raise ValueError(f"hybrid_muon_step_: {what} has {len(items)} tensors for {total} parameters")
-    optimizer._sums = {}
-    optimizer.last_lrs = {}
+    optimizer.begin_step()
     start = 0
     for i, group in enumerate(optimizer.param_groups):
-        optimizer.last_lrs[optimizer._group_name(i)] = float(group["lr"])
         chosen = [j for j in range(len(group["params"])) if grads[start + j] is not None]
         if chosen:
             params = [group["params"][j].detach() for j in chosen]
@@ -205,12 +223,23 @@ def hybrid_muon_step_(optimizer, grads: Sequence[Tensor | None], grad_scale: Ten
             group_outs = [[o[start + j] for j in chosen] for o in outs]
             states = [optimizer.state[group["params"][j]] for j in chosen]
             if group["use_muon"]:
-                _muon_group(optimizer, group, params, group_grads, states, group_outs, grad_scale, grad_dtype, lam,
-                            orthogonalise)
+                sums = _muon_group(optimizer, group, params, group_grads, states, group_outs, grad_scale, grad_dtype,
+                                   lam, orthogonalise)
             else:
-                _adamw_group(optimizer, group, params, group_grads, states, group_outs, grad_scale, grad_dtype,
-                             lam)
+                sums = _adamw_group(optimizer, group, params, group_grads, states, group_outs, grad_scale,
+                                    grad_dtype, lam)
+            _record(optimizer, optimizer.group_name(i), params, *sums)
         start += len(group["params"])
+
+
+def _record(optimizer, name: str, params: list[Tensor], applied_sq: Tensor, base_sq: Tensor | None) -> None:
+    """The step's statistics under the keys ``UpdateOptimizer._apply`` keeps (with EF the buffer is the new base
+    update, so its squared norm is the base update's)."""
+    optimizer.add_sum(f"update_sq/{name}", applied_sq)
+    optimizer.add_sum(f"numel/{name}", sum(p.numel() for p in params))
+    if optimizer.correction is not None:
+        optimizer.add_sum(f"base_update_sq/{name}", base_sq)
+        optimizer.add_sum(f"{optimizer.correction.name}_buffer_sq", base_sq)
 
 
 def _prev_updates(optimizer, params: list[Tensor], states: list[dict]) -> list[Tensor]:
@@ -222,16 +251,16 @@ def _prev_updates(optimizer, params: list[Tensor], states: list[dict]) -> list[T
 
 
 def _muon_group(optimizer, group, params, grads, states, outs, grad_scale, grad_dtype, lam, orthogonalise):
-    from .optimizers import _require_matrix, row_blocks
+    from .optimizers import require_matrix, row_blocks
 
     blocks = row_blocks(group)
     for p, state in zip(params, states):
-        _require_matrix(p)
+        require_matrix(p)
         block_shape(p.shape, blocks)
         if not state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     hyper = muon_hyper(group, [p.shape for p in params], params[0].device, 0.0 if lam is None else lam)
-    muon_pass_(params, grads, [s["momentum_buffer"] for s in states],
+    return muon_pass_(params, grads, [s["momentum_buffer"] for s in states],
                None if lam is None else _prev_updates(optimizer, params, states), outs, hyper, grad_scale,
                grad_dtype, nesterov=group["nesterov"], ns_steps=group["ns_steps"],
                ns_coefficients=tuple(group["ns_coefficients"]), ns_eps=group["ns_eps"], orthogonalise=orthogonalise,
@@ -250,15 +279,18 @@ def _adamw_group(optimizer, group, params, grads, states, outs, grad_scale, grad
     for k, state in enumerate(states):
         by_step.setdefault(state["step"], []).append(k)
     device = params[0].device
+    applied_sq = base_sq = torch.zeros((), dtype=torch.float32, device=device)
     for step, ks in by_step.items():
         ps, gs = [params[k] for k in ks], [grads[k] for k in ks]
         os_ = [[o[k] for k in ks] for o in outs]
         ms, vs = [states[k]["exp_avg"] for k in ks], [states[k]["exp_avg_sq"] for k in ks]
         hyper = adamw_hyper(group, step, device)
         if lam is None:
-            adamw_pass_(ps, gs, ms, vs, os_, hyper, grad_scale, grad_dtype)
+            applied_sq = applied_sq + adamw_pass_(ps, gs, ms, vs, os_, hyper, grad_scale, grad_dtype, update_sq=True)
             continue
         olds = [p.clone() for p in ps]
         adamw_pass_(ps, gs, ms, vs, [], hyper, grad_scale, grad_dtype)
-        ef_pass_(ps, olds, _prev_updates(optimizer, ps, [states[k] for k in ks]), os_,
-                 torch.tensor(lam, dtype=torch.float32).to(device, non_blocking=True))
+        applied, base = ef_pass_(ps, olds, _prev_updates(optimizer, ps, [states[k] for k in ks]), os_,
+                                 torch.tensor(lam, dtype=torch.float32).to(device, non_blocking=True))
+        applied_sq, base_sq = applied_sq + applied, base_sq + base
+    return applied_sq, base_sq

@@ -62,8 +62,20 @@ class UpdateOptimizer(torch.optim.Optimizer):
     def _prepare_step(self) -> None:
         """Work done for all parameters at once before the per-parameter pass (nothing by default)."""
 
-    def _group_name(self, index: int) -> str:
+    def group_name(self, index: int) -> str:
+        """The name of param group ``index`` in :meth:`stats` (its ``name``, else ``group<index>``)."""
         return self.param_groups[index].get("name", f"group{index}")
+
+    def begin_step(self) -> None:
+        """Clear the last step's sums and record each group's lr: the start of :meth:`step`, and of a step that
+        another function takes on this optimizer's state (:func:`ds_async.optim.muon_pass.hybrid_muon_step_`)."""
+        self._sums = {}
+        self.last_lrs = {self.group_name(i): float(g["lr"]) for i, g in enumerate(self.param_groups)}
+
+    def add_sum(self, key: str, value: Tensor | int) -> None:
+        """Add ``value`` (a 0-dim tensor or an element count) to this step's sum ``key`` (a key of
+        :meth:`stat_sums`)."""
+        self._sums[key] = self._sums[key] + value if key in self._sums else value
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
@@ -71,11 +83,10 @@ class UpdateOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._sums, self.last_lrs = {}, {}
+        self.begin_step()
         self._prepare_step()
         for index, group in enumerate(self.param_groups):
-            name = self._group_name(index)
-            self.last_lrs[name] = float(group["lr"])
+            name = self.group_name(index)
             params = [p for p in group["params"] if p.grad is not None]
             for param in params:
                 if param.grad.is_sparse:
@@ -101,20 +112,19 @@ class UpdateOptimizer(torch.optim.Optimizer):
             torch._foreach_sub_(news, extras)
             torch._foreach_add_(us, extras)
         self._accumulate(f"update_sq/{name}", us)
-        self._sums[f"numel/{name}"] = self._sums.get(f"numel/{name}", 0) + sum(u.numel() for u in us)
+        self.add_sum(f"numel/{name}", sum(u.numel() for u in us))
         torch._foreach_copy_(xs, news)
 
     def _accumulate(self, key: str, tensors: list[Tensor]) -> None:
         # Norm kernels read each tensor once and allocate nothing parameter-sized; at least fp32 (they refuse to
         # narrow).
         wide = torch.promote_types(tensors[0].dtype, torch.float32)
-        sq = torch.stack(torch._foreach_norm(tensors, 2, dtype=wide)).square().sum()
-        self._sums[key] = self._sums[key] + sq if key in self._sums else sq
+        self.add_sum(key, torch.stack(torch._foreach_norm(tensors, 2, dtype=wide)).square().sum())
 
     def stat_sums(self) -> dict[str, Tensor | int]:
         """The last step's raw sums (squares of updates and buffers, element counts), not yet synchronised, with
         the same keys whichever parameters had gradients, so that a sharded wrapper can add them over ranks."""
-        names = [self._group_name(i) for i in range(len(self.param_groups))]
+        names = [self.group_name(i) for i in range(len(self.param_groups))]
         keys = [f"{kind}/{name}" for name in names for kind in ("update_sq", "numel")]
         if self.correction is not None:
             keys += [f"base_update_sq/{name}" for name in names] + [f"{self.correction.name}_buffer_sq"]
@@ -234,7 +244,7 @@ class Muon(UpdateOptimizer):
             if group["use_muon"]:
                 blocks = row_blocks(group)
                 for p in group["params"]:
-                    _require_matrix(p)
+                    require_matrix(p)
                     block_shape(p.shape, blocks)
         # Newton-Schulz over a list of directions; replicas that each hold every matrix (ZeRO-0) share the work
         # with ds_async.optim.ns_split.orthogonalise_split instead (set by the client optimizer).
@@ -251,7 +261,7 @@ class Muon(UpdateOptimizer):
             if not params:  # e.g. a ZeRO-1 shard owning none of this group's matrices
                 continue
             for p in params:
-                _require_matrix(p)
+                require_matrix(p)
                 state = self.state[p]
                 if not state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
@@ -277,7 +287,7 @@ def row_blocks(group: dict) -> int:
     return blocks
 
 
-def _require_matrix(p: Tensor) -> None:
+def require_matrix(p: Tensor) -> None:
     if p.ndim < 2:
         raise ValueError(
             f"Muon: a parameter in a Muon ('matrix') group has shape {tuple(p.shape)}. Muon orthogonalises whole "
