@@ -52,8 +52,6 @@ def initialize(model: PipelineModule, config: dict, schedule: str = "1f1b", corr
     deepspeed.set_optimizer_flags(config_class, model)
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
-    engine = AsyncPipelineEngine(schedule=schedule, fused_optimizer_step=fused_optimizer_step, args=None,
-                                 model=model, optimizer=optimizer, model_parameters=model_parameters,
-                                 lr_scheduler=lr_scheduler, mpu=mpu, config=config, config_class=config_class)
-    engine._configure_python_gc()
-    return engine
+    return AsyncPipelineEngine(schedule=schedule, fused_optimizer_step=fused_optimizer_step, args=None,
+                               model=model, optimizer=optimizer, model_parameters=model_parameters,
+                               lr_scheduler=lr_scheduler, mpu=mpu, config=config, config_class=config_class)

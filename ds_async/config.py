@@ -289,7 +289,7 @@ def _check(value, tp, key: str):
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected an object, got {type(value).__name__} {value!r}")
-        return _from_dict(tp, value, key)
+        return from_dict(tp, value, key)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -326,7 +326,9 @@ def _check(value, tp, key: str):
     return value
 
 
-def _from_dict(cls, raw: dict, prefix: str):
+def from_dict(cls, raw: dict, prefix: str):
+    """``raw`` (a JSON object) as the dataclass ``cls``, strictly: an unknown key or a value of the wrong type
+    raises ConfigError naming ``prefix.<key>``."""
     hints = typing.get_type_hints(cls)
     # A field's JSON key is its name unless metadata says otherwise (``lambda`` is not a Python identifier).
     fields = {f.metadata.get("key", f.name): f.name for f in dataclasses.fields(cls)}
@@ -340,7 +342,7 @@ def _from_dict(cls, raw: dict, prefix: str):
 
 def parse(section: dict) -> DsAsyncConfig:
     """Parse and validate the ``"ds_async"`` section on its own (no DeepSpeed keys involved)."""
-    cfg = _from_dict(DsAsyncConfig, section, "ds_async")
+    cfg = from_dict(DsAsyncConfig, section, "ds_async")
     try:
         version_rule.get(cfg.schedule)
     except ValueError:

@@ -23,7 +23,7 @@ import torch
 from datasets.distributed import split_dataset_by_node
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from .config import ConfigError, DataConfig, DataSource, _from_dict
+from .config import ConfigError, DataConfig, DataSource, from_dict
 
 EMBEDDED_CORPUS = "python:docs"  # ships with Python itself (ds_async.corpus): the default, nothing to install
 LEE_CORPUS = "gensim:lee"  # the Lee news corpus inside gensim's wheel (pip install gensim)
@@ -211,7 +211,7 @@ def _as_source(value, key: str) -> DataSource:
     if isinstance(value, str):
         return DataSource(path=value)
     if isinstance(value, dict):  # a DataConfig built in code: parsed as the JSON is
-        return _from_dict(DataSource, value, key)
+        return from_dict(DataSource, value, key)
     raise ConfigError(f"{key}: expected a string or an object, got {type(value).__name__} {value!r}")
 
 

@@ -550,9 +550,8 @@ def stage_plan(job: Job, hf, layers: list[Layer], bounds: list[int], stage: int,
 
 
 STATE_ROWS = ("weights", "versions", "grads", "masters", "optimizer", "correction")
-MEMORY_ROWS = STATE_ROWS + ("step_workspace", "activations", "grads_next", "context")
-"""A stage's rows; its total is the state, the larger of the passes' peak (activations, grads_next) and the step's
-(step_workspace, ``at_step`` micro-batches' activations, grads_next), and the context."""
+"""A stage's state rows; its total is the state, the larger of the passes' peak (activations, grads_next) and the
+step's (step_workspace, ``at_step`` micro-batches' activations, grads_next), and the context."""
 
 
 def balanced_bounds(costs: list[float], stages: int) -> list[int]:

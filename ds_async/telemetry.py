@@ -147,9 +147,6 @@ def idle_fraction(busy: float, wall: float) -> float | None:
     return None if wall <= 0 else min(max(1.0 - busy / wall, 0.0), 1.0)
 
 
-PASSES = ("ForwardPass", "BackwardPass")
-
-
 def time_passes(engine, clock: StageClock) -> None:
     """Time every forward and backward pass of ``engine`` on ``clock`` (the engine's ``pass_timer`` hook)."""
     engine.pass_timer = clock

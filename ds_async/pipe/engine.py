@@ -52,6 +52,7 @@ class AsyncPipelineEngine(PipelineEngine):
             if self.using_bf16_optimizer and type(self.optimizer) is BF16_Optimizer:
                 self.optimizer.__class__ = bf16.PrecomputedNormBF16Optimizer
         self.step_plan = self._plan_steps(fused_optimizer_step)
+        self._configure_python_gc()  # what deepspeed.initialize does once it has built an engine
 
     def _plan_steps(self, fused: bool) -> steps.StepPlan:
         opt, clip = self.optimizer, self.gradient_clipping()

@@ -81,9 +81,6 @@ class FlushFreeSchedule(ds.TrainSchedule):
     def num_pipe_buffers(self) -> int:
         return max(2, self.stages - self.stage_id)
 
-    def num_versions(self) -> int:
-        return self.rule.max_versions(self.stage_id, self.stages, self.m)
-
     def _global(self, local: int) -> int:
         return self.first_batch * self.m + local
 

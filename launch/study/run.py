@@ -243,6 +243,49 @@ def long_delay(depths=(3, 5)) -> list[Run]:
 LONG_MOE_MUON = {"muon": {**LONG_OPTIMIZERS["muon"], "optimizer.params.split_gate_up": False}}
 
 
+def _long_lr(group: str, variant: str, scales: tuple[float, ...]) -> list[Run]:
+    """``variant`` on long.json at each peak-LR scale, per optimizer, seed 0."""
+    return [r for opt in LONG_OPTIMIZERS for r in long_product(
+        group, {opt: LONG_OPTIMIZERS[opt]}, {variant: VARIANTS[variant]},
+        {f"lr{x:g}x": lr_scaled(opt, x) for x in scales}, seeds(0))]
+
+
+def _long_moe_ns() -> list[Run]:
+    """The fused mode's runs are long-moe's own (the same folders: trained once)."""
+    variants = {k: VARIANTS[k] for k in ("sync", "2bw+ef")}
+    fused = [r for r in MATRIX_BUILDERS["long-moe"]() if r.name in {f"muon-{v}-s0" for v in variants}]
+    return fused + product("long_moe.json", "long-moe-ns", LONG_MOE_MUON, variants,
+                           {"split": {"optimizer.params.split_gate_up": True}}, seeds(0))
+
+
+MATRIX_BUILDERS = {
+    "main": lambda: product("base.json", "main", OPTIMIZERS, VARIANTS, seeds(0, 1, 2)),
+    "extras": lambda: extras("base.json"),
+    "pairs": lambda: pairs("base.json", "main", (0, 1, 2)),  # main's own runs: the emulation side is main's
+    "tiny": lambda: product("tiny.json", "main", OPTIMIZERS, VARIANTS, seeds(0, 1)) + extras(
+        "tiny.json", optimizers=("adamw",), token_scales=(0.5,), lr_scales=(2.0,), batches=(8,), depths=(2,),
+        lambdas=(0.5,)),
+    "tiny-pairs": lambda: pairs(  # tiny.json's one stage split in two, for a 2-process engine
+        "tiny.json", "engine", (0,), **{"ds_async.pipeline_stages": 2, "train_micro_batch_size_per_gpu": 2,
+                                        "gradient_accumulation_steps": 2, "ds_async.eval.batches": 4}),
+    "depth8": lambda: _depth8("base.json", "depth8", (0,), train_micro_batch_size_per_gpu=6,
+                              **{"ds_async.eval.batches": 80}),
+    "depth8-cpu": lambda: _depth8("tiny.json", "depth8-cpu", (0, 1), train_micro_batch_size_per_gpu=1,
+                                  **{"ds_async.model.config.num_hidden_layers": 6, "ds_async.eval.batches": 8,
+                                     **length(200), "ds_async.eval.every": 20}),
+    "long": lambda: long_product("long", LONG_OPTIMIZERS, VARIANTS, seeds(0, 1, 2)),
+    "long-lr": lambda: _long_lr("long-lr", "sync", (0.5, 2.0, 4.0)),
+    "long-async-lr": lambda: _long_lr("long-async-lr", "2bw", (0.5, 2.0)),  # 2bw+ef's: long-lambda's lambda 1
+    "long-lengths": lambda: long_product("long-lengths", LONG_OPTIMIZERS, {k: VARIANTS[k] for k in ("sync", "2bw")},
+                                         long_lengths(), seeds(0, 1)),
+    "long-lambda": long_lambda,
+    "long-delay": long_delay,
+    "long-moe": lambda: product("long_moe.json", "long-moe", LONG_MOE_MUON, VARIANTS, seeds(0, 1, 2)),
+    "long-moe-ns": _long_moe_ns,
+}
+MATRICES = tuple(MATRIX_BUILDERS)
+
+
 def matrix(name: str) -> list[Run]:
     """The named list of runs.
 
@@ -268,55 +311,9 @@ def matrix(name: str) -> list[Run]:
     fused ``gate_up_proj``, sync and 2bw+ef at seed 0: one matrix per expert (``long-moe``'s own runs) and its gate
     and up halves apart (``split_gate_up``; 2 more runs).
     """
-    opts = OPTIMIZERS
-    if name == "main":
-        return product("base.json", "main", opts, VARIANTS, seeds(0, 1, 2))
-    if name == "extras":
-        return extras("base.json")
-    if name == "pairs":  # main's own runs: the emulation side is main's
-        return pairs("base.json", "main", (0, 1, 2))
-    if name == "tiny":
-        return product("tiny.json", "main", opts, VARIANTS, seeds(0, 1)) + extras(
-            "tiny.json", optimizers=("adamw",), token_scales=(0.5,), lr_scales=(2.0,), batches=(8,), depths=(2,),
-            lambdas=(0.5,))
-    if name == "tiny-pairs":  # tiny.json's one stage split in two, for a 2-process engine
-        return pairs("tiny.json", "engine", (0,), **{"ds_async.pipeline_stages": 2, "train_micro_batch_size_per_gpu": 2,
-                                                     "gradient_accumulation_steps": 2, "ds_async.eval.batches": 4})
-    if name == "long":
-        return long_product("long", LONG_OPTIMIZERS, VARIANTS, seeds(0, 1, 2))
-    if name == "long-lr":  # each optimizer's sync LR bracketed around long.json's, seed 0
-        return [r for opt in LONG_OPTIMIZERS for r in long_product(
-            "long-lr", {opt: LONG_OPTIMIZERS[opt]}, {"sync": VARIANTS["sync"]},
-            {f"lr{x:g}x": lr_scaled(opt, x) for x in (0.5, 2.0, 4.0)}, seeds(0))]
-    if name == "long-async-lr":  # 2bw at its own LRs; 2bw+ef's are long-lambda's lambda-1 points
-        return [r for opt in LONG_OPTIMIZERS for r in long_product(
-            "long-async-lr", {opt: LONG_OPTIMIZERS[opt]}, {"2bw": VARIANTS["2bw"]},
-            {f"lr{x:g}x": lr_scaled(opt, x) for x in (0.5, 2.0)}, seeds(0))]
-    if name == "long-lengths":
-        return long_product("long-lengths", LONG_OPTIMIZERS, {k: VARIANTS[k] for k in ("sync", "2bw")},
-                       long_lengths(), seeds(0, 1))
-    if name == "long-lambda":
-        return long_lambda()
-    if name == "long-delay":
-        return long_delay()
-    if name == "long-moe":
-        return product("long_moe.json", "long-moe", LONG_MOE_MUON, VARIANTS, seeds(0, 1, 2))
-    if name == "long-moe-ns":  # the fused mode's runs are long-moe's own (the same folders: trained once)
-        variants = {k: VARIANTS[k] for k in ("sync", "2bw+ef")}
-        fused = [r for r in matrix("long-moe") if r.name in {f"muon-{v}-s0" for v in variants}]
-        return fused + product("long_moe.json", "long-moe-ns", LONG_MOE_MUON, variants,
-                               {"split": {"optimizer.params.split_gate_up": True}}, seeds(0))
-    if name == "depth8":
-        return _depth8("base.json", "depth8", (0,), train_micro_batch_size_per_gpu=6, **{"ds_async.eval.batches": 80})
-    if name == "depth8-cpu":
-        return _depth8("tiny.json", "depth8-cpu", (0, 1), train_micro_batch_size_per_gpu=1,
-                       **{"ds_async.model.config.num_hidden_layers": 6, "ds_async.eval.batches": 8, **length(200),
-                          "ds_async.eval.every": 20})
-    raise ValueError(f"unknown matrix {name!r}; known: {', '.join(MATRICES)}")
-
-
-MATRICES = ("main", "extras", "pairs", "tiny", "tiny-pairs", "depth8", "depth8-cpu", "long", "long-lr", "long-async-lr",
-            "long-lengths", "long-lambda", "long-delay", "long-moe", "long-moe-ns")
+    if name not in MATRIX_BUILDERS:
+        raise ValueError(f"unknown matrix {name!r}; known: {', '.join(MATRICES)}")
+    return MATRIX_BUILDERS[name]()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -448,7 +445,7 @@ def spread(argv: list[str], runs: list[Run], out: Path, runner: str, gpus: int, 
     return status
 
 
-def _parse_set(text: str) -> tuple[str, object]:
+def parse_set(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep:
         raise argparse.ArgumentTypeError(f"--set {text!r}: expected KEY=VALUE")
@@ -466,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runner", choices=RUNNERS, default="emulation")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "study")
     p.add_argument("--only", default=None, help="only the runs whose GROUP/NAME matches this glob")
-    p.add_argument("--set", dest="sets", type=_parse_set, action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--set", dest="sets", type=parse_set, action="append", default=[], metavar="KEY=VALUE",
                    help="override a dotted key in every run's JSON (repeatable)")
     p.add_argument("--gpus", type=int, default=0, help="spread the runs over this many GPUs (one worker per GPU, "
                                                        "or per group of GPUs an engine run needs)")

@@ -29,12 +29,10 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "notebooks"))
 
-from run import _parse_set, override  # noqa: E402  (the study's own dotted-key overrides)
+import run  # noqa: E402  (the study's dotted-key overrides and variants)
+from run import override, parse_set  # noqa: E402
 
-VARIANTS = {
-    "sync": {"ds_async.schedule": "1f1b"},
-    "2bw+ef": {"ds_async.schedule": "2bw", "ds_async.correction": {"type": "ef", "lambda": 1.0}},
-}
+VARIANTS = {k: run.VARIANTS[k] for k in ("sync", "2bw+ef")}
 
 
 def train(config: dict, out: Path, name: str, gpus: int, max_steps: int | None = None) -> dict:
@@ -80,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "ttl")
     p.add_argument("--calibrate-steps", type=int, default=30)
     p.add_argument("--evals", type=int, default=20, help="validations per full run")
-    p.add_argument("--set", dest="sets", type=_parse_set, action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", dest="sets", type=parse_set, action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
 
     base = override(json.loads(args.config.read_text()), dict(args.sets))
