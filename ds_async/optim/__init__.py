@@ -27,7 +27,8 @@ def needs_client_optimizer(block: dict, correction=None) -> bool:
     return block["type"].lower() in OWN_TYPES or is_correction(correction)
 
 
-def build_optimizer(block: dict, model_or_params: nn.Module | Iterable, correction=None) -> torch.optim.Optimizer:
+def build_optimizer(block: dict, model_or_params: nn.Module | Iterable, correction=None, *,
+                    orthogonalise=None) -> torch.optim.Optimizer:
     """The optimizer for a DeepSpeed ``{"type": ..., "params": {...}}`` block.
 
     Without a correction, ``Adam``/``AdamW`` (with ``"torch_adam": true``) and any other ``torch.optim`` type
@@ -40,6 +41,9 @@ def build_optimizer(block: dict, model_or_params: nn.Module | Iterable, correcti
 
     ``Muon`` params: ``lr, momentum, nesterov, ns_steps, weight_decay, lr_rule`` for the hidden matrices and
     ``adam_lr, adam_betas, adam_eps, adam_weight_decay`` for embeddings, LM head, norms and biases.
+    ``orthogonalise``: Muon's Newton-Schulz over a list of directions (default
+    :func:`~ds_async.optim.muon.orthogonalise_batched`; e.g. :func:`~ds_async.optim.ns_split.orthogonalise_split`
+    across replicas).
     """
     kind, kwargs = block["type"], dict(block.get("params", {}))
     corr = build_correction(correction)
@@ -49,7 +53,10 @@ def build_optimizer(block: dict, model_or_params: nn.Module | Iterable, correcti
             raise ValueError("optimizer type Muon routes parameters by their role in the model: pass the model "
                              "(an nn.Module, e.g. the pipeline stage's module), not its parameters")
         _check_keys(kind, kwargs, muon_param_groups, exclude=("model",))
-        return Muon(muon_param_groups(model_or_params, **kwargs), correction=corr)
+        return Muon(muon_param_groups(model_or_params, **kwargs), correction=corr,
+                    **({"orthogonalise": orthogonalise} if orthogonalise else {}))
+    if orthogonalise is not None:
+        raise ValueError(f"orthogonalise: only Muon orthogonalises, not {kind}")
     params = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
     if lk == "lion":
         _check_keys(kind, kwargs, Lion.__init__, exclude=("self", "params", "correction"))

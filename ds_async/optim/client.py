@@ -31,7 +31,6 @@ from torch import nn
 from . import build_optimizer, needs_client_optimizer
 from .master import MasterWeights
 from .ns_split import orthogonalise_split
-from .optimizers import Muon
 from .sharded import ShardedOptimizer
 
 log = logging.getLogger(__name__)
@@ -125,10 +124,10 @@ def check_optimizer_block(ds_config: dict, correction=None) -> None:
                                       f"{type(e).__name__}: {e}") from None
 
 
-def _build(block: dict, module: nn.Module, correction):
+def _build(block: dict, module: nn.Module, correction, orthogonalise=None):
     """ds_async's optimizer for ``block``; a block it cannot build is an OptimizerSetupError naming the key."""
     try:
-        return build_optimizer(block, module, correction)
+        return build_optimizer(block, module, correction, orthogonalise=orthogonalise)
     except (TypeError, ValueError) as e:
         text = str(e)
         raise OptimizerSetupError(text if text.startswith("optimizer.") else
@@ -177,7 +176,7 @@ def client_optimizer(module: nn.Module, ds_config: dict, correction, dp_group, d
         config = {k: v for k, v in config.items() if k != "bf16"}
         # DeepSpeed all-reduces gradients in bf16 under its bf16 mode; keep that (it sees fp32 from here on).
         config.setdefault("communication_data_type", "bf16")
-        optimizer = _split_newton_schulz(_build(block, module, correction), stage, dp_group, dp_world)
+        optimizer = _build(block, module, correction, _newton_schulz(kind, stage, dp_group, dp_world))
         if stage == 1:
             config["zero_optimization"] = {**zero, "stage": 0}
             if dp_world > 1:
@@ -190,7 +189,7 @@ def client_optimizer(module: nn.Module, ds_config: dict, correction, dp_group, d
         raise OptimizerSetupError(f"ds_async.performance.fused_optimizer_step: with {what} it needs bf16 weights "
                                   "(\"bf16\": {\"enabled\": true})")
     if kind in MATRIX_TYPES:
-        optimizer = _split_newton_schulz(_build(block, module, correction), stage, dp_group, dp_world)
+        optimizer = _build(block, module, correction, _newton_schulz(kind, stage, dp_group, dp_world))
         if stage == 1:
             # DeepSpeed's ZeRO-1 would flatten the matrices; shard whole tensors across the replicas instead.
             config["zero_optimization"] = {**zero, "stage": 0}
@@ -204,12 +203,13 @@ def client_optimizer(module: nn.Module, ds_config: dict, correction, dp_group, d
     return config, _build(block, module, correction)
 
 
-def _split_newton_schulz(optimizer, zero_stage: int, dp_group, dp_world: int):
+def _newton_schulz(kind: str, zero_stage: int, dp_group, dp_world: int):
     """With replicas that each hold every matrix (ZeRO-0), Muon orthogonalises ~1/dp of them per replica and
-    all-gathers the rest (bit-equal to doing all; with ZeRO-1 each owner does only its own anyway)."""
-    if isinstance(optimizer, Muon) and zero_stage == 0 and dp_world > 1:
-        optimizer.orthogonalise = partial(orthogonalise_split, group=dp_group)
-    return optimizer
+    all-gathers the rest (bit-equal to doing all; with ZeRO-1 each owner does only its own anyway); ``None``: the
+    optimizer's own."""
+    if kind == "muon" and zero_stage == 0 and dp_world > 1:
+        return partial(orthogonalise_split, group=dp_group)
+    return None
 
 
 def base_optimizer(optimizer) -> torch.optim.Optimizer | None:

@@ -229,7 +229,7 @@ class Muon(UpdateOptimizer):
                  ns_steps: int = NS_STEPS, weight_decay: float = 0.0, lr_rule: str = "original",
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, ns_eps: float = NS_EPS,
-                 correction: Correction | None = None):
+                 correction: Correction | None = None, orthogonalise=orthogonalise_batched):
         if lr_rule not in LR_RULES:
             raise ValueError(f"Muon: lr_rule must be one of {list(LR_RULES)}, got {lr_rule!r}")
         param_groups = list(param_groups)
@@ -246,9 +246,9 @@ class Muon(UpdateOptimizer):
                 for p in group["params"]:
                     require_matrix(p)
                     block_shape(p.shape, blocks)
-        # Newton-Schulz over a list of directions; replicas that each hold every matrix (ZeRO-0) share the work
-        # with ds_async.optim.ns_split.orthogonalise_split instead (set by the client optimizer).
-        self.orthogonalise = orthogonalise_batched
+        # Newton-Schulz over a list of directions (orthogonalise_batched's contract); replicas that each hold every
+        # matrix (ZeRO-0) share the work with ds_async.optim.ns_split.orthogonalise_split (the client's choice).
+        self.orthogonalise = orthogonalise
 
     def _prepare_step(self) -> None:
         # Orthogonalise every matrix first, same shapes batched (one Newton-Schulz per shape, not per matrix);
