@@ -155,23 +155,22 @@ def time_passes(engine, clock: StageClock) -> None:
 class GradNormTap:
     """The pipeline's gradient norm of each step, as the engine clips by it, on its way to the host.
 
-    ds_async's engine keeps the pipeline's squared norm it last computed (``last_grad_norm_sq``: the stages' shares
-    all-gathered ahead of the step, on every rank), under every schedule and for every optimizer whose norm it
-    computes; after each ``train_batch`` the tap starts a non-blocking copy of it on the stream that computes it
-    (the side stream under 2BW). Where DeepSpeed's optimizer computes the norm itself (ZeRO, fp16) the engine's
-    ``get_global_grad_norm()`` is taken instead. ``None`` with clipping off: no norm is computed then.
+    ds_async's engine hands over the pipeline's squared norm it computed in the step (``take_grad_norm_sq``), under
+    every schedule and for every optimizer whose norm it computes; after each ``train_batch`` the tap starts a
+    non-blocking copy of it on the stream that computes it (the side stream under 2BW). Where DeepSpeed's optimizer
+    computes the norm itself (ZeRO, fp16) the engine's ``get_global_grad_norm()`` is taken instead. ``None`` with
+    clipping off: no norm is computed then.
     """
 
     def __init__(self, engine):
         self.engine = engine
-        self._seen = None  # the squared norm already taken
 
     def take(self):
         """This step's norm (a :class:`HostValue`, a float or ``None``); call once after each ``train_batch``."""
         side = getattr(getattr(self.engine, "streams", None), "side", None)
-        sq = getattr(self.engine, "last_grad_norm_sq", None)
-        if sq is not None and sq is not self._seen:
-            self._seen = sq
+        take = getattr(self.engine, "take_grad_norm_sq", None)  # absent on a stock DeepSpeed engine
+        sq = take() if take is not None else None
+        if sq is not None:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 norm = sq.sqrt()  # on the stream that computes sq
             return HostValue(norm, stream=side)

@@ -37,13 +37,13 @@ class AsyncPipelineEngine(PipelineEngine):
         self.stats_every = 0  # measure the staleness of the weights at every this many steps (0: never)
         self.step_events: list | None = None  # set to a list to collect CUDA (start, end) events around each step
         self.pass_timer = None  # an object with pass_begin() -> token and pass_end(token), around every pass
-        self.last_grad_norm_sq: torch.Tensor | None = None  # the pipeline's, as last computed (telemetry reads it)
         self._segment = None  # (FlushFreeSchedule, its step iterator) while the pipeline is not drained
         self._drain_at: int | None = None  # last batch of the current segment, when known in advance
         self._next_forward = 0  # global index of the next micro-batch this stage will forward
         self._batch_losses: dict[int, torch.Tensor] = {}
         self._stage_sq = self._global_sq = None  # squared gradient norm: this stage's (reduce), the pipeline's (step)
         self._staleness_sq = None
+        self._grad_norm_sq = None  # the pipeline's squared gradient norm, until taken (take_grad_norm_sq)
         self.versions = None
         self.streams = StageStreams(enabled=self.is_async and self.device.type == "cuda")
         if self.is_async:
@@ -196,8 +196,8 @@ class AsyncPipelineEngine(PipelineEngine):
         them (an all-reduce adds in its backend's order, e.g. gloo with 4 ranks: s0 + (s1 + (s2 + s3)))."""
         parts = [torch.empty_like(sq) for _ in range(self.num_stages)]
         dist.all_gather(parts, sq, group=self.grid.get_pipe_parallel_group())
-        self.last_grad_norm_sq = sum_in_stage_order(parts)
-        return self.last_grad_norm_sq
+        self._grad_norm_sq = sum_in_stage_order(parts)
+        return self._grad_norm_sq
 
     def _exec_forward_pass(self, buffer_id: int):
         token = self.pass_timer.pass_begin() if self.pass_timer is not None else None
@@ -291,6 +291,13 @@ class AsyncPipelineEngine(PipelineEngine):
         fs.ReduceGrads: _exec_batch_reduce,
         fs.OptimizerStep: _exec_batch_step,
     }
+
+    def take_grad_norm_sq(self) -> torch.Tensor | None:
+        """The pipeline's squared gradient norm (the stages' shares all-gathered ahead of the step, on every rank, as
+        the step clips by it) computed since the last call, once; ``None`` if none was (clipping off, or DeepSpeed's
+        optimizer computes the norm itself)."""
+        sq, self._grad_norm_sq = self._grad_norm_sq, None
+        return sq
 
     def take_staleness_sq(self) -> torch.Tensor | None:
         """``||W_used - W_current||^2`` on this stage at the last measured step (see ``stats_every``), once."""
