@@ -30,12 +30,14 @@ def init_distributed() -> None:
 
 
 def initialize(model: PipelineModule, config: dict, schedule: str = "1f1b", correction=None, optimizer=None,
-               lr_scheduler=None, model_parameters=None, fused_optimizer_step: bool = False) -> AsyncPipelineEngine:
+               lr_scheduler=None, model_parameters=None, fused_optimizer_step: bool = False,
+               stats_every: int = 0) -> AsyncPipelineEngine:
     """Build the engine for ``model`` from a DeepSpeed config dict (without its ``ds_async`` section).
 
     ``schedule`` (a name or :class:`~ds_async.pipe.version_rule.VersionRule`) and ``correction`` are the
     ``ds_async`` section's keys of the same names,
-    ``fused_optimizer_step`` its ``performance`` key. ds_async's optimizers (``Muon``, ``Lion``, or any type
+    ``fused_optimizer_step`` its ``performance`` key, ``stats_every`` its ``logging.optimizer_every`` (measure the
+    weights' staleness at every this many steps; 0: never). ds_async's optimizers (``Muon``, ``Lion``, or any type
     with a correction) are built here from the JSON block and handed to DeepSpeed as client optimizers, under
     bf16 with fp32 master weights of their own (:mod:`ds_async.optim.client`); combinations they cannot honour
     are refused.
@@ -52,6 +54,7 @@ def initialize(model: PipelineModule, config: dict, schedule: str = "1f1b", corr
     deepspeed.set_optimizer_flags(config_class, model)
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
-    return AsyncPipelineEngine(schedule=schedule, fused_optimizer_step=fused_optimizer_step, args=None,
+    return AsyncPipelineEngine(schedule=schedule, fused_optimizer_step=fused_optimizer_step, stats_every=stats_every,
+                               args=None,
                                model=model, optimizer=optimizer, model_parameters=model_parameters,
                                lr_scheduler=lr_scheduler, mpu=mpu, config=config, config_class=config_class)

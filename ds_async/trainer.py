@@ -359,8 +359,8 @@ class Trainer:
         check_seq_len(cfg, self.hf_config)
         module = build_pipeline(cfg, self.hf_config)
         self.engine = engine = initialize(module, self.ds_config, schedule=cfg.schedule, correction=cfg.correction,
-                                          fused_optimizer_step=cfg.performance.fused_optimizer_step)
-        engine.stats_every = cfg.logging.optimizer_every
+                                          fused_optimizer_step=cfg.performance.fused_optimizer_step,
+                                          stats_every=cfg.logging.optimizer_every)
         self.monitor = None
         if cfg.train.on_nonfinite == "skip":
             check_skip_supported(engine.optimizer)

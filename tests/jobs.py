@@ -52,7 +52,7 @@ def rank_stream(batches: list, step_count: int, gas: int, dp_rank: int, dp_world
 
 def _engine(stages: int, mbs: int, gas: int, schedule: str = "1f1b", model: dict | None = None,
             partition: dict | None = None, seed: int = 1234, stock: bool = False,
-            correction: dict | None = None, performance: dict | None = None, **ds_extra):
+            correction: dict | None = None, performance: dict | None = None, stats_every: int = 0, **ds_extra):
     """A ds_async engine, or with ``stock=True`` DeepSpeed's own PipelineEngine via ``deepspeed.initialize``."""
     section = {"model": model or {"config": TINY_LLAMA}, "pipeline_stages": stages, "schedule": schedule,
                "partition": partition or {"method": "uniform"}, "train": {"steps": 1}, "seed": seed,
@@ -67,7 +67,7 @@ def _engine(stages: int, mbs: int, gas: int, schedule: str = "1f1b", model: dict
         engine.is_reporting_rank = engine.is_last_stage() and engine.grid.data_parallel_id == 0
         return engine, hf_config
     return initialize(module, config, schedule=schedule, correction=cfg.correction,
-                      fused_optimizer_step=cfg.performance.fused_optimizer_step), hf_config
+                      fused_optimizer_step=cfg.performance.fused_optimizer_step, stats_every=stats_every), hf_config
 
 
 def _save_params(engine, out: Path) -> None:
@@ -99,7 +99,7 @@ def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: i
     ``count_calls``: ``calls_stage<s>.json`` lists how often each of the stage's layers ran forward (a recomputed
     layer runs twice per micro-batch)."""
     engine, hf_config = _engine(stages, mbs, gas, schedule=schedule, optimizer=optimizer, clip=clip, stock=stock,
-                                correction=correction, **ds_extra)
+                                correction=correction, stats_every=steps if stats else 0, **ds_extra)
     if deepspeed_bf16_step:
         from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
@@ -122,8 +122,6 @@ def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: i
     it = rank_stream(batches, steps, gas, dp_rank, dp_world)
     if not stock:
         engine.drain_after(steps - 1)
-    if stats:
-        engine.stats_every = steps  # the figures of the last step
     calls = [0] * len(engine.module.forward_funcs)
     if count_calls:
         for i, layer in enumerate(engine.module.forward_funcs):

@@ -29,12 +29,12 @@ from .versions import WeightVersions
 
 class AsyncPipelineEngine(PipelineEngine):
     def __init__(self, *args, schedule: str | version_rule.VersionRule = "1f1b", fused_optimizer_step: bool = False,
-                 **kwargs):
+                 stats_every: int = 0, **kwargs):
         self.rule = version_rule.get(schedule)
         self.rule.check_engine()  # before DeepSpeed builds anything: an emulation-only rule is refused by its key
         super().__init__(*args, **kwargs)
         self.is_async = self.rule.flush_free
-        self.stats_every = 0  # measure the staleness of the weights at every this many steps (0: never)
+        self.stats_every = stats_every  # measure the staleness of the weights at every this many steps (0: never)
         self.step_events: list | None = None  # set to a list to collect CUDA (start, end) events around each step
         self.pass_timer = None  # an object with pass_begin() -> token and pass_end(token), around every pass
         self._segment = None  # (FlushFreeSchedule, its step iterator) while the pipeline is not drained
