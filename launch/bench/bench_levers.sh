@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 7's levers, one at a time, on one GPU host: each line of the matrix is one bench_pipeline.py run.
 # Usage: bash launch/bench/bench_levers.sh OUT.jsonl [MATRIX]
-# MATRIX: headline | muon | muon16 | muondp | big | levers | compiled | fused | scope | fusedstep | clip | scaling | optimizer |
+# MATRIX: headline | muon | muon16 | muondp | big | recompute | levers | compiled | fused | scope | fusedstep | clip | scaling | optimizer |
 # optimizer16;
 # default levers; several: 'compiled scaling'.
 # Every row records its flags ("performance", "adamw", ...) and the card; compare rows of one call only.
@@ -34,12 +34,13 @@ case $matrix in
     "NPROC=4 --schedule 2bw --micro-batches 8 --stages 2 --compile --compile-scope stage --optimizer muon-ef --fused-step"
     "NPROC=4 --schedule 2bw --micro-batches 8 --stages 2 --compile --compile-scope stage --adamw fused"
     "NPROC=2 --schedule 2bw --micro-batches 8 --stages 2 --compile --compile-scope stage --optimizer muon-ef --fused-step") ;;
-  big) runs+=(  # issue 24: the shipped 8B and Mixtral configs (their own levers and partition), 1F1B against 2BW;
-    # then with only the recompute python -m ds_async.plan suggests (activation_checkpoint_layers)
+  recompute) runs+=(  # issue 24: the 8B and Mixtral configs with only the recompute python -m ds_async.plan
+    # suggests (activation_checkpoint_layers) instead of every layer; ~150 s a row on 4x H100
     "--config ds_configs/llama3_8b_4gpu_2bw_adamw.json --schedule 2bw --micro-batches 8 --activation-checkpoint-layers 2,0,0,0"
     "--config ds_configs/llama3_8b_4gpu_2bw_adamw.json --schedule 1f1b --micro-batches 8 --activation-checkpoint-layers 2,0,0,0"
     "--config ds_configs/llama3_8b_4gpu_2bw_muon_ef.json --schedule 2bw --micro-batches 8 --activation-checkpoint-layers 2,1,0,0"
-    "--config ds_configs/mixtral_8x1b_4gpu_2bw_muon_ef.json --schedule 2bw --micro-batches 8 --activation-checkpoint-layers 0"
+    "--config ds_configs/mixtral_8x1b_4gpu_2bw_muon_ef.json --schedule 2bw --micro-batches 8 --activation-checkpoint-layers 0") ;;
+  big) runs+=(  # issue 24: the shipped 8B and Mixtral configs (their own levers and partition), 1F1B against 2BW
     "--config ds_configs/llama3_8b_4gpu_2bw_adamw.json --schedule 2bw --micro-batches 8"
     "--config ds_configs/llama3_8b_4gpu_2bw_adamw.json --schedule 1f1b --micro-batches 8"
     "--config ds_configs/llama3_8b_4gpu_2bw_muon_ef.json --schedule 2bw --micro-batches 8"
