@@ -368,16 +368,16 @@ def parse(section: dict) -> DsAsyncConfig:
     perf = cfg.performance
     if perf.compile_scope != "layer" and not perf.compile:
         raise ConfigError(f"ds_async.performance.compile_scope: '{perf.compile_scope}' needs compile: true")
-    layers = perf.activation_checkpoint_layers
+    layers, recompute = perf.activation_checkpoint_layers, recomputed_layers(perf, cfg.pipeline_stages)
     key = "ds_async.performance.activation_checkpoint_layers"
-    if isinstance(layers, list) and len(layers) != cfg.pipeline_stages:
+    if len(recompute) != cfg.pipeline_stages:
         raise ConfigError(f"{key}: one count per stage ({cfg.pipeline_stages}), got {layers}")
-    if any(n < 0 for n in (layers if isinstance(layers, list) else [layers])):
+    if any(n < 0 for n in recompute):
         raise ConfigError(f"{key}: counts must be >= 0, got {layers}")
-    if perf.activation_checkpoint_interval and any(recomputed_layers(perf, cfg.pipeline_stages)):
+    if perf.activation_checkpoint_interval and any(recompute):
         raise ConfigError(f"{key}: not with activation_checkpoint_interval "
                           f"({perf.activation_checkpoint_interval}); choose one")
-    if perf.compile_scope == "stage" and any(recomputed_layers(perf, cfg.pipeline_stages)):
+    if perf.compile_scope == "stage" and any(recompute):
         raise ConfigError("ds_async.performance.compile_scope: 'stage' needs activation_checkpoint_layers 0 "
                           "(checkpointing runs layer by layer)")
     if perf.compile_scope == "stage" and perf.activation_checkpoint_interval:

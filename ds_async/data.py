@@ -409,7 +409,7 @@ class _Documents:
 
     def open(self, epoch: int) -> None:
         self._source.set_epoch(epoch)
-        self._rows = iter(self._source)
+        self._rows = read_rows(iter(self._source))
         self.epoch, self.read, self.emitted, self.exhausted = epoch, 0, 0, False
         self._kept: list = []
         self._pending: collections.deque = collections.deque()
@@ -436,7 +436,6 @@ class _Documents:
         size = max(self._size, 1)
         while len(self._kept) < size:
             row = next(self._rows, _END)
-            _last_read[0] = time.monotonic()
             if row is _END:
                 self.exhausted = True
                 break
@@ -469,7 +468,7 @@ class _Documents:
         if state["read"] and not state["exhausted"]:
             if state["source"] is not None and state["shards"] == self._shards:
                 self._source.load_state_dict(json.loads(state["source"]))
-                self._rows = iter(self._source)
+                self._rows = read_rows(iter(self._source))
             else:
                 self._rows = itertools.islice(self._rows, state["read"], None)
         self.read, self.emitted, self.exhausted = state["read"], state["emitted"], state["exhausted"]

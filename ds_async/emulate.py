@@ -436,12 +436,10 @@ class Emulation:
         from .config import ConfigError
         from .nonfinite import SkipNonFinite
         from .optim import Muon, build_optimizer
-        from .trainer import check_seq_len, check_vocab, resolve_tokenizer
+        from .trainer import check_seq_len, check_vocab, default_run_name, resolve_tokenizer
 
         cfg, ds_config, dev = self.cfg, self.ds_config, self.device
-        name = cfg.logging.run_name or (f"{cfg.schedule}-{ds_config['optimizer'].get('type', 'none')}-"
-                                        f"{time.strftime('%Y%m%d-%H%M%S')}")
-        self.run_dir = Path(cfg.logging.dir) / name
+        self.run_dir = Path(cfg.logging.dir) / (cfg.logging.run_name or default_run_name(cfg, ds_config))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.state_file = self.run_dir / STATE_FILE
         self.tokenizer = resolve_tokenizer(cfg, self.run_dir, _OneProcess)

@@ -79,8 +79,8 @@ DeepSpeed does; a chunk of decoder layers only keeps its input, any other runs n
 ``activation_checkpoint_layers`` checkpoints a stage's first ``k`` decoder layers one by one instead; the plan
 suggests the fewest per stage that keep every stage under :data:`RECOMPUTE_HEADROOM` of the card. The working set
 is one checkpointed chunk recomputed, three ``e f`` gradient temporaries and, last stage, the loss's backward
-(``e V`` plus ``4 V`` fp32 per row of a chunk, or of all rows unchunked). ``tests/test_plan.py`` checks the state bytes exactly and
-the activations within 10% against real CPU tensors.
+(``e V`` plus ``4 V`` fp32 per row of a chunk, or of all rows unchunked). ``tests/test_plan.py`` checks the state
+bytes exactly and the activations within 10% against real CPU tensors.
 
 Bubble: 1F1B idles ``(p - 1) / (m + p - 1)`` of a step; the flush-free rules (``2bw``, ``pipedream``) none in steady
 state, a warm-up and drain only at each drain (evaluation, save, end). Boundaries: the partition that minimises the

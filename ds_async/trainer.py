@@ -180,6 +180,11 @@ def check_optimizer_type(manifest: dict, ds_config: dict, folder) -> None:
                           "new run from its weights (ds_async.model.path after python -m ds_async.export)")
 
 
+def default_run_name(cfg: DsAsyncConfig, ds_config: dict) -> str:
+    """The run folder's name without ``logging.run_name``: schedule, optimizer type and the start time."""
+    return f"{cfg.schedule}-{ds_config.get('optimizer', {}).get('type', 'none')}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
 def steps_for(cfg: DsAsyncConfig, tokens_per_step: int) -> int:
     if cfg.train.steps is not None:
         return cfg.train.steps
@@ -241,9 +246,8 @@ class Trainer:
         from . import checkpoint
 
         cfg = self.cfg
-        default = f"{cfg.schedule}-{self.ds_config.get('optimizer', {}).get('type', 'none')}-" \
-                  f"{time.strftime('%Y%m%d-%H%M%S')}"
-        self.run_dir = Path(cfg.logging.dir) / _agree(cfg.logging.run_name or default, self.group)
+        self.run_dir = Path(cfg.logging.dir) / _agree(cfg.logging.run_name or default_run_name(cfg, self.ds_config),
+                                                      self.group)
         self.ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         found = None
         if self.rank == 0:

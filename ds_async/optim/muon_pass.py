@@ -101,14 +101,14 @@ def _muon_tail(params: list[Tensor], orthogonalised: list[Tensor], prev_updates:
                outs: list[list[Tensor]], hyper: Tensor) -> tuple[Tensor, Tensor]:
     # muon_apply: decayed(x).add_(O, alpha=-adjusted_lr); UpdateOptimizer._apply with ErrorFeedback: u = x - new,
     # e = (u - u_prev) * lam, u_prev <- u, new -= e, x <- new. Returns the sums of squares of the applied update
-    # and of the update before the correction (the statistics UpdateOptimizer._apply keeps).
+    # and, with EF, of the update before the correction (the statistics UpdateOptimizer._apply keeps; else 0).
     decay, lam = hyper[2], hyper[3]
     applied_sq = base_sq = torch.zeros((), dtype=torch.float32, device=hyper.device)
     for k, (p, o) in enumerate(zip(params, orthogonalised)):
         new = _add_scaled(p * decay, o, hyper[4 + k])
         u = p - new
-        base_sq = base_sq + _square_sum(u)
         if prev_updates is not None:
+            base_sq = base_sq + _square_sum(u)
             extra = (u - prev_updates[k]) * lam
             prev_updates[k].copy_(u)
             new = new - extra
@@ -154,7 +154,8 @@ def muon_pass_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffe
     ns_coefficients, ns_eps)`` must return what :func:`orthogonalise_batched` returns (bf16, the same bits).
     ``row_blocks``: each matrix is orthogonalised as that many equal blocks of rows (``hyper`` must then hold the
     lr adjusted for a block's shape, as :func:`muon_hyper` of a group with that ``row_blocks`` does).
-    Returns the sums of squares (fp32, 0-dim) of the applied update and of the update before the correction."""
+    Returns the sums of squares (fp32, 0-dim) of the applied update and of the update before the correction (0
+    without one)."""
     if not params:
         return None
     params, grads = list(params), list(grads)
