@@ -27,9 +27,9 @@ Bytes per stage of ``N`` parameters (``w`` = 2 under ``bf16.enabled``, else 4; `
   correction buffers (EF's previous update, Nesterov's velocity) ``4`` each. Sharding: DeepSpeed's bf16 optimizer
   divides masters and moments by ``d``; ZeRO-1 does for the rest, by whole tensors where ds_async shards
   (``ds_async.optim.sharded.partition_params``; the busiest replica is reported), flat where DeepSpeed does;
-- step workspace (estimate): the transient tensors of the optimizer step; Muon's bf16 directions and results
-  (``4`` bytes a matrix parameter) and Newton-Schulz iterates of its largest same-shape stack; the unfused steps'
-  fp32 gradients;
+- step workspace (estimate): the transient tensors of the optimizer step; Muon's bf16 directions (``2`` bytes a
+  matrix parameter) beside, at the largest moment, one same-shape stack's Newton-Schulz iterates and the results of
+  the stacks orthogonalised before it (:func:`muon_workspace`); the unfused steps' fp32 gradients;
 - activations (estimate, below) times the micro-batches a stage holds: ``p - s`` on stage ``s`` under a flush-free
   rule (steady 1F1B across batches), ``min(p - s, m)`` under 1F1B, plus one working set;
 - the next batch's gradients (``grads_next``, ``w N``) where they coexist with the waiting ones: under a flush-free
@@ -69,8 +69,10 @@ the eager ``4 V`` log-softmax, and its backward writes the logits' gradient in o
 the working set). Measured, not assumed: ``tests/test_plan.py`` counts what inductor's partitioner saves on CPU
 (``torch._inductor.compile_fx``) for a middle and a last stage, bf16, within 1% of this. A stage's input is held
 twice (DeepSpeed's forward clones the received buffer, and the compiled region saves the clone). torch_autocast
-takes the same tensors with its ``r = 4, e = 2`` (not counted on CPU; its GPU row agrees within 7%); Mixtral's
-compiled layers keep the eager formula (not measured compiled: an upper bound).
+takes the same tensors with its ``r = 4, e = 2`` (not counted on CPU; its GPU row agrees within 7%). A compiled
+Mixtral layer keeps the same attention tensors and, per token and choice, the gathered input, gate-up (``2 e f``),
+their product and the expert's output (``2 e h + 3 e f``), with ``(4 + e) E + 36 k`` of routing (counted on CPU
+the same way: exact).
 
 Without checkpointing a stage holds per micro-batch its layers' tensors, its input (``r h``; ``input_ids`` on stage
 0) and its output (``r h``; logits ``e V`` on the last stage, plus the loss's ``4 V`` fp32 log-softmax, or ``13``
@@ -356,14 +358,7 @@ def step_workspace(job: Job, layers: list[Layer]) -> int:
     n = sum(math.prod(s) for s in shapes)
     total = 0
     if job.optimizer == "muon":
-        matrices = [s for s, r in zip(shapes, roles) if r == "matrix"]
-        by_shape: dict[tuple, int] = {}
-        for s in matrices:
-            by_shape[s] = by_shape.get(s, 0) + math.prod(s)
-        largest = max(by_shape.values(), default=0)
-        gram = max((math.prod(s[:-2] or (1,)) * min(s[-2:]) ** 2 * by_shape[s] // math.prod(s)
-                    for s in by_shape), default=0)
-        total += 2 * 2 * sum(by_shape.values()) + 3 * 2 * largest + 2 * 2 * gram
+        total += muon_workspace([s for s, r in zip(shapes, roles) if r == "matrix"])
     if job.path == "master-weights" and not job.fused_step:
         total += 4 * n + 8 * min(n, 2 ** 28)  # fp32 gradients, then the update in chunks
     elif job.path == "deepspeed-bf16" and not job.fused_step and job.grad_accum_bytes != 4:
@@ -371,6 +366,23 @@ def step_workspace(job: Job, layers: list[Layer]) -> int:
     elif job.path == "plain" and job.optimizer != "sgd":
         total += 8 * min(n, 2 ** 28)
     return total
+
+
+def muon_workspace(matrices: list[tuple[int, ...]]) -> int:
+    """Peak transient bytes of Muon's Newton-Schulz over a stage's ``matrices`` (shapes, module order), as
+    :func:`ds_async.optim.muon.orthogonalise_batched` runs it: the bf16 directions of all of them live through the
+    step; same shapes are orthogonalised as one stack, in order of first appearance, each stack holding its bf16
+    copy, two iterates and two Gram-sized products (``6`` bytes an element + ``4`` per Gram element) beside the
+    bf16 results of the stacks before it; at the end every result (``2`` bytes an element) beside the directions."""
+    by_shape: dict[tuple, int] = {}
+    for s in matrices:
+        by_shape[s] = by_shape.get(s, 0) + math.prod(s)
+    done = peak = 0
+    for s, size in by_shape.items():
+        gram = size // max(s[-2:]) * min(s[-2:])  # the stack's matrices, each min(rows, cols) squared
+        peak = max(peak, 2 * done + 3 * 2 * size + 2 * 2 * gram)
+        done += size
+    return 2 * done + max(peak, 2 * done)
 
 
 # ---------------------------------------------------------------------------------------------------- activations
@@ -387,7 +399,7 @@ def decoder_bytes(job: Job, hf) -> int:
     h, a = hf.hidden_size, hf.num_attention_heads
     d = getattr(hf, "head_dim", None) or h // a
     hq, hkv = a * d, hf.num_key_value_heads * d
-    if job.compiled and job.family == "llama":
+    if job.compiled:
         return t * compiled_decoder_per_token(job, hf) + 2 * job.seq_len * d
     per_token = 2 * norm_bytes(job, h) + e * (2 * hq + 2 * hkv) + 4 * a
     if job.family == "mixtral":
@@ -399,14 +411,20 @@ def decoder_bytes(job: Job, hf) -> int:
 
 
 def compiled_decoder_per_token(job: Job, hf) -> int:
-    """Bytes per token an inductor-compiled LLaMA decoder layer saves (``performance.compile``; see the module
+    """Bytes per token an inductor-compiled decoder layer saves (``performance.compile``; see the module
     docstring): its input, per RMSNorm the ``rsqrt`` and the normalised, weighted matmul input, ``q, k, v``, the
-    attention output and its log-sum-exp, the ``o_proj`` input, and gate, up and their product (SiLU recomputed)."""
+    attention output and its log-sum-exp, the ``o_proj`` input; LLaMA's gate, up and their product (SiLU
+    recomputed), Mixtral's per token and choice the gathered input, gate-up, the product and the expert's output,
+    plus its routing (logits, probabilities, the top-k weights and indices and three int64 index vectors)."""
     r, e = job.residual_bytes, job.act_bytes
     h, a = hf.hidden_size, hf.num_attention_heads
     d = getattr(hf, "head_dim", None) or h // a
     hq, hkv = a * d, hf.num_key_value_heads * d
-    return r * h + 2 * (4 + e * h) + e * (3 * hq + 2 * hkv) + 4 * a + 3 * e * hf.intermediate_size
+    attention = r * h + 2 * (4 + e * h) + e * (3 * hq + 2 * hkv) + 4 * a
+    if job.family == "mixtral":
+        k, experts = hf.num_experts_per_tok, hf.num_local_experts
+        return attention + k * (2 * e * h + 3 * e * hf.intermediate_size) + (4 + e) * experts + 36 * k
+    return attention + 3 * e * hf.intermediate_size
 
 
 def head_bytes(job: Job, hf) -> int:
