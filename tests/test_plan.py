@@ -490,7 +490,7 @@ RECOMPUTE_2000 = {"activation_checkpoint_interval": 0, "activation_checkpoint_la
 NO_RECOMPUTE = {"activation_checkpoint_interval": 0, "activation_checkpoint_layers": 0}
 EVERY_LAYER = {"activation_checkpoint_interval": 1, "activation_checkpoint_layers": 0}
 MEASURED_BIG_PEAKS = [
-    # (launch/bench/results/big_4xH100.csv row, shipped config, schedule, performance overrides,
+    # (launch/bench/results/big_4gpu.csv row, shipped config, schedule, performance overrides,
     #  max_memory_allocated() GiB per stage)
     ("s27 call 2 row 4", "llama3_8b_4gpu_2bw_adamw.json", "1f1b", EVERY_LAYER, [38.63, 35.94, 35.94, 39.88]),
     ("s27 call 3 row 1", "llama3_8b_4gpu_2bw_adamw.json", "2bw", EVERY_LAYER, [42.27, 39.21, 41.05, 44.56]),

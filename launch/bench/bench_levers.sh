@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 7's levers, one at a time, on one GPU host: each line of the matrix is one bench_pipeline.py run.
 # Usage: bash launch/bench/bench_levers.sh OUT.jsonl [MATRIX]
-# MATRIX: headline | muon | muon16 | muondp | big | recompute | levers | compiled | fused | scope | fusedstep | clip | scaling | optimizer |
+# MATRIX: headline | muon | muon16 | muondp | big | levers | compiled | fused | scope | fusedstep | clip | scaling | optimizer |
 # optimizer16;
 # default levers; several: 'compiled scaling'.
 # Every row records its flags ("performance", "adamw", ...) and the card; compare rows of one call only.
@@ -34,13 +34,8 @@ case $matrix in
     "NPROC=4 --schedule 2bw --micro-batches 8 --stages 2 --compile --compile-scope stage --optimizer muon-ef --fused-step"
     "NPROC=4 --schedule 2bw --micro-batches 8 --stages 2 --compile --compile-scope stage --adamw fused"
     "NPROC=2 --schedule 2bw --micro-batches 8 --stages 2 --compile --compile-scope stage --optimizer muon-ef --fused-step") ;;
-  recompute) runs+=(  # issue 24: the 8B and Mixtral configs with only the recompute python -m ds_async.plan
-    # suggests (activation_checkpoint_layers) instead of every layer; ~150 s a row on 4x H100
-    "--config ds_configs/llama3_8b_4gpu_2bw_adamw.json --schedule 2bw --micro-batches 8 --activation-checkpoint-layers 2,0,0,0"
-    "--config ds_configs/llama3_8b_4gpu_2bw_adamw.json --schedule 1f1b --micro-batches 8 --activation-checkpoint-layers 2,0,0,0"
-    "--config ds_configs/llama3_8b_4gpu_2bw_muon_ef.json --schedule 2bw --micro-batches 8 --activation-checkpoint-layers 2,1,0,0"
-    "--config ds_configs/mixtral_8x1b_4gpu_2bw_muon_ef.json --schedule 2bw --micro-batches 8 --activation-checkpoint-layers 0") ;;
-  big) runs+=(  # issue 24: the shipped 8B and Mixtral configs (their own levers and partition), 1F1B against 2BW
+  big) runs+=(  # issue 24: the shipped 8B and Mixtral configs (their own levers, partition and recompute), 1F1B
+    # against 2BW; ~110-260 s a row on 4 GPUs
     "--config ds_configs/llama3_8b_4gpu_2bw_adamw.json --schedule 2bw --micro-batches 8"
     "--config ds_configs/llama3_8b_4gpu_2bw_adamw.json --schedule 1f1b --micro-batches 8"
     "--config ds_configs/llama3_8b_4gpu_2bw_muon_ef.json --schedule 2bw --micro-batches 8"
@@ -96,8 +91,13 @@ for r in "${all[@]}"; do
   n=$ngpu; [[ $r == NPROC=* ]] && { n=${r%% *}; n=${n#NPROC=}; r=${r#* }; }
   flags=$r; [[ $r == *--stages* || $r == *--config* ]] || flags="$r --partition $part"
   t0=$(date +%s)
+  # In the background, so that a TERM to this script (an outer timeout) stops the row too: timeout leads a process
+  # group of its own, which an outer kill does not reach, and a row left running skews the next one's timings.
   timeout ${RUN_TIMEOUT:-300} torchrun --nproc_per_node "$n" launch/bench/bench_pipeline.py $flags --out "$out" \
-    --warmup ${WARMUP:-3} --steps ${STEPS:-8} > /tmp/bench_run.log 2>&1
+    --warmup ${WARMUP:-3} --steps ${STEPS:-8} > /tmp/bench_run.log 2>&1 &
+  row=$!
+  trap 'kill -TERM -- -$row 2>/dev/null; exit 143' TERM INT
+  wait $row
   rc=$?
   echo "[$(( $(date +%s) - t0 ))s rc=$rc] n=$n $flags"
   grep -h "^BENCH" /tmp/bench_run.log | python3 -c "
