@@ -11,7 +11,7 @@ its GPU (the pipeline relies on the host running ahead).
 - **Idle fraction** of a stage: ``1 - (time inside forward and backward passes) / (sum of step spans)`` over a
   window of steps, the benchmark's definition (``launch/bench/bench_pipeline.py``): p2p waits, the batch reduce,
   the optimizer step on the compute stream and pipeline bubbles all count as idle. The passes are timed by
-  through the engine's ``pass_timer`` hook (:func:`time_passes`).
+  through the engine's ``set_pass_timer`` hook (:func:`time_passes`).
 - The first ``warmup`` steps of a process (compilation, allocator growth) are left out of both.
 - **Gradient norm** (:class:`GradNormTap`): the pipeline's global norm that the engine clips by, on every rank
   (the stages all-gather their squared norms ahead of the step).
@@ -148,8 +148,8 @@ def idle_fraction(busy: float, wall: float) -> float | None:
 
 
 def time_passes(engine, clock: StageClock) -> None:
-    """Time every forward and backward pass of ``engine`` on ``clock`` (the engine's ``pass_timer`` hook)."""
-    engine.pass_timer = clock
+    """Time every forward and backward pass of ``engine`` on ``clock`` (the engine's ``set_pass_timer`` hook)."""
+    engine.set_pass_timer(clock)
 
 
 class GradNormTap:

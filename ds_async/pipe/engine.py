@@ -35,8 +35,8 @@ class AsyncPipelineEngine(PipelineEngine):
         super().__init__(*args, **kwargs)
         self.is_async = self.rule.flush_free
         self.stats_every = stats_every  # measure the staleness of the weights at every this many steps (0: never)
-        self.step_events: list | None = None  # set to a list to collect CUDA (start, end) events around each step
-        self.pass_timer = None  # an object with pass_begin() -> token and pass_end(token), around every pass
+        self._step_events: list | None = None  # CUDA (start, end) events around each step (record_step_events)
+        self._pass_timer = None  # pass_begin() -> token and pass_end(token) around every pass (set_pass_timer)
         self._segment = None  # (FlushFreeSchedule, its step iterator) while the pipeline is not drained
         self._drain_at: int | None = None  # last batch of the current segment, when known in advance
         self._next_forward = 0  # global index of the next micro-batch this stage will forward
@@ -199,21 +199,32 @@ class AsyncPipelineEngine(PipelineEngine):
         self._grad_norm_sq = sum_in_stage_order(parts)
         return self._grad_norm_sq
 
+    def set_pass_timer(self, timer) -> None:
+        """Call ``timer.pass_begin()`` (a token) before and ``timer.pass_end(token)`` after every forward and backward
+        pass of this stage (``ds_async.telemetry.StageClock``); ``None`` stops it."""
+        self._pass_timer = timer
+
+    def record_step_events(self) -> list:
+        """From now on, append CUDA ``(start, end)`` events around each flush-free optimizer step (after the norm's
+        all-gather: the step itself, not the wait for the other stages) to the returned list; on GPUs only."""
+        self._step_events = []
+        return self._step_events
+
     def _exec_forward_pass(self, buffer_id: int):
-        token = self.pass_timer.pass_begin() if self.pass_timer is not None else None
+        token = self._pass_timer.pass_begin() if self._pass_timer is not None else None
         super()._exec_forward_pass(buffer_id)
-        if self.pass_timer is not None:
-            self.pass_timer.pass_end(token)
+        if self._pass_timer is not None:
+            self._pass_timer.pass_end(token)
 
     def _exec_backward_pass(self, buffer_id: int):
-        token = self.pass_timer.pass_begin() if self.pass_timer is not None else None
+        token = self._pass_timer.pass_begin() if self._pass_timer is not None else None
         outputs = self.pipe_buffers["outputs"][buffer_id]
         if isinstance(outputs, tuple) and not self.is_last_stage() and not self.is_pipe_partitioned:
             self._joint_backward(buffer_id, outputs)
         else:
             super()._exec_backward_pass(buffer_id)
-        if self.pass_timer is not None:
-            self.pass_timer.pass_end(token)
+        if self._pass_timer is not None:
+            self._pass_timer.pass_end(token)
 
     def _joint_backward(self, buffer_id: int, outputs: tuple) -> None:
         """DeepSpeed's backward of a stage whose output is a tuple (a MoE stage's hidden states and router sums), in
@@ -254,7 +265,7 @@ class AsyncPipelineEngine(PipelineEngine):
             self._staleness_sq = self.versions.distance_sq(used)
         if self._stage_sq is not None:
             self._global_sq, self._stage_sq = self._global_norm_sq(self._stage_sq), None
-        timed = self.step_events is not None and self.device.type == "cuda"
+        timed = self._step_events is not None and self.device.type == "cuda"
         if timed:  # after the norm's all-gather: the step, not the wait for the other stages
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -268,7 +279,7 @@ class AsyncPipelineEngine(PipelineEngine):
             self.versions.publish(batch + 1, needed_from=needed)
         if timed:
             end.record()
-            self.step_events.append((start, end))
+            self._step_events.append((start, end))
 
     def _take_model_step(self, lr_kwargs=None):
         if self.is_async or not self.step_plan.grads_wait:  # flush-free steps bind their plan themselves

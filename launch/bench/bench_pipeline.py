@@ -217,7 +217,6 @@ def main() -> None:
         return bench_config(a, world)
     if a.schedule is None:
         ap.error("--schedule is required without --config")
-    a.micro_batches = a.micro_batches or 4
     stages = a.stages or world
     model = {"vocab_size": a.vocab, "hidden_size": a.hidden, "intermediate_size": a.ffn,
              "num_hidden_layers": a.layers, "num_attention_heads": a.heads, "num_key_value_heads": a.heads,
@@ -225,7 +224,7 @@ def main() -> None:
     partition = ({"method": "explicit", "boundaries": [int(x) for x in a.partition.split(",")]}
                  if "," in a.partition else {"method": a.partition})
     cfg = cfgmod.parse({"model": {"config": model}, "pipeline_stages": stages, "schedule": a.schedule,
-                        "train": {"steps": a.steps}, "partition": partition,
+                        "train": {"steps": a.steps}, "partition": partition, "data": {"seq_len": a.seq_len},
                         "correction": {"type": "ef" if a.optimizer == "muon-ef" else "none"},
                         "performance": {"compile": a.compile, "compile_scope": a.compile_scope,
                                         "loss_chunk": a.loss_chunk,
@@ -233,8 +232,9 @@ def main() -> None:
                                         "activation_checkpoint_layers": recompute_counts(a),
                                         "fused_optimizer_step": a.fused_step}})
     hf = LlamaConfig(**model, tie_word_embeddings=False)
-    ds_config = {"train_micro_batch_size_per_gpu": a.micro_batch_size, "gradient_accumulation_steps": a.micro_batches,
-                 "steps_per_print": 10 ** 9, "gradient_clipping": a.clip, "wall_clock_breakdown": False,
+    ds_config = {"train_micro_batch_size_per_gpu": a.micro_batch_size,
+                 "gradient_accumulation_steps": a.micro_batches or 4, "steps_per_print": 10 ** 9,
+                 "gradient_clipping": a.clip, "wall_clock_breakdown": False,
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": True,
                                                            a.adamw: True}}}
     if a.optimizer != "adamw":
@@ -277,12 +277,6 @@ def bench_config(a, world: int) -> None:
         json.dump(raw, f)
     ds_config, cfg = cfgmod.load(f.name)
     hf = model_config(cfg)
-    a.schedule, a.micro_batches = cfg.schedule, ds_config["gradient_accumulation_steps"]
-    a.micro_batch_size, a.seq_len, a.vocab = ds_config["train_micro_batch_size_per_gpu"], cfg.data.seq_len, hf.vocab_size
-    a.optimizer = ds_config["optimizer"]["type"].lower() + ("-ef" if cfg.correction.type == "ef" else "")
-    a.precision = "bf16" if (ds_config.get("bf16") or {}).get("enabled") else "autocast"
-    a.partition = ",".join(str(b) for b in cfg.partition.boundaries) if cfg.partition.boundaries else cfg.partition.method
-    a.clip = ds_config.get("gradient_clipping", 0.0)
     planned = to_json(plan(f.name, gpus=world))
     ds_config = {k: v for k, v in ds_config.items() if k != "ds_async"}
     ds_config.update(steps_per_print=10 ** 9, wall_clock_breakdown=False)
@@ -292,8 +286,25 @@ def bench_config(a, world: int) -> None:
     measure(a, cfg, hf, ds_config, hf.to_dict(), world, cfg.pipeline_stages, extra)
 
 
+def described(cfg, ds_config: dict) -> dict:
+    """What a row measures, read off the job's configs (flag runs and ``--config`` runs alike)."""
+    opt = ds_config["optimizer"]
+    adamw = opt["type"].lower() in ("adam", "adamw")
+    bounds = cfg.partition.boundaries
+    return {"schedule": cfg.schedule, "partition": ",".join(map(str, bounds)) if bounds else cfg.partition.method,
+            "micro_batches": ds_config["gradient_accumulation_steps"],
+            "micro_batch_size": ds_config["train_micro_batch_size_per_gpu"], "seq_len": cfg.data.seq_len,
+            "precision": "bf16" if (ds_config.get("bf16") or {}).get("enabled") else "autocast",
+            "optimizer": opt["type"].lower() + ("-ef" if cfg.correction.type == "ef" else ""),
+            # torch's AdamW kernel: fused when asked, else foreach (its default on GPUs); none for other optimizers
+            "adamw": ("fused" if opt.get("params", {}).get("fused") else "foreach") if adamw else None,
+            "clip": ds_config.get("gradient_clipping", 0.0)}
+
+
 def measure(a, cfg, hf, ds_config: dict, model: dict, world: int, stages: int, extra: dict | None = None) -> None:
-    """Build the engine, run ``--warmup`` + ``--steps`` batches of random tokens, print and append the row."""
+    """Build the engine, run ``--warmup`` + ``--steps`` batches of random tokens, print and append the row. ``a``
+    gives only how to run (warm-up, steps, profile, ``--skip-step``, ``--host-batches``, ``--out``); what runs is
+    ``cfg``, ``hf`` and ``ds_config``."""
     from deepspeed import comm as dist
 
     from ds_async import initialize
@@ -302,10 +313,11 @@ def measure(a, cfg, hf, ds_config: dict, model: dict, world: int, stages: int, e
     from ds_async.models import build_pipeline
     from ds_async.pipe.engine import AsyncPipelineEngine
 
+    job = described(cfg, ds_config)
     timer = ComputeTimer(AsyncPipelineEngine)
     engine = initialize(build_pipeline(cfg, hf), ds_config, schedule=cfg.schedule, correction=cfg.correction,
                         fused_optimizer_step=cfg.performance.fused_optimizer_step)
-    engine.step_events = []
+    step_events = engine.record_step_events()
     if a.skip_step:
         skip_optimizer_step(engine)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -313,7 +325,8 @@ def measure(a, cfg, hf, ds_config: dict, model: dict, world: int, stages: int, e
 
     # A pool of micro-batches, by default already on the GPU (host-to-device copies are not what is measured);
     # --host-batches keeps them in CPU memory as a data loader hands them over, so the engine copies each one in.
-    pool = [torch.randint(0, a.vocab, (a.micro_batch_size, a.seq_len + 1), generator=gen) for _ in range(8)]
+    pool = [torch.randint(0, hf.vocab_size, (job["micro_batch_size"], job["seq_len"] + 1), generator=gen)
+            for _ in range(8)]
     if not a.host_batches:
         pool = [ids.to(dev) for ids in pool]
 
@@ -342,9 +355,9 @@ def measure(a, cfg, hf, ds_config: dict, model: dict, world: int, stages: int, e
     pauses.close()
     timer.on = False
     busy = timer.busy_seconds()
-    step_ms = [s.elapsed_time(e) for s, e in engine.step_events[a.warmup:]]
+    step_ms = [s.elapsed_time(e) for s, e in step_events[a.warmup:]]
     if a.profile:
-        profile_steps(engine, it, a.profile, a.schedule)
+        profile_steps(engine, it, a.profile, job["schedule"])
     engine.train_batch(it)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2 ** 30
@@ -361,18 +374,18 @@ def measure(a, cfg, hf, ds_config: dict, model: dict, world: int, stages: int, e
                                    param_digest(engine)))
 
     step_time = elapsed / (a.steps - 1)
-    tokens = engine.train_batch_size() * a.seq_len
+    tokens = engine.train_batch_size() * job["seq_len"]
     name = torch.cuda.get_device_name()
     card = next((k for k in PEAK_BF16 if k in name), None)
-    flops = model_flops_per_token(hf, a.seq_len) * tokens / step_time
+    flops = model_flops_per_token(hf, job["seq_len"]) * tokens / step_time
     mfu = flops / (world * PEAK_BF16[card]) if card else None
-    p, m = stages, a.micro_batches
-    row = {"schedule": a.schedule, "stages": p, "partition": a.partition, "data_parallel": world // p,
+    p, m = stages, job["micro_batches"]
+    row = {"schedule": job["schedule"], "stages": p, "partition": job["partition"], "data_parallel": world // p,
            "micro_batches": m,
-           "micro_batch_size": a.micro_batch_size, "seq_len": a.seq_len, "precision": a.precision,
+           "micro_batch_size": job["micro_batch_size"], "seq_len": job["seq_len"], "precision": job["precision"],
            "step_time_s": round(step_time, 4), "tokens_per_s": round(tokens / step_time, 1),
            "mfu": None if mfu is None else round(mfu, 4), "ideal_1f1b_bubble": round((p - 1) / (m + p - 1), 4),
-           "optimizer": a.optimizer, "adamw": a.adamw, "clip": a.clip, "skip_step": a.skip_step,
+           "optimizer": job["optimizer"], "adamw": job["adamw"], "clip": job["clip"], "skip_step": a.skip_step,
            "host_batches": a.host_batches,
            "performance": dataclasses.asdict(cfg.performance),
            "peak_mem_GiB_by_stage": {f"s{s}": g for s, d, g, *_ in sorted(peaks) if d == 0},
