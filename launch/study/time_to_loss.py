@@ -35,17 +35,21 @@ from run import override, parse_set  # noqa: E402
 VARIANTS = {k: run.VARIANTS[k] for k in ("sync", "2bw+ef")}
 
 
-def train(config: dict, out: Path, name: str, gpus: int, max_steps: int | None = None) -> dict:
-    """One ``launch/train.py`` run of ``config`` as ``out/name``; returns its summary.json."""
+def train(config: dict, out: Path, name: str, gpus: int) -> dict:
+    """One ``launch/train.py`` run of ``config`` as ``out/name``; returns its summary.json. A run that already
+    finished with this very config (its ``out/name.json`` and ``summary.json`` are there) is not run again, so the
+    whole comparison can be spread over several calls of a time-limited machine: run the same command again."""
     folder = out / name
     config = override(config, {"ds_async.logging.dir": str(out), "ds_async.logging.run_name": name})
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}.json"
-    path.write_text(json.dumps(config, indent=2) + "\n")
+    path, text = out / f"{name}.json", json.dumps(config, indent=2) + "\n"
+    done = folder / "summary.json"
+    if done.exists() and path.exists() and path.read_text() == text:
+        print(f"[done] {name}: {done}", flush=True)
+        return json.loads(done.read_text())
+    path.write_text(text)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus),
            str(ROOT / "launch" / "train.py"), "--config", str(path)]
-    if max_steps is not None:
-        cmd += ["--max-steps", str(max_steps)]
     print("$ " + " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
     return json.loads((folder / "summary.json").read_text())
