@@ -10,7 +10,7 @@ its GPU (the pipeline relies on the host running ahead).
   queued behind it reached the host (the loss).
 - **Idle fraction** of a stage: ``1 - (time inside forward and backward passes) / (sum of step spans)`` over a
   window of steps, the benchmark's definition (``launch/bench/bench_pipeline.py``): p2p waits, the batch reduce,
-  the optimizer step on the compute stream and pipeline bubbles all count as idle. The passes are timed by
+  the optimizer step on the compute stream and pipeline bubbles all count as idle. The passes are timed
   through the engine's ``set_pass_timer`` hook (:func:`time_passes`).
 - The first ``warmup`` steps of a process (compilation, allocator growth) are left out of both.
 - **Gradient norm** (:class:`GradNormTap`): the pipeline's global norm that the engine clips by, on every rank
