@@ -7,7 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-if ! "$PYTHON" -c "import ds_async" 2>/dev/null; then
+# Installed, not merely importable: from the repository root "import ds_async" finds the source folder anyway.
+if ! "$PYTHON" -c "import importlib.metadata as m; m.version('ds_async')" 2>/dev/null; then
   if ! "$PYTHON" -c "import torch" 2>/dev/null; then
     # Without a GPU take PyTorch's CPU build: the default wheel from PyPI is the multi-GB CUDA build.
     if command -v nvidia-smi >/dev/null 2>&1; then
@@ -31,6 +32,9 @@ for schedule in 1f1b 2bw; do
   config=ds_configs/demo_cpu.json
   [ $schedule = 2bw ] && config=ds_configs/demo_cpu_2bw.json
   echo "== $schedule: $config"
-  deepspeed --num_gpus 2 launch/train.py --config $config --run-name "$name-$schedule" ${args[@]+"${args[@]}"}
+  # DeepSpeed's `deepspeed` launcher, run by the Python it was installed into (a fresh console script may not be on
+  # PATH yet, e.g. under pyenv until its shims are rehashed).
+  "$PYTHON" -m deepspeed.launcher.runner --num_gpus 2 launch/train.py --config $config --run-name "$name-$schedule" \
+    ${args[@]+"${args[@]}"}
 done
 "$PYTHON" launch/demo_compare.py "runs/$name-1f1b" "runs/$name-2bw" --out "runs/$name-compare.png"
