@@ -18,6 +18,8 @@ Variants (``--variants``, comma-separated):
              matrices, batched by shape): the slowest replica's ms; the all-gather is not included (``gather_mb``
              says what it moves). ``split_bit_equal``: every replica's matrices equal the unsplit result bit for bit
              on this device (the split's contract).
+  symmetric  ``ns_symmetric.orthogonalise_symmetric`` (beside this file; GPUs, Triton): the Gram products' upper
+             triangles only, ~31% fewer FLOPs here (``tflops`` counts the whole products, as for the others).
   muon_step  the class step ``Muon.step()`` + ErrorFeedback on fp32 matrices (momentum, Newton-Schulz, update).
   muon_pass  ``ds_async.optim.muon_pass.muon_pass_`` + EF from bf16 gradients, writing two bf16 outputs (the module's
              weights and a weight-version slot): the bf16 fast path's Muon step.
@@ -145,6 +147,12 @@ def main() -> None:
             compile_s = time.perf_counter() - t0
             report(variant, timed_ms(lambda: fn(directions, a.steps), a.iters, a.warmup, cuda), got,
                    compile_s=round(compile_s, 1))
+        elif variant == "symmetric":
+            from ns_symmetric import orthogonalise_symmetric
+
+            got = orthogonalise_symmetric(directions, a.steps)  # autotunes once
+            report(variant, timed_ms(lambda: orthogonalise_symmetric(directions, a.steps), a.iters, a.warmup, cuda),
+                   got)
         elif variant == "merged":
             report(variant, timed_ms(lambda: merged(directions, a.steps), a.iters, a.warmup, cuda),
                    merged(directions, a.steps))

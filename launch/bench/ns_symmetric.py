@@ -1,0 +1,183 @@
+"""A candidate Newton-Schulz for Muon whose two symmetric products compute one triangle (Triton), to be timed against
+``ds_async.optim.muon.orthogonalise_batched`` (cuBLAS) by ``bench_newton_schulz.py --variants eager,symmetric``.
+
+Each quintic iteration ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` has two products whose results are
+symmetric: ``A`` itself and ``A^2 = A A^T``. cuBLAS has no bf16 SYRK, so ``orthogonalise_batched`` computes them
+whole. :func:`sym_product` computes only the tiles on and above the diagonal and writes each one twice (itself and
+its mirror), about half the FLOPs of the full product. With ``X`` of ``m x n`` (``m <= n``) an iteration costs
+``2 m^2 n + 2 m^3 + 2 m^2 n`` FLOPs whole and about ``m^2 n + m^3 + 2 m^2 n`` this way: for the 0.9B benchmark's
+stage, a third fewer on its square matrices and 29% fewer on its 2048 x 5632 ones, 31% in all; what that buys
+depends on how close the Triton kernel comes to cuBLAS per FLOP, which only the GPU can tell.
+
+Contract: :func:`orthogonalise_symmetric` takes and returns what ``orthogonalise_batched`` does (bf16 results of the
+same shapes, same shapes batched), with the same arithmetic in a different order of additions: fp32 accumulation
+of each product, ``alpha * acc + beta * D`` rounded once to bf16 as ``torch.baddbmm`` does; its results are close
+to, not bit-equal to, cuBLAS's (``bench_newton_schulz.py`` reports the difference). Checked on a CPU under Triton's
+interpreter against fp32 products and the fp32 iteration (:func:`_check`: ``TRITON_INTERPRET=1 PYTHONPATH=.
+python launch/bench/ns_symmetric.py``, with ``triton`` installed; on two cores: 6 s).
+Not part of the library until it has measured faster.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ds_async.optim.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS
+
+CONFIGS = [triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+           triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
+           triton.Config({"BLOCK": 128, "BLOCK_K": 32}, num_warps=4, num_stages=4),
+           triton.Config({"BLOCK": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4)]
+
+
+@triton.jit
+def _sym_kernel(x_ptr, d_ptr, c_ptr, M, K, sxb, sxm, sxk, sdb, sdm, sdn, scb, scm, scn, alpha, beta,
+                HAS_D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr = False):
+    """One tile ``(i, j)``, ``i <= j``, of ``C = alpha X X^T (+ beta D)`` for batch entry ``program_id(1)``, stored at
+    ``(i, j)`` and mirrored at ``(j, i)``. ``UPCAST``: multiply in fp32 (Triton's interpreter returns garbage for a
+    bf16 ``tl.dot``, so :func:`_check` multiplies bf16 tiles as fp32, exactly; GPUs take the bf16 tensor cores)."""
+    tiles = tl.cdiv(M, BLOCK)
+    t = tl.program_id(0)
+    # t enumerates the upper triangle row by row: row i holds tiles - i of them.
+    i = 0
+    left = t
+    while left >= tiles - i:
+        left -= tiles - i
+        i += 1
+    j = i + left
+    b = tl.program_id(1)
+    rm = i * BLOCK + tl.arange(0, BLOCK)
+    rn = j * BLOCK + tl.arange(0, BLOCK)
+    rk = tl.arange(0, BLOCK_K)
+    x = x_ptr + b * sxb
+    a_ptrs = x + rm[:, None] * sxm + rk[None, :] * sxk
+    bt_ptrs = x + rn[None, :] * sxm + rk[:, None] * sxk
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        kin = rk < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=(rm[:, None] < M) & kin[None, :], other=0.0)
+        bt = tl.load(bt_ptrs, mask=(rn[None, :] < M) & kin[:, None], other=0.0)
+        if UPCAST:
+            acc = tl.dot(a.to(tl.float32), bt.to(tl.float32), acc)
+        else:
+            acc = tl.dot(a, bt, acc)
+        a_ptrs += BLOCK_K * sxk
+        bt_ptrs += BLOCK_K * sxk
+    acc = acc * alpha
+    inside = (rm[:, None] < M) & (rn[None, :] < M)
+    if HAS_D:
+        d = tl.load(d_ptr + b * sdb + rm[:, None] * sdm + rn[None, :] * sdn, mask=inside, other=0.0)
+        acc += beta * d.to(tl.float32)
+    out = acc.to(c_ptr.dtype.element_ty)
+    c = c_ptr + b * scb
+    tl.store(c + rm[:, None] * scm + rn[None, :] * scn, out, mask=inside)
+    if i != j:
+        tl.store(c + rn[None, :] * scm + rm[:, None] * scn, out, mask=inside)
+
+
+_sym_tuned = triton.autotune(configs=CONFIGS, key=["M", "K", "HAS_D"])(_sym_kernel)
+
+
+def sym_product(x: torch.Tensor, d: torch.Tensor | None = None, alpha: float = 1.0, beta: float = 0.0,
+                blocks: tuple[int, int] | None = None, upcast: bool = False) -> torch.Tensor:
+    """``alpha * x @ x.mT + beta * d`` for a batch ``x`` of ``[B, M, K]`` (``d``: ``[B, M, M]``, symmetric), in
+    ``x``'s dtype; only the upper triangle's tiles are multiplied. ``blocks``: ``(BLOCK, BLOCK_K)`` instead of the
+    autotuned configs (Triton's interpreter cannot autotune); ``upcast``: see :func:`_sym_kernel`."""
+    batch, m, k = x.shape
+    # Under upcast the tile is stored in fp32 and rounded by torch: the interpreter's fp32 -> bf16 cast truncates,
+    # where the GPU's rounds to nearest even as torch does.
+    c = torch.empty(batch, m, m, dtype=torch.float32 if upcast else x.dtype, device=x.device)
+    dd = d if d is not None else c
+
+    def grid(meta):
+        tiles = triton.cdiv(m, meta["BLOCK"])
+        return tiles * (tiles + 1) // 2, batch
+
+    args = (x, dd, c, m, k, *x.stride(), *dd.stride(), *c.stride(), alpha, beta)
+    if blocks is None:
+        _sym_tuned[grid](*args, HAS_D=d is not None)
+    else:
+        _sym_kernel[grid](*args, HAS_D=d is not None, BLOCK=blocks[0], BLOCK_K=blocks[1], UPCAST=upcast)
+    return c.to(x.dtype)
+
+
+def zeropower_symmetric(grad: torch.Tensor, steps: int = NS_STEPS,
+                        coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS,
+                        blocks: tuple[int, int] | None = None, upcast: bool = False) -> torch.Tensor:
+    """``ds_async.optim.muon.zeropower_via_newtonschulz`` with the two symmetric products by :func:`sym_product`."""
+    a, b, c = coefficients
+    x = grad.bfloat16()
+    tall = grad.size(-2) > grad.size(-1)
+    if tall:
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    lead = x.shape[:-2]
+    x = x.reshape(-1, *x.shape[-2:]).contiguous()
+    for _ in range(steps):
+        gram = sym_product(x, blocks=blocks, upcast=upcast)
+        poly = sym_product(gram, gram, alpha=c, beta=b, blocks=blocks, upcast=upcast)  # b A + c A A^T, A symmetric
+        x = torch.baddbmm(x, poly, x, beta=a)
+    x = x.reshape(*lead, *x.shape[-2:])
+    return x.mT if tall else x
+
+
+def orthogonalise_symmetric(directions: list[torch.Tensor], steps: int = NS_STEPS,
+                            coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS,
+                            blocks: tuple[int, int] | None = None, upcast: bool = False) -> list[torch.Tensor]:
+    """``orthogonalise_batched``'s contract (same shapes stacked into one call) with :func:`zeropower_symmetric`."""
+    out: list[torch.Tensor | None] = [None] * len(directions)
+    by_shape: dict[tuple, list[int]] = {}
+    for i, d in enumerate(directions):
+        by_shape.setdefault((tuple(d.shape), d.device), []).append(i)
+    for idx in by_shape.values():
+        stacked = torch.stack([directions[i].bfloat16() for i in idx])
+        for i, o in zip(idx, zeropower_symmetric(stacked, steps, coefficients, eps, blocks, upcast).unbind(0)):
+            out[i] = o
+    return out
+
+
+def _check() -> None:
+    """Against fp32 references, small shapes (run under ``TRITON_INTERPRET=1`` on a CPU): the product with and
+    without ``d`` (odd sizes: partial tiles), and Newton-Schulz against ``orthogonalise_batched``."""
+    from ds_async.optim.muon import orthogonalise_batched
+
+    gen = torch.Generator().manual_seed(0)
+    for batch, m, k in ((2, 70, 150), (1, 130, 64)):
+        x = torch.randn(batch, m, k, generator=gen).bfloat16()
+        want = (x.float() @ x.float().mT)
+        got = sym_product(x, blocks=(32, 32), upcast=True)
+        assert torch.equal(got, got.mT), "not symmetric"
+        err = ((got.float() - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-2, (batch, m, k, err)
+        d = want.bfloat16()
+        got = sym_product(d, d, alpha=2.0, beta=-3.0, blocks=(32, 32), upcast=True)
+        want2 = 2.0 * d.float() @ d.float().mT - 3.0 * d.float()
+        err2 = ((got.float() - want2).abs().max() / want2.abs().max()).item()
+        assert err2 < 1e-2, (batch, m, k, err2)
+        print(f"sym_product {batch}x{m}x{k}: rel err {err:.2e}, with d {err2:.2e}")
+    dirs = [torch.randn(s, generator=gen).bfloat16() for s in ((96, 96), (96, 96), (200, 96), (96, 200))]
+    for d, got, want in zip(dirs, orthogonalise_symmetric(dirs, 5, blocks=(32, 32), upcast=True),
+                            orthogonalise_batched(dirs, 5)):
+        exact = _newton_schulz_fp32(d.float(), 5)
+        rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        own = ((got.float() - exact).norm() / exact.norm()).item()
+        theirs = ((want.float() - exact).norm() / exact.norm()).item()
+        print(f"newton-schulz {tuple(got.shape)}: from the fp32 iteration {own:.2e} (orthogonalise_batched "
+              f"{theirs:.2e}); from orthogonalise_batched {rel:.2e}")
+        assert own < 1.2 * theirs, (own, theirs)  # bf16 rounding of the same size, not a different iteration
+
+
+def _newton_schulz_fp32(g: torch.Tensor, steps: int) -> torch.Tensor:
+    """The quintic iteration in fp32 throughout: what both bf16 versions approximate."""
+    a, b, c = NS_COEFFICIENTS
+    x = g.mT if g.size(-2) > g.size(-1) else g
+    x = x / x.norm().clamp(min=NS_EPS)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.mT if g.size(-2) > g.size(-1) else x
+
+
+if __name__ == "__main__":
+    _check()
