@@ -29,7 +29,8 @@ Bytes per stage of ``N`` parameters (``w`` = 2 under ``bf16.enabled``, else 4; `
   (``ds_async.optim.sharded.partition_params``; the busiest replica is reported), flat where DeepSpeed does;
 - step workspace (estimate): the transient tensors of the optimizer step; Muon's bf16 directions (``2`` bytes a
   matrix parameter) beside, at the largest moment, one same-shape stack's Newton-Schulz iterates and the results of
-  the stacks orthogonalised before it (:func:`muon_workspace`); the unfused steps' fp32 gradients;
+  the stacks orthogonalised before it (:func:`muon_workspace`: byte for byte the tensors alive at once on CPU,
+  ``tests/test_plan.py``); the unfused steps' fp32 gradients;
 - activations (estimate, below) times the micro-batches a stage holds: ``p - s`` on stage ``s`` under a flush-free
   rule (steady 1F1B across batches), ``min(p - s, m)`` under 1F1B, plus one working set;
 - the next batch's gradients (``grads_next``, ``w N``) where they coexist with the waiting ones: under a flush-free
