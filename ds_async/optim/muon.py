@@ -27,6 +27,17 @@ NS_EPS = 1e-7
 LR_RULES = ("original", "match_rms_adamw")
 
 
+def wide_and_normalised(grad: Tensor, eps: float = NS_EPS) -> tuple[Tensor, bool]:
+    """Newton-Schulz's start: ``grad`` in bf16 on the wide orientation (transposed when tall: the Gram matrix is
+    then the smaller of the two), divided by its Frobenius norm (>= the spectral norm, so every singular value is
+    <= 1 and the iteration converges); and whether it was transposed."""
+    x = grad.bfloat16()
+    tall = grad.size(-2) > grad.size(-1)
+    if tall:
+        x = x.mT
+    return x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps), tall
+
+
 def zeropower_via_newtonschulz(grad: Tensor, steps: int = NS_STEPS,
                                coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
                                eps: float = NS_EPS) -> Tensor:
@@ -39,13 +50,7 @@ def zeropower_via_newtonschulz(grad: Tensor, steps: int = NS_STEPS,
     if grad.ndim < 2:
         raise ValueError(f"Newton-Schulz needs a matrix or a stack of matrices, got shape {tuple(grad.shape)}")
     a, b, c = coefficients
-    x = grad.bfloat16()
-    # Iterate on the wide orientation: the Gram matrix is then the smaller of the two.
-    tall = grad.size(-2) > grad.size(-1)
-    if tall:
-        x = x.mT
-    # Frobenius norm >= spectral norm, so after this every singular value is <= 1 and the iteration converges.
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    x, tall = wide_and_normalised(grad, eps)
     if x.ndim == 2:
         for _ in range(steps):
             gram = x @ x.T

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds_async.optim.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS
+from ds_async.optim.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, wide_and_normalised
 
 CONFIGS = [triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
            triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
@@ -107,11 +107,7 @@ def zeropower_symmetric(grad: torch.Tensor, steps: int = NS_STEPS,
                         blocks: tuple[int, int] | None = None, upcast: bool = False) -> torch.Tensor:
     """``ds_async.optim.muon.zeropower_via_newtonschulz`` with the two symmetric products by :func:`sym_product`."""
     a, b, c = coefficients
-    x = grad.bfloat16()
-    tall = grad.size(-2) > grad.size(-1)
-    if tall:
-        x = x.mT
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    x, tall = wide_and_normalised(grad, eps)
     lead = x.shape[:-2]
     x = x.reshape(-1, *x.shape[-2:]).contiguous()
     for _ in range(steps):
