@@ -94,9 +94,10 @@ def momentum_directions(grads: list[Tensor], momentum_buffers: list[Tensor], *, 
 
 
 def orthogonalise_batched(directions: list[Tensor], steps: int = NS_STEPS,
-                          coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS
-                          ) -> list[Tensor]:
-    """:func:`zeropower_via_newtonschulz` of each tensor, with same-shaped ones stacked into one batched call.
+                          coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS, *,
+                          zeropower=zeropower_via_newtonschulz) -> list[Tensor]:
+    """:func:`zeropower_via_newtonschulz` (or ``zeropower``, a function with its contract) of each tensor, with
+    same-shaped ones stacked into one batched call.
 
     A stage's hidden matrices come in a few shapes (q/k/v/o, gate/up, down): one call per shape instead of one
     per matrix. The result of each is bit-equal to orthogonalising it alone (tested), since the batched kernels
@@ -108,10 +109,10 @@ def orthogonalise_batched(directions: list[Tensor], steps: int = NS_STEPS,
         by_shape.setdefault((tuple(d.shape), d.device), []).append(i)
     for idx in by_shape.values():
         if len(idx) == 1:
-            out[idx[0]] = zeropower_via_newtonschulz(directions[idx[0]], steps, coefficients, eps)
+            out[idx[0]] = zeropower(directions[idx[0]], steps, coefficients, eps)
             continue
         stacked = torch.stack([directions[i].bfloat16() for i in idx])
-        for i, o in zip(idx, zeropower_via_newtonschulz(stacked, steps, coefficients, eps).unbind(0)):
+        for i, o in zip(idx, zeropower(stacked, steps, coefficients, eps).unbind(0)):
             out[i] = o
     return out
 

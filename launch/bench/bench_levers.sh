@@ -87,6 +87,8 @@ esac
 done
 all=()
 for _ in $(seq "${REPEAT:-1}"); do all+=("${runs[@]}"); done
+row=
+trap '[ -n "$row" ] && kill -TERM -- -$row 2>/dev/null; exit 143' TERM INT  # the running row's process group
 for r in "${all[@]}"; do
   n=$ngpu; [[ $r == NPROC=* ]] && { n=${r%% *}; n=${n#NPROC=}; r=${r#* }; }
   flags=$r; [[ $r == *--stages* || $r == *--config* ]] || flags="$r --partition $part"
@@ -96,7 +98,6 @@ for r in "${all[@]}"; do
   timeout ${RUN_TIMEOUT:-300} torchrun --nproc_per_node "$n" launch/bench/bench_pipeline.py $flags --out "$out" \
     --warmup ${WARMUP:-3} --steps ${STEPS:-8} > /tmp/bench_run.log 2>&1 &
   row=$!
-  trap 'kill -TERM -- -$row 2>/dev/null; exit 143' TERM INT
   wait $row
   rc=$?
   echo "[$(( $(date +%s) - t0 ))s rc=$rc] n=$n $flags"

@@ -19,11 +19,13 @@ Not part of the library until it has measured faster.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from ds_async.optim.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, wide_and_normalised
+from ds_async.optim.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalise_batched, wide_and_normalised
 
 CONFIGS = [triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
            triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
@@ -121,23 +123,14 @@ def zeropower_symmetric(grad: torch.Tensor, steps: int = NS_STEPS,
 def orthogonalise_symmetric(directions: list[torch.Tensor], steps: int = NS_STEPS,
                             coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS,
                             blocks: tuple[int, int] | None = None, upcast: bool = False) -> list[torch.Tensor]:
-    """``orthogonalise_batched``'s contract (same shapes stacked into one call) with :func:`zeropower_symmetric`."""
-    out: list[torch.Tensor | None] = [None] * len(directions)
-    by_shape: dict[tuple, list[int]] = {}
-    for i, d in enumerate(directions):
-        by_shape.setdefault((tuple(d.shape), d.device), []).append(i)
-    for idx in by_shape.values():
-        stacked = torch.stack([directions[i].bfloat16() for i in idx])
-        for i, o in zip(idx, zeropower_symmetric(stacked, steps, coefficients, eps, blocks, upcast).unbind(0)):
-            out[i] = o
-    return out
+    """``orthogonalise_batched`` (same shapes stacked into one call) with :func:`zeropower_symmetric`."""
+    return orthogonalise_batched(directions, steps, coefficients, eps,
+                                 zeropower=functools.partial(zeropower_symmetric, blocks=blocks, upcast=upcast))
 
 
 def _check() -> None:
     """Against fp32 references, small shapes (run under ``TRITON_INTERPRET=1`` on a CPU): the product with and
     without ``d`` (odd sizes: partial tiles), and Newton-Schulz against ``orthogonalise_batched``."""
-    from ds_async.optim.muon import orthogonalise_batched
-
     gen = torch.Generator().manual_seed(0)
     for batch, m, k in ((2, 70, 150), (1, 130, 64)):
         x = torch.randn(batch, m, k, generator=gen).bfloat16()
