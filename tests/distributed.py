@@ -1,14 +1,21 @@
 """Run a job from ``tests/jobs.py`` on N CPU processes (gloo) with torchrun and collect what rank 0 saved.
 
 Each job is one real multi-process DeepSpeed run; tests compare what the jobs save against independent
-references computed in the test process.
+references computed in the test process. The ranks of a size stay up between jobs (:class:`_JobServer`): starting
+torchrun and importing torch, DeepSpeed and transformers on every rank cost more CPU than most jobs themselves.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -17,20 +24,102 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 
 
+class _JobServer:
+    """``nproc`` ranks of ``tests/jobs.py serve`` that stay up between jobs: each job runs in the same processes
+    (one torchrun start, one import of torch, DeepSpeed and transformers, one process group for many jobs).
+
+    Requests are files in a private folder: ``request<n>.json`` in; ``done<n>`` (rank 0, after a barrier) or
+    ``error<n>.rank<r>.txt`` out. A rank whose job raises writes its traceback and exits, torchrun ends the others,
+    and the server is gone: the next job starts a fresh one. The ranks also exit when this process dies."""
+
+    def __init__(self, nproc: int):
+        self.nproc, self.count = nproc, 0
+        self.folder = Path(tempfile.mkdtemp(prefix=f"ds_async_jobs{nproc}_"))
+        (self.folder / "owner").write_text(str(os.getpid()))
+        with socket.socket() as s:  # a free port; several servers may run at once
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
+               str(port), str(ROOT / "tests" / "jobs.py"), "serve", str(self.folder)]
+        self.log = open(self.folder / "log.txt", "wb")
+        self.proc = subprocess.Popen(cmd, env=_job_env(), cwd=self.folder, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def run(self, job: str, out_dir: Path, kwargs: dict, timeout: float) -> None:
+        """Run one job; raise AssertionError (with the failing ranks' tracebacks) if it fails or times out."""
+        n, self.count = self.count, self.count + 1
+        start = (self.folder / "log.txt").stat().st_size
+        request = self.folder / f"request{n}.json"
+        request.with_suffix(".tmp").write_text(json.dumps({"job": job, "out": str(out_dir), "kwargs": kwargs}))
+        request.with_suffix(".tmp").rename(request)
+        deadline, failure = time.monotonic() + timeout, None
+        while not (self.folder / f"done{n}").exists():
+            if self.proc.poll() is not None:
+                failure = f"rc={self.proc.returncode}"
+            elif time.monotonic() > deadline:
+                failure = f"timed out after {timeout} s"
+            if failure:
+                break
+            time.sleep(0.02)
+        self.log.flush()
+        text = (self.folder / "log.txt").read_bytes()[start:].decode(errors="replace")
+        (out_dir / "log.txt").write_text(text)
+        if failure:
+            errors = "".join(f.read_text() for f in sorted(self.folder.glob(f"error{n}.rank*.txt")))
+            self.stop()
+            raise AssertionError(f"job {job} on {self.nproc} ranks failed ({failure}):\n{errors}\nlog tail:\n"
+                                 + text[-6000:])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        """End the ranks (each leads a session of its own under torchrun) and the launcher."""
+        (self.folder / "stop").write_text("")
+        for pid_file in self.folder.glob("pid.rank*"):
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.folder, ignore_errors=True)  # a failed job's log is in its own folder
+        _servers.pop(self.nproc, None)
+
+
+_servers: dict[int, _JobServer] = {}
+MAX_SERVERS = 2  # live at once per test process (each rank holds ~0.6 GB once torch and DeepSpeed are imported)
+
+
+@atexit.register
+def _stop_servers() -> None:
+    for server in list(_servers.values()):
+        server.stop()
+
+
+def _job_env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONUNBUFFERED": "1",
+            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                   str(Path.home() / ".cache" / "ds_async_torch_extensions"))}
+
+
 def run_job(nproc: int, job: str, out_dir: Path, timeout: int = 600, **kwargs) -> dict:
-    """Run ``job`` on ``nproc`` ranks; returns the ``result.pt`` the job wrote (rank 0's view)."""
+    """Run ``job`` on ``nproc`` ranks; returns the ``result.pt`` the job wrote (rank 0's view).
+
+    The ranks are a :class:`_JobServer` kept for later jobs of the same size. Each job starts as in a fresh
+    process: torch's default generator re-seeded to its start-up seed, the job's folder as working directory."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONUNBUFFERED": "1",
-           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                  str(Path.home() / ".cache" / "ds_async_torch_extensions"))}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
-           str(29500 + (os.getpid() % 2000)), str(ROOT / "tests" / "jobs.py"), job, str(out_dir),
-           json.dumps(kwargs)]
-    proc = subprocess.run(cmd, env=env, cwd=out_dir, capture_output=True, text=True, timeout=timeout)
-    (out_dir / "log.txt").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise AssertionError(f"job {job} on {nproc} ranks failed (rc={proc.returncode}); log tail:\n"
-                             + (proc.stdout + proc.stderr)[-6000:])
+    server = _servers.pop(nproc, None)
+    if server is None or not server.alive():
+        while len(_servers) >= MAX_SERVERS:
+            next(iter(_servers.values())).stop()  # the least recently used
+        server = _JobServer(nproc)
+    _servers[nproc] = server  # most recently used last
+    server.run(job, out_dir, kwargs, timeout)
     return torch.load(out_dir / "result.pt", weights_only=True)
 
 
@@ -40,12 +129,9 @@ def run_ckpt_jobs(work: Path, runs: list[dict], timeout: int = 600) -> Path:
     (work / "runs.json").write_text(json.dumps(runs))
     out = work / "out"
     out.mkdir(exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONUNBUFFERED": "1",
-           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                  str(Path.home() / ".cache" / "ds_async_torch_extensions"))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
            str(31000 + os.getpid() % 1000), str(ROOT / "tests" / "ckpt_jobs.py"), str(work / "runs.json"), str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=_job_env(), cwd=work, capture_output=True, text=True, timeout=timeout)
     (work / "log.txt").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return out

@@ -1,6 +1,7 @@
 """Multi-process jobs for the tests, run under torchrun by ``tests/distributed.py``.
 
     python -m torch.distributed.run --nproc_per_node N tests/jobs.py JOB OUT_DIR '{"kwarg": ...}'
+    python -m torch.distributed.run --nproc_per_node N tests/jobs.py serve FOLDER  # the tests' job server
 
 Every job builds a real ds_async pipeline engine (DeepSpeed, gloo on CPU). The rank that holds the result
 writes ``OUT_DIR/result.pt``; the first data-parallel replica of each stage writes ``params_stage<s>.pt``
@@ -183,6 +184,45 @@ def job_moe(out: Path, hf_dir: str, stages: int, input_ids: list, labels: list, 
 
 JOBS = {"logits": job_logits, "train": job_train, "moe": job_moe}
 
+
+def serve(folder: Path) -> None:
+    """Run the jobs requested in ``folder`` one after another (``tests/distributed.py``'s ``_JobServer``): each as
+    in a fresh process, with torch's default generator at its start-up seed and the job's folder as working
+    directory. A failing job ends the process group; so does the test process going away."""
+    import gc
+    import os
+    import time
+    import traceback
+
+    import torch.distributed as tdist
+
+    rank, owner, seed = int(os.environ["RANK"]), int((folder / "owner").read_text()), torch.initial_seed()
+    (folder / f"pid.rank{rank}").write_text(str(os.getpid()))
+    for n in itertools.count():
+        request = folder / f"request{n}.json"
+        while not request.exists():
+            if (folder / "stop").exists() or not os.path.exists(f"/proc/{owner}"):
+                os._exit(0)
+            time.sleep(0.02)
+        spec = json.loads(request.read_text())
+        out = Path(spec["out"])
+        os.chdir(out)
+        torch.manual_seed(seed)
+        try:
+            JOBS[spec["job"]](out, **spec["kwargs"])
+        except BaseException:
+            (folder / f"error{n}.rank{rank}.txt").write_text(traceback.format_exc())
+            sys.stdout.flush()
+            os._exit(1)
+        gc.collect()
+        tdist.barrier()  # every rank has written its files
+        if rank == 0:
+            (folder / f"done{n}").write_text("")
+
+
 if __name__ == "__main__":
-    name, out_dir, kwargs = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
-    JOBS[name](out_dir, **kwargs)
+    if sys.argv[1] == "serve":
+        serve(Path(sys.argv[2]))
+    else:
+        name, out_dir, kwargs = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+        JOBS[name](out_dir, **kwargs)
