@@ -2,7 +2,8 @@
 layers in neural networks"; the lr rules of Liu et al. 2025, "Muon is Scalable for LLM Training").
 
 Momentum and orthogonalisation follow ``torch.optim.Muon`` op for op (same bf16 Newton-Schulz, same ``addmm``
-calls) so that on 2-D parameters the orthogonalised direction is bit-equal to torch's. Tensors with more than two
+calls) so that on 2-D parameters the orthogonalised direction is bit-equal to torch's (on CPUs; on GPUs the two
+symmetric products take one triangle each, :mod:`ds_async.optim.ns_triton`). Tensors with more than two
 dimensions are stacks of independent matrices over the leading dimensions (an MoE expert stack ``[E, rows, cols]``)
 and are orthogonalised per matrix in one batched call.
 
@@ -14,6 +15,7 @@ Muon on the ``k`` blocks as separate tensors, as a model storing them separately
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -45,10 +47,29 @@ def zeropower_via_newtonschulz(grad: Tensor, steps: int = NS_STEPS,
     iteration ``X <- a X + (b A + c A^2) X``, ``A = X X^T``; returns bf16 of the same shape.
 
     Runs in bf16 because the iteration is self-correcting and only needs singular values pushed into roughly
-    [0.7, 1.2]; the coefficients maximise the slope at zero at the price of not converging to exactly 1.
+    [0.7, 1.2]; the coefficients maximise the slope at zero at the price of not converging to exactly 1. CUDA
+    tensors take :mod:`ds_async.optim.ns_triton` where Triton imports (the two symmetric products computed one
+    triangle each: a third fewer FLOPs), others :func:`zeropower_matmul`.
     """
     if grad.ndim < 2:
         raise ValueError(f"Newton-Schulz needs a matrix or a stack of matrices, got shape {tuple(grad.shape)}")
+    symmetric = _zeropower_symmetric() if grad.is_cuda else None
+    return (symmetric or zeropower_matmul)(grad, steps, coefficients, eps)
+
+
+@functools.cache
+def _zeropower_symmetric():
+    """:func:`ds_async.optim.ns_triton.zeropower_symmetric`, or None where Triton does not import."""
+    try:
+        from .ns_triton import zeropower_symmetric
+    except ImportError:
+        return None
+    return zeropower_symmetric
+
+
+def zeropower_matmul(grad: Tensor, steps: int = NS_STEPS,
+                     coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS) -> Tensor:
+    """:func:`zeropower_via_newtonschulz` by torch's matrix products (cuBLAS on GPUs): each product whole."""
     a, b, c = coefficients
     x, tall = wide_and_normalised(grad, eps)
     if x.ndim == 2:

@@ -10,16 +10,18 @@ with the median ms and TFLOP/s by :func:`ds_async.flops.newton_schulz_flops`, an
 to the eager batched one.
 
 Variants (``--variants``, comma-separated):
-  eager      ``ds_async.optim.muon.orthogonalise_batched``: one batched Newton-Schulz per shape (what Muon runs).
-  compiled   the same under ``torch.compile`` (the GEMMs stay cuBLAS; Inductor fuses the norm, casts, transposes).
+  eager      ``ds_async.optim.muon.orthogonalise_batched``: one batched Newton-Schulz per shape (what Muon runs: on
+             GPUs the symmetric products by ``ds_async.optim.ns_triton``, one triangle each, ~31% fewer FLOPs here;
+             ``tflops`` counts the whole products, as for the others).
+  matmul     the same with every product whole by cuBLAS (``ds_async.optim.muon.zeropower_matmul``); ``bit_equal``
+             compares it with ``eager``.
+  compiled   the same under ``torch.compile`` (Inductor fuses the norm, casts and transposes around the products).
   merged     tall matrices transposed and stacked with the wide ones of that shape (gate, up with down): one batch
              of 12 instead of 8 + 4.
   splitD     what each of D data-parallel replicas computes under ``ds_async.optim.ns_split.assign`` (its own
              matrices, batched by shape): the slowest replica's ms; the all-gather is not included (``gather_mb``
              says what it moves). ``split_bit_equal``: every replica's matrices equal the unsplit result bit for bit
              on this device (the split's contract).
-  symmetric  ``ns_symmetric.orthogonalise_symmetric`` (beside this file; GPUs, Triton): the Gram products' upper
-             triangles only, ~31% fewer FLOPs here (``tflops`` counts the whole products, as for the others).
   muon_step  the class step ``Muon.step()`` + ErrorFeedback on fp32 matrices (momentum, Newton-Schulz, update).
   muon_pass  ``ds_async.optim.muon_pass.muon_pass_`` + EF from bf16 gradients, writing two bf16 outputs (the module's
              weights and a weight-version slot): the bf16 fast path's Muon step.
@@ -43,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ds_async.flops import newton_schulz_flops  # noqa: E402
-from ds_async.optim.muon import orthogonalise_batched  # noqa: E402
+from ds_async.optim.muon import orthogonalise_batched, zeropower_matmul  # noqa: E402
 from ds_async.optim.ns_split import assign  # noqa: E402
 
 
@@ -94,7 +96,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="Newton-Schulz iterations")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--variants", default="eager,compiled,merged,split2,split4,split8,muon_step,muon_pass")
+    ap.add_argument("--variants", default="eager,matmul,compiled,merged,split2,split4,split8,muon_step,muon_pass")
     ap.add_argument("--out", default=None, help="append the JSON lines to this file")
     a = ap.parse_args()
 
@@ -147,12 +149,10 @@ def main() -> None:
             compile_s = time.perf_counter() - t0
             report(variant, timed_ms(lambda: fn(directions, a.steps), a.iters, a.warmup, cuda), got,
                    compile_s=round(compile_s, 1))
-        elif variant == "symmetric":
-            from ns_symmetric import orthogonalise_symmetric
-
-            got = orthogonalise_symmetric(directions, a.steps)  # autotunes once
-            report(variant, timed_ms(lambda: orthogonalise_symmetric(directions, a.steps), a.iters, a.warmup, cuda),
-                   got)
+        elif variant == "matmul":
+            report(variant, timed_ms(lambda: orthogonalise_batched(directions, a.steps, zeropower=zeropower_matmul),
+                                     a.iters, a.warmup, cuda),
+                   orthogonalise_batched(directions, a.steps, zeropower=zeropower_matmul))
         elif variant == "merged":
             report(variant, timed_ms(lambda: merged(directions, a.steps), a.iters, a.warmup, cuda),
                    merged(directions, a.steps))
