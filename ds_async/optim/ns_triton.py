@@ -5,13 +5,14 @@ symmetric: ``A`` itself and ``A^2 = A A^T``. cuBLAS has no bf16 SYRK, so the mat
 :func:`sym_product` computes only the tiles on and above the diagonal and writes each one twice (itself and its
 mirror), about half the FLOPs of the full product. With ``X`` of ``m x n`` (``m <= n``) an iteration costs
 ``2 m^2 n + 2 m^3 + 2 m^2 n`` FLOPs whole and about ``m^2 n + m^3 + 2 m^2 n`` this way: for a stage of the 0.9B
-benchmark model, 31% fewer; measured on an H100, 12% less time than cuBLAS for that stage's 28 matrices
+benchmark model, 31% fewer; for that stage's 28 matrices 1.14x cuBLAS's speed on an H100 and 1.23x on an H200
 (``launch/bench/RESULTS.md``).
 
 Contract: :func:`zeropower_symmetric` takes and returns what ``ds_async.optim.muon.zeropower_matmul`` does (bf16,
 same shape), with the same arithmetic: fp32 accumulation of each product, ``alpha * acc + beta * D`` rounded once to
-bf16 as ``torch.baddbmm`` does. The order of the additions is the tensor cores' in both, and on an H100 the results
-were bit-equal to cuBLAS's for the benchmark stage's shapes; elsewhere they may differ in the last bits.
+bf16 as ``torch.baddbmm`` does. The order of the additions is the tensor cores' along k in both (whatever tile
+sizes the autotuner picks), and on an H100 and an H200 the results were bit-equal to cuBLAS's for the benchmark
+stage's shapes; other cards or shapes may differ in the last bits.
 ``ds_async.optim.muon.zeropower_via_newtonschulz`` takes this path for CUDA tensors where Triton imports (the matmul
 path elsewhere); ``tests/test_ns_triton.py`` runs it under Triton's CPU interpreter against fp32 products, the fp32
 iteration and the matmul path.
