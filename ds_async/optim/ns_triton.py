@@ -10,8 +10,7 @@ benchmark model, 31% fewer; for that stage's 28 matrices 1.14x cuBLAS's speed on
 
 Contract: :func:`zeropower_symmetric` takes and returns what ``ds_async.optim.muon.zeropower_matmul`` does (bf16,
 same shape), with the same arithmetic: fp32 accumulation of each product, ``alpha * acc + beta * D`` rounded once to
-bf16 as ``torch.baddbmm`` does. The order of the additions is the tensor cores' along k in both (whatever tile
-sizes the autotuner picks), and on an H100 and an H200 the results were bit-equal to cuBLAS's for the benchmark
+bf16 as ``torch.baddbmm`` does. On an H100 and an H200 the results were bit-equal to cuBLAS's for the benchmark
 stage's shapes; other cards or shapes may differ in the last bits.
 ``ds_async.optim.muon.zeropower_via_newtonschulz`` takes this path for CUDA tensors where Triton imports (the matmul
 path elsewhere); ``tests/test_ns_triton.py`` runs it under Triton's CPU interpreter against fp32 products, the fp32
