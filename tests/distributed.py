@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -24,6 +25,24 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 
 
+def free_port() -> int:
+    """A port to listen on, free now, outside the kernel's ephemeral range (32768-60999 here).
+
+    A port the kernel hands out (``bind(0)``) is one it may hand out again, as the source port of any of the
+    many connections gloo opens, before the job that was told to listen on it does; ports below the range are only
+    taken by explicit binds. The tests' fixed ports sit in 29400-32000: this draws from 20000-29000."""
+    rng = random.Random(os.urandom(8))
+    for _ in range(100):
+        port = rng.randrange(20000, 29000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port in 20000-29000")
+
+
 class _JobServer:
     """``nproc`` ranks of ``tests/jobs.py serve`` that stay up between jobs: each job runs in the same processes
     (one torchrun start, one import of torch, DeepSpeed and transformers, one process group for many jobs).
@@ -36,11 +55,8 @@ class _JobServer:
         self.nproc, self.count = nproc, 0
         self.folder = Path(tempfile.mkdtemp(prefix=f"ds_async_jobs{nproc}_"))
         (self.folder / "owner").write_text(str(os.getpid()))
-        with socket.socket() as s:  # a free port; several servers may run at once
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
-               str(port), str(ROOT / "tests" / "jobs.py"), "serve", str(self.folder)]
+               str(free_port()), str(ROOT / "tests" / "jobs.py"), "serve", str(self.folder)]
         self.log = open(self.folder / "log.txt", "wb")
         self.proc = subprocess.Popen(cmd, env=_job_env(), cwd=self.folder, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)

@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 from ds_async import checkpoint
 from ds_async.checkpoint import CheckpointError
 
-from distributed import train_py_error
+from distributed import free_port, train_py_error
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -523,14 +523,9 @@ def _sharded_reload_worker(rank, port, out):
 def test_sharded_optimizer_reload_keeps_the_lr_schedule_attached(tmp_path):
     """After ``load_state_dict`` the wrapper must still share the wrapped optimizer's groups, or an LR scheduler
     stepping the wrapper would no longer reach the optimizer (a resumed run would drift)."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_sharded_reload_worker, args=(port, str(tmp_path / "r.pt")), nprocs=1, start_method="fork")
+    mp.start_processes(_sharded_reload_worker, args=(free_port(), str(tmp_path / "r.pt")), nprocs=1, start_method="fork")
     got = torch.load(tmp_path / "r.pt", weights_only=True)
     assert got == {"lr": 0.125, "shared": True}
 

@@ -1,6 +1,5 @@
 """Newton-Schulz split across data-parallel replicas: the assignment is balanced and deterministic, and real gloo
 runs on 2 and 3 processes give every rank the bits of the unsplit batched Newton-Schulz."""
-import socket
 
 import pytest
 import torch
@@ -8,6 +7,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from distributed import free_port
 from ds_async.flops import newton_schulz_flops
 from ds_async.optim import ErrorFeedback, Muon, muon_param_groups
 from ds_async.optim.muon import orthogonalise_batched, split_rows, zeropower_via_newtonschulz
@@ -87,12 +87,6 @@ def test_smaller_batches_are_bit_equal_on_cpu():
             for i, got in zip(subset, orthogonalise_batched([ds[i] for i in subset])):
                 assert torch.equal(got, full[i]), (shape, subset, i)
             assert torch.equal(zeropower_via_newtonschulz(ds[subset[0]]), full[subset[0]])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TinyMoE(nn.Module):

@@ -4,7 +4,6 @@ Each rank holds the full model and a reference copy stepped by the unsharded opt
 gradients differ per rank and are averaged with a real all-reduce, as the engine does before the step.
 """
 import copy
-import socket
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from distributed import free_port
 from ds_async.optim import build_optimizer
 from ds_async.optim.sharded import ShardedOptimizer, partition_params
 
@@ -93,12 +93,6 @@ def _worker(rank, port, out_dir):
                    f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_sharded_muon_ef_equals_unsharded(tmp_path):

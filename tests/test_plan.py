@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import weakref
@@ -22,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 
+from distributed import free_port
 from ds_async import plan as planner
 from ds_async.emulate import build_layers
 
@@ -119,9 +119,7 @@ def engine_job(config_path: str, out: str) -> None:
 def test_state_bytes_equal_deepspeed_bf16_engine(tmp_path):
     """AdamW through DeepSpeed's bf16 optimizer on a real one-stage 2BW engine: the same bytes as planned."""
     path = write_config(tmp_path, stages=1, optimizer=ADAMW, correction="none", gas=2, seq_len=32)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0",
            "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "PYTHONPATH": str(ROOT)}
     out = tmp_path / "result.json"
