@@ -9,12 +9,17 @@ writes ``OUT_DIR/result.pt``; the first data-parallel replica of each stage writ
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import json
+import os
 import sys
+import time
+import traceback
 from pathlib import Path
 
 import torch
+import torch.distributed as tdist
 
 from ds_async import config as cfgmod
 from ds_async import data
@@ -189,13 +194,6 @@ def serve(folder: Path) -> None:
     """Run the jobs requested in ``folder`` one after another (``tests/distributed.py``'s ``_JobServer``): each as
     in a fresh process, with torch's default generator at its start-up seed and the job's folder as working
     directory. A failing job ends the process group; so does the test process going away."""
-    import gc
-    import os
-    import time
-    import traceback
-
-    import torch.distributed as tdist
-
     rank, owner, seed = int(os.environ["RANK"]), int((folder / "owner").read_text()), torch.initial_seed()
     (folder / f"pid.rank{rank}").write_text(str(os.getpid()))
     for n in itertools.count():
