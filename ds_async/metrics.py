@@ -255,7 +255,9 @@ class RunLogger:
         if step_time is HOST_CLOCK:
             step_time = self._host_sum / self._host_steps if self._host_steps else None
         rates = self.rates(step_time)
-        summary = {"steps": steps, "tokens": steps * self.tokens_per_step, "seconds": round(elapsed, 2),
+        # "seconds" is the run's training clock, as history["validation_seconds"] reads it (a resumed run's includes
+        # its earlier processes; milliseconds, so that the last evaluation's clock is never past the end's).
+        summary = {"steps": steps, "tokens": steps * self.tokens_per_step, "seconds": round(self.elapsed(), 3),
                    "tokens_per_s": round(run * self.tokens_per_step / max(elapsed, 1e-9), 1),
                    "step_time_s": rates["step_time_s"], "train_tokens_per_s": rates["tokens_per_s"],
                    "mfu": rates["mfu"], "warmup_steps": self.warmup,

@@ -205,7 +205,8 @@ def test_engine_run_resumed_from_a_checkpoint_continues_the_clock(work, tmp_path
 
 def test_validation_clock_continues_a_resumed_run(tmp_path, monkeypatch):
     """``history["validation_seconds"]``: the clock at each evaluation, from the logger's making on, plus the
-    seconds of the processes a resumed run continues; ``history["validation"]`` keeps its (step, loss) pairs."""
+    seconds of the processes a resumed run continues; ``history["validation"]`` keeps its (step, loss) pairs; the
+    summary's ``seconds`` is that clock at the end."""
     from ds_async import metrics
 
     now = [50.0]
@@ -218,7 +219,9 @@ def test_validation_clock_continues_a_resumed_run(tmp_path, monkeypatch):
     log.validation(10, 2.25)
     assert log.history["validation"] == [(5, 2.5), (10, 2.25)]
     assert log.history["validation_seconds"] == [(5, 123.0), (10, 127.5)] and log.elapsed() == 127.5
-    log.close(10, plot=False)
+    now[0] += 0.0004
+    summary = log.close(10, plot=False)
+    assert summary["seconds"] == 127.5  # the same clock at the end: earlier processes included, milliseconds
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())["history"]
     assert saved["validation_seconds"] == [[5, 123.0], [10, 127.5]]
     assert saved["validation"] == [[5, 2.5], [10, 2.25]]
