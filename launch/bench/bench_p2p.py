@@ -32,7 +32,7 @@ def main() -> None:
     from ds_async.metrics import code_version
 
     dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     x = torch.randn(a.micro_batch_size, a.seq_len, a.hidden, device="cuda").to(torch.bfloat16)
     peer = rank + 1 if rank % 2 == 0 else rank - 1
