@@ -48,18 +48,21 @@ def zeropower_via_newtonschulz(grad: Tensor, steps: int = NS_STEPS,
 
     Runs in bf16 because the iteration is self-correcting and only needs singular values pushed into roughly
     [0.7, 1.2]; the coefficients maximise the slope at zero at the price of not converging to exactly 1. CUDA
-    tensors take :mod:`ds_async.optim.ns_triton` where Triton imports (the two symmetric products computed one
-    triangle each: a third fewer FLOPs), others :func:`zeropower_matmul`.
+    tensors on cards with bf16 tensor cores take :mod:`ds_async.optim.ns_triton` where Triton imports (the two
+    symmetric products computed one triangle each: a third fewer FLOPs), others :func:`zeropower_matmul`.
     """
     if grad.ndim < 2:
         raise ValueError(f"Newton-Schulz needs a matrix or a stack of matrices, got shape {tuple(grad.shape)}")
-    symmetric = _zeropower_symmetric() if grad.is_cuda else None
+    symmetric = _zeropower_symmetric(grad.device.index) if grad.is_cuda else None
     return (symmetric or zeropower_matmul)(grad, steps, coefficients, eps)
 
 
 @functools.cache
-def _zeropower_symmetric():
-    """:func:`ds_async.optim.ns_triton.zeropower_symmetric`, or None where Triton does not import."""
+def _zeropower_symmetric(device_index: int | None):
+    """:func:`ds_async.optim.ns_triton.zeropower_symmetric` for that CUDA device, or None where Triton does not
+    import or the card has no bf16 tensor cores (Triton's bf16 ``tl.dot`` needs compute capability 8.0)."""
+    if torch.cuda.get_device_capability(device_index) < (8, 0):
+        return None
     try:
         from .ns_triton import zeropower_symmetric
     except ImportError:
