@@ -30,7 +30,7 @@ def free_port() -> int:
 
     A port the kernel hands out (``bind(0)``) is one it may hand out again, as the source port of any of the
     many connections gloo opens, before the job that was told to listen on it does; ports below the range are only
-    taken by explicit binds. The tests' fixed ports sit in 29400-32000: this draws from 20000-29000."""
+    taken by explicit binds. Every listening port of the tests comes from here."""
     rng = random.Random(os.urandom(8))
     for _ in range(100):
         port = rng.randrange(20000, 29000)
@@ -58,7 +58,7 @@ class _JobServer:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
                str(free_port()), str(ROOT / "tests" / "jobs.py"), "serve", str(self.folder)]
         self.log = open(self.folder / "log.txt", "wb")
-        self.proc = subprocess.Popen(cmd, env=_job_env(), cwd=self.folder, stdout=self.log,
+        self.proc = subprocess.Popen(cmd, env=job_env(), cwd=self.folder, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def run(self, job: str, out_dir: Path, kwargs: dict, timeout: float) -> None:
@@ -117,7 +117,8 @@ def _stop_servers() -> None:
         server.stop()
 
 
-def _job_env() -> dict:
+def job_env() -> dict:
+    """The environment of every multi-process test job: one thread per rank, no dynamo, one extension cache."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONUNBUFFERED": "1",
             "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
                                                    str(Path.home() / ".cache" / "ds_async_torch_extensions"))}
@@ -145,9 +146,9 @@ def run_ckpt_jobs(work: Path, runs: list[dict], timeout: int = 600) -> Path:
     (work / "runs.json").write_text(json.dumps(runs))
     out = work / "out"
     out.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
-           str(31000 + os.getpid() % 1000), str(ROOT / "tests" / "ckpt_jobs.py"), str(work / "runs.json"), str(out)]
-    proc = subprocess.run(cmd, env=_job_env(), cwd=work, capture_output=True, text=True, timeout=timeout)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
+           str(ROOT / "tests" / "ckpt_jobs.py"), str(work / "runs.json"), str(out)]
+    proc = subprocess.run(cmd, env=job_env(), cwd=work, capture_output=True, text=True, timeout=timeout)
     (work / "log.txt").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return out

@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 from ds_async import checkpoint
 from ds_async.checkpoint import CheckpointError
 
-from distributed import free_port, train_py_error
+from distributed import free_port, job_env, train_py_error
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -56,7 +56,6 @@ CASES = {  # name: (schedule, optimizer, correction, extra keys: DeepSpeed's, an
     # bf16 weights with ds_async's fp32 masters, Muon + EF in a few passes per tensor: masters, momentum, EF buffer.
     "2bw-muon-ef-bf16-fused": ("2bw", MUON, EF, BF16_FUSED),
 }
-_port = [29400 + os.getpid() % 500 * 2]
 
 
 # --------------------------------------------------------------------------------------------------- helpers
@@ -102,14 +101,10 @@ def launch(work: Path, tag: str, runs: list[dict], wait: bool = True):
     (work / f"{tag}.runs.json").write_text(json.dumps(runs))
     out = work / tag
     out.mkdir(exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONUNBUFFERED": "1",
-           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                  str(Path.home() / ".cache" / "ds_async_torch_extensions"))}
-    _port[0] += 1
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(_port[0]),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
            str(ROOT / "tests" / "ckpt_jobs.py"), str(work / f"{tag}.runs.json"), str(out)]
     log = open(work / f"{tag}.log", "w")
-    proc = subprocess.Popen(cmd, env=env, cwd=work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=job_env(), cwd=work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     if not wait:
         return proc
     rc = proc.wait(timeout=600)
@@ -525,7 +520,8 @@ def test_sharded_optimizer_reload_keeps_the_lr_schedule_attached(tmp_path):
     stepping the wrapper would no longer reach the optimizer (a resumed run would drift)."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(_sharded_reload_worker, args=(free_port(), str(tmp_path / "r.pt")), nprocs=1, start_method="fork")
+    mp.start_processes(_sharded_reload_worker, args=(free_port(), str(tmp_path / "r.pt")), nprocs=1,
+                       start_method="fork")
     got = torch.load(tmp_path / "r.pt", weights_only=True)
     assert got == {"lr": 0.125, "shared": True}
 

@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 import torch
 
+from distributed import free_port
 from ds_async import config as cfgmod
 from ds_async.emulate import data_parallel_degree
 
@@ -341,7 +342,7 @@ def engine_run(study_out):
         mp.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", str(
             Path.home() / ".cache" / "ds_async_torch_extensions")))
         assert driver.main(["tiny-pairs", *PAIR, "--runner", "engine", "--out", str(study_out), "--port",
-                            str(31000 + os.getpid() % 2000)]) == 0
+                            str(free_port())]) == 0
     return study_out / "engine" / "engine" / "muon-2bw+ef-s0"
 
 

@@ -109,7 +109,7 @@ def zeropower_symmetric(grad: torch.Tensor, steps: int = NS_STEPS,
     a, b, c = coefficients
     x, tall = wide_and_normalised(grad, eps)
     lead = x.shape[:-2]
-    x = x.reshape(-1, *x.shape[-2:]).contiguous()
+    x = x.reshape(-1, *x.shape[-2:]).contiguous()  # a tall matrix's transpose: rows made contiguous along k
     for _ in range(steps):
         gram = sym_product(x, blocks=blocks, upcast=upcast)
         poly = sym_product(gram, gram, alpha=c, beta=b, blocks=blocks, upcast=upcast)  # b A + c A A^T, A symmetric
