@@ -52,7 +52,8 @@ COLUMNS = ["path", *ID, "optimizer", "schedule", "stages", "correction", "ef_lam
            "train_steps", "train_loss"]
 CURVES = ("val", "train")
 ENGINE_GROUP = "engine"  # the old runner's engine-vs-emulation pairs: their own table, left out of the others
-TRAIN_EVERY = 10  # committed training curves keep steps 1, every 10th and the last
+TRAIN_EVERY = 10  # committed training curves keep steps 1, every k-th and the last: k the smallest multiple
+TRAIN_POINTS = 100  # of TRAIN_EVERY that keeps about TRAIN_POINTS of them (a long run's curve stays small)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -173,7 +174,7 @@ def load_runs(roots: str | Path | Iterable[str | Path]) -> pd.DataFrame:
 def write_results(runs: pd.DataFrame, folder: str | Path = RESULTS) -> None:
     """``runs.csv`` (one row per run, curves left out) and ``curves.json`` (``"<runner>/<group>/<name>": {"val":
     [[step, loss], ...], "train": [...]}``, one run a line: every validation point; training steps 1, every
-    :data:`TRAIN_EVERY`-th and the last)."""
+    :func:`train_stride`-th and the last)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     runs = runs.sort_values(ID).reset_index(drop=True)
@@ -185,10 +186,18 @@ def write_results(runs: pd.DataFrame, folder: str | Path = RESULTS) -> None:
         for curve in CURVES:
             steps, losses = run[f"{curve}_steps"], run[f"{curve}_loss"]
             last = steps[-1] if steps else None
+            every = train_stride(last or 0)
             doc[curve] = [[step, float(f"{loss:.6g}")] for step, loss in zip(steps, losses)
-                          if curve == "val" or step == 1 or step % TRAIN_EVERY == 0 or step == last]
+                          if curve == "val" or step == 1 or step % every == 0 or step == last]
         lines.append(json.dumps("/".join(run[ID])) + ": " + json.dumps(doc, separators=(",", ":")))
     (folder / "curves.json").write_text("{\n" + ",\n".join(lines) + "\n}\n")
+
+
+def train_stride(last_step: int) -> int:
+    """Every how many steps a committed training curve keeps a point: :data:`TRAIN_EVERY`, or the smallest
+    multiple of it that keeps at most about :data:`TRAIN_POINTS` points up to ``last_step``. It depends on the last
+    step alone, so writing loaded results again keeps the same points."""
+    return TRAIN_EVERY * max(1, math.ceil(last_step / (TRAIN_EVERY * TRAIN_POINTS)))
 
 
 def load_results(folder: str | Path = RESULTS) -> pd.DataFrame:
@@ -476,11 +485,19 @@ def long_table(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis("optimizer")
 
 
+def length_sweep(runs: pd.DataFrame, ref: dict) -> pd.DataFrame:
+    """:func:`sweep` along ``tokens`` for each optimizer on its own: the seeds common to all of one optimizer's
+    lengths, so that one optimizer's missing seed does not drop the other's from its curve."""
+    parts = [sweep(part, "tokens", ref) for _, part in runs.groupby("optimizer", sort=True)]
+    return pd.concat(parts, ignore_index=True) if parts else sweep(runs, "tokens", ref)
+
+
 def length_table(runs: pd.DataFrame) -> pd.DataFrame:
     """The gap against training length: sync and 2bw at each length (own LR schedule each), in tokens per
-    parameter, paired by seed; the long matrix's runs are the longest point."""
+    parameter, paired by seed over the seeds common to the optimizer's lengths (:func:`length_sweep`); the long
+    matrix's runs are the longest point."""
     ref = reference(runs, group="long")
-    t = sweep(runs, "tokens", ref)
+    t = length_sweep(runs, ref)
     params = runs["parameters"].dropna().iloc[0]
     t.insert(2, "tokens/param", [v / params for v in t["tokens"]])
     t["tokens"] = [f"{v / 1e6:.0f}M" for v in t["tokens"]]
@@ -520,7 +537,7 @@ def long_findings(runs: pd.DataFrame, short: pd.DataFrame | None = None) -> str:
     """The results page's reading of the real-length runs as bullets, every number computed from ``runs`` (the
     long groups), ``short`` (the short study's main matrix, for its gap) and :data:`PAPER`."""
     ref = reference(runs, group="long")
-    lengths = sweep(runs[runs["group"].isin(["long", "long-lengths"])], "tokens", ref)
+    lengths = length_sweep(runs[runs["group"].isin(["long", "long-lengths"])], ref)
     params = runs["parameters"].dropna().iloc[0]
     full = runs[runs["group"] == "long"]
     table = gap_table(full)

@@ -103,6 +103,21 @@ def test_sweeps_use_the_reference_and_common_seeds():
     assert depth.iloc[0]["gap 2bw"] == pytest.approx(0.2)
 
 
+def test_length_curve_pairs_seeds_per_optimizer():
+    """The gap-against-length table takes, for each optimizer, the seeds all of its own lengths have: Muon's
+    second seed counts although AdamW's longest point has only seed 0."""
+    long = {"group": "long", "parameters": 1000, "tokens": 4000}
+    short = {"group": "long-lengths", "parameters": 1000, "tokens": 1000}
+    rows = [("muon", label, seed, 3.0 + d + 0.01 * seed + (0.5 if at is short else 0.0), at)
+            for seed in (0, 1) for at in (long, short) for label, d in (("sync", 0.0), ("2bw", 0.04 + 0.02 * seed))]
+    rows += [("adamw", label, 0, 3.2 + d, at) for at in (long, short) for label, d in (("sync", 0.0), ("2bw", 0.5))]
+    rows += [("adamw", label, 1, 3.3 + d, short) for label, d in (("sync", 0.0), ("2bw", 0.9))]
+    table = study.length_table(_runs(rows)).set_index(["optimizer", "tokens/param"])
+    assert table.loc[("muon", "4.00"), "seeds"] == 2 and table.loc[("muon", "4.00"), "gap"] == "+0.050"
+    assert table.loc[("muon", "1.00"), "seeds"] == 2 and table.loc[("muon", "1.00"), "gap"] == "+0.050"
+    assert table.loc[("adamw", "1.00"), "seeds"] == 1 and table.loc[("adamw", "1.00"), "gap"] == "+0.500"
+
+
 def test_each_variant_at_its_own_best_lr():
     """The LR table and the findings' own-best line: sync, 2bw and 2bw+ef each at the lowest loss over the LRs it
     ran (seed 0), inside the sweep or at its edge; no own-best line while a variant has one LR."""
@@ -282,10 +297,10 @@ def test_results_page_shows_what_the_committed_results_give():
     launch/study/results/, and the main table is the study's headline (AdamW and Muon, 3 seeds each)."""
     assert study.main(["report", "--check"]) == 0
     runs = study.load_results()
-    assert len(runs) == 111 and runs["complete"].all() and not runs["diverged"].any()
+    assert len(runs) == 117 and runs["complete"].all() and not runs["diverged"].any()
     assert (runs.groupby("group").size()[["main", "tokens", "lr", "batch", "depth", "ef_lambda", "nesterov"]].sum()
             == 18 + 32)
-    assert runs.groupby("group").size()[["long", "long-lr", "long-lengths"]].tolist() == [5, 2, 28]
+    assert runs.groupby("group").size()[["long", "long-lr", "long-lengths"]].tolist() == [9, 2, 30]
     long = runs[runs["group"] == "long"]
     assert (long["tokens"] / long["parameters"]).round(2).eq(20.0).all() and long["steps"].eq(4712).all()
     table = study.main_table(runs[runs["group"] == "main"], labels=("sync", "2bw", "2bw+ef"))
