@@ -25,8 +25,10 @@ Variants (``--variants``, comma-separated):
   muon_step  the class step ``Muon.step()`` + ErrorFeedback on fp32 matrices (momentum, Newton-Schulz, update).
   muon_pass  ``ds_async.optim.muon_pass.muon_pass_`` + EF from bf16 gradients, writing two bf16 outputs (the module's
              weights and a weight-version slot): the bf16 fast path's Muon step.
-Under ``torchrun --nproc_per_node D`` (one GPU a process, NCCL) the only variant is ``split_dist``: the real
-``ds_async.optim.ns_split.orthogonalise_split`` with its all-gather, every rank checked bit-equal to the unsplit
+Under ``torchrun --nproc_per_node D`` (one GPU a process, NCCL) the variants are ``split_dist``: the real
+``ds_async.optim.ns_split.orthogonalise_split`` with its one all-gather after all of a replica's Newton-Schulz, and
+``split_overlap``: the candidate :func:`split_overlapped`, one all-gather per shape started as soon as that shape is
+done, so that it overlaps the next shape's Newton-Schulz; every rank checked bit-equal to the unsplit
 ``orthogonalise_batched`` (rank 0 reports the slowest rank's median ms).
 Not part of the test suite.
 """
@@ -45,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ds_async.flops import newton_schulz_flops  # noqa: E402
-from ds_async.optim.muon import orthogonalise_batched, zeropower_matmul  # noqa: E402
+from ds_async.optim.muon import NS_COEFFICIENTS, NS_EPS, orthogonalise_batched, zeropower_matmul  # noqa: E402
 from ds_async.optim.ns_split import assign  # noqa: E402
 
 
@@ -75,6 +77,47 @@ def timed_ms(fn, iters: int, warmup: int, cuda: bool) -> float:
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+@torch.no_grad()
+def split_overlapped(directions: list[torch.Tensor], steps: int, coefficients=NS_COEFFICIENTS, eps: float = NS_EPS, *,
+                     group=None, owners=None) -> list[torch.Tensor]:
+    """Candidate for ``ds_async.optim.ns_split.orthogonalise_split`` (same owners, same contract): one all-gather
+    per shape, largest in bytes first, each started (``async_op``) as soon as every replica's matrices of that shape
+    are orthogonalised, so that it runs while the next shape's Newton-Schulz does; only the last, smallest gather is
+    left exposed. Each gather is padded to its widest owner, as the library's single one is."""
+    dist = torch.distributed
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    owners = owners or assign([d.shape for d in directions], world, steps)
+    by_shape: dict[tuple, list[int]] = {}
+    for i, d in enumerate(directions):
+        by_shape.setdefault(tuple(d.shape), []).append(i)
+    rounds = sorted(by_shape.values(), key=lambda idx: -sum(directions[i].numel() for i in idx))
+    out: list[torch.Tensor | None] = [None] * len(directions)
+    pending = []
+    for idx in rounds:
+        numel = [0] * world
+        for i in idx:
+            numel[owners[i]] += directions[i].numel()
+        width = max(numel)
+        mine = [i for i in idx if owners[i] == rank]
+        send = torch.empty(width, dtype=torch.bfloat16, device=directions[0].device)
+        offset = 0
+        for o in orthogonalise_batched([directions[i] for i in mine], steps, coefficients, eps):
+            send[offset:offset + o.numel()].view_as(o).copy_(o)
+            offset += o.numel()
+        send[offset:].zero_()
+        gathered = torch.empty(world * width, dtype=torch.bfloat16, device=send.device)
+        pending.append((gather(gathered, send, group=group, async_op=True), send))
+        offsets = [r * width for r in range(world)]
+        for i in idx:
+            r, n = owners[i], directions[i].numel()
+            out[i] = gathered[offsets[r]:offsets[r] + n].view(directions[i].shape)
+            offsets[r] += n
+    for work, _ in pending:
+        work.wait()
+    return out
 
 
 def merged(directions: list[torch.Tensor], steps: int) -> list[torch.Tensor]:
@@ -128,14 +171,14 @@ def main() -> None:
         from ds_async.optim.ns_split import orthogonalise_split
 
         dist = torch.distributed
-        got = orthogonalise_split(directions, a.steps)
-        ms = torch.tensor(timed_ms(lambda: orthogonalise_split(directions, a.steps), a.iters, a.warmup, cuda),
-                          device=device)
-        equal = torch.tensor(float(all(torch.equal(g, w) for g, w in zip(got, want))), device=device)
-        dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-        dist.all_reduce(equal, op=dist.ReduceOp.MIN)
-        if dist.get_rank() == 0:
-            report("split_dist", ms.item(), replicas=world, split_bit_equal=bool(equal.item()))
+        for variant, fn in (("split_dist", orthogonalise_split), ("split_overlap", split_overlapped)):
+            got = fn(directions, a.steps)
+            ms = torch.tensor(timed_ms(lambda: fn(directions, a.steps), a.iters, a.warmup, cuda), device=device)
+            equal = torch.tensor(float(all(torch.equal(g, w) for g, w in zip(got, want))), device=device)
+            dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+            dist.all_reduce(equal, op=dist.ReduceOp.MIN)
+            if dist.get_rank() == 0:
+                report(variant, ms.item(), replicas=world, split_bit_equal=bool(equal.item()))
         dist.destroy_process_group()
         a.variants = ""
     for variant in filter(None, a.variants.split(",")):
