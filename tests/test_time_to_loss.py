@@ -1,6 +1,15 @@
-"""``runs.time_to_loss``: when a validation curve first reaches a target loss, by hand."""
+"""Time to loss: ``runs.time_to_loss`` (when a validation curve first reaches a target loss) by hand, and the driver
+``launch/study/time_to_loss.py`` end to end on 2 gloo ranks."""
 import importlib.util
+import json
+import math
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
+
+from distributed import free_port, job_env
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("runs_ttl", ROOT / "notebooks" / "runs.py")
@@ -18,3 +27,39 @@ def test_first_crossing_interpolated_between_evaluations():
 
 def test_a_later_rise_does_not_undo_the_first_crossing():
     assert runs.time_to_loss([1.0, 2.0, 3.0], [4.0, 2.0, 5.0], 3.0) == 1.5
+
+
+TINY = {"ds_async.pipeline_stages": 2, "bf16.enabled": False, "ds_async.performance.compile": False,
+        "ds_async.performance.compile_scope": "layer", "ds_async.performance.fused_optimizer_step": False,
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "ds_async.data.seq_len": 64,
+        "ds_async.model.config.hidden_size": 64, "ds_async.model.config.intermediate_size": 128,
+        "ds_async.model.config.num_hidden_layers": 2, "ds_async.model.config.num_attention_heads": 4,
+        "ds_async.model.config.num_key_value_heads": 4, "ds_async.model.config.vocab_size": 8192,
+        "ds_async.tokenizer": "../shared/corpus/tokenizers/bpe8192.json", "ds_async.eval.batches": 2,
+        "scheduler.params.warmup_num_steps": 2}
+
+
+def test_the_driver_gives_both_schedules_the_same_training_time(tmp_path):
+    """The shipped engine_ttl.json shrunk to a 2-stage CPU model, 2 s each: every variant trains floor(budget / its
+    calibrated step time) steps under its own schedule, the target is the sync run's final loss, and each reported
+    crossing is the one its own evaluation clock gives."""
+    if not (ROOT.parent / "shared" / "corpus" / "tokenizers" / "bpe8192.json").exists():
+        pytest.skip("shared corpus not found next to the repository")
+    budget, out = 2.0, tmp_path / "ttl"
+    sets = [a for k, v in TINY.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+    subprocess.run([sys.executable, str(ROOT / "launch" / "study" / "time_to_loss.py"), "--budget", str(budget),
+                    "--gpus", "2", "--out", str(out), "--calibrate-steps", "4", "--evals", "3",
+                    "--port", str(free_port()), *sets], cwd=ROOT, env=job_env(), check=True, timeout=600)
+    doc = json.loads((out / "time_to_loss.json").read_text())
+    assert set(doc["runs"]) == {"sync", "2bw+ef"}
+    assert doc["target"] == doc["runs"]["sync"]["final_validation_loss"]
+    for name, run in doc["runs"].items():
+        assert run["steps"] == max(1, math.floor(budget / doc["calibration_step_time_s"][name]))
+        ds = json.loads((out / name / "manifest.json").read_text())["ds_async"]
+        assert (ds["schedule"], ds["correction"]["type"]) == {"sync": ("1f1b", "none"), "2bw+ef": ("2bw", "ef")}[name]
+        losses = [v for _, v in run["validation"]]
+        at = runs.time_to_loss([t for _, t in run["validation_seconds"]], losses, doc["target"])
+        assert run["time_to_loss"] == (None if at is None else round(at, 1))
+    sync = doc["runs"]["sync"]
+    assert sync["time_to_loss"] is not None and sync["time_to_loss"] <= sync["validation_seconds"][-1][1] + 0.05
+    assert 0 < sync["tokens_to_loss"] <= sync["tokens"]

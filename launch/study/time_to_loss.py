@@ -10,6 +10,8 @@ recording the wall-clock of every evaluation (``history["validation_seconds"]``)
     python launch/study/time_to_loss.py --budget 300 --gpus 4 --out runs/ttl
     python launch/study/time_to_loss.py --budget 300 --gpus 4 --out runs/ttl --set ds_async.data.train=...
 
+``tests/test_time_to_loss.py`` runs it end to end on 2 CPU ranks with the model shrunk (``--set``).
+
 Writes ``OUT/time_to_loss.json``: the target (the sync run's final validation loss) and per run its steps, tokens,
 step time, final loss, ``time_to_loss`` (seconds from the start of training to the target, linear between
 evaluations; null if never reached) and ``tokens_to_loss``; the run folders are ``OUT/<variant>`` as
@@ -35,7 +37,7 @@ from run import override, parse_set  # noqa: E402
 VARIANTS = {k: run.VARIANTS[k] for k in ("sync", "2bw+ef")}
 
 
-def train(config: dict, out: Path, name: str, gpus: int) -> dict:
+def train(config: dict, out: Path, name: str, gpus: int, port: int = 29500) -> dict:
     """One ``launch/train.py`` run of ``config`` as ``out/name``; returns its summary.json. A run that already
     finished with this very config (its ``out/name.json`` and ``summary.json`` are there) is not run again, so the
     whole comparison can be spread over several calls of a time-limited machine: run the same command again."""
@@ -48,7 +50,7 @@ def train(config: dict, out: Path, name: str, gpus: int) -> dict:
         print(f"[done] {name}: {done}", flush=True)
         return json.loads(done.read_text())
     path.write_text(text)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus), "--master_port", str(port),
            str(ROOT / "launch" / "train.py"), "--config", str(path)]
     print("$ " + " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibrate-steps", type=int, default=30)
     p.add_argument("--evals", type=int, default=20, help="validations per full run")
     p.add_argument("--set", dest="sets", type=parse_set, action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--port", type=int, default=29500, help="torchrun's master port")
     args = p.parse_args(argv)
 
     base = override(json.loads(args.config.read_text()), dict(args.sets))
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, variant in VARIANTS.items():
         config = override(base, {**variant, **length(args.calibrate_steps, 1), "ds_async.eval.every": 0,
                                  "ds_async.data.validation": None})
-        summary = train(config, out, f"{name}-calibrate", args.gpus)
+        summary = train(config, out, f"{name}-calibrate", args.gpus, args.port)
         steps = max(1, math.floor(args.budget / summary["step_time_s"]))
         plans[name] = (steps, summary["step_time_s"])
         print(f"[calibrate] {name}: {summary['step_time_s']:.4f} s a step -> {steps} steps in {args.budget:g} s",
@@ -99,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     summaries = {}
     for name, variant in VARIANTS.items():
         steps, _ = plans[name]
-        summaries[name] = train(override(base, {**variant, **length(steps, args.evals)}), out, name, args.gpus)
+        summaries[name] = train(override(base, {**variant, **length(steps, args.evals)}), out, name, args.gpus,
+                                args.port)
     tokens_per_step = summaries["sync"]["tokens"] // summaries["sync"]["steps"]
     target = summaries["sync"]["final_validation_loss"]
     doc = {"budget_s": args.budget, "gpus": args.gpus, "config": str(args.config), "sets": dict(args.sets),
