@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 7's levers, one at a time, on one GPU host: each line of the matrix is one bench_pipeline.py run.
 # Usage: bash launch/bench/bench_levers.sh OUT.jsonl [MATRIX]
-# MATRIX: headline | muon | muontargets | muon16 | muondp | big | levers | compiled | fused | scope | fusedstep | clip | scaling | optimizer |
+# MATRIX: headline | muon | muon4 | muon2x2 | muontargets | muon16 | muondp | big | levers | compiled | fused | scope | fusedstep | clip | scaling | optimizer |
 # optimizer16;
 # default levers; several: 'compiled scaling'.
 # Every row records its flags ("performance", "adamw", ...) and the card; compare rows of one call only.
@@ -13,6 +13,13 @@ matrices=${2:-levers}
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 export OMP_NUM_THREADS=4
 part=${PARTITION:-0,5,9,13,17}  # compute-balanced 4 stages of the 15-layer 0.9B LLaMA
+# The rows issue 20's targets read, each pair for one call: m = 4 (one replica) and 2 x 2 at m = 8. Muon + EF rows
+# take ~200 s each to report (compiling the stage and the fused step's passes), so one pair (~5 min) fits a
+# 10-minute call with room to spare and both pairs (~10 min, muontargets) do not.
+muon4=("--schedule 2bw --micro-batches 4 --compile --compile-scope stage --optimizer muon-ef --fused-step"
+       "--schedule 2bw --micro-batches 4 --compile --compile-scope stage --adamw fused --fused-step")
+muon2x2=("NPROC=4 --schedule 2bw --micro-batches 8 --stages 2 --compile --compile-scope stage --optimizer muon-ef --fused-step"
+         "NPROC=4 --schedule 2bw --micro-batches 8 --stages 2 --compile --compile-scope stage --adamw fused")
 runs=()
 for matrix in $matrices; do
 case $matrix in
@@ -27,12 +34,9 @@ case $matrix in
     "--schedule 2bw --micro-batches 4 --compile --compile-scope stage --optimizer muon-ef --fused-step"
     "--schedule 2bw --micro-batches 4 --compile --compile-scope stage --adamw fused --fused-step"
     "--schedule 2bw --micro-batches 8 --compile --compile-scope stage --optimizer muon-ef --precision autocast") ;;
-  muontargets) runs+=(  # the rows issue 20's targets read, pairs in one call: m = 4 (one replica) and 2 x 2 at m = 8;
-    # Muon + EF rows take ~200 s each to report (compiling the stage and the fused step's passes)
-    "--schedule 2bw --micro-batches 4 --compile --compile-scope stage --optimizer muon-ef --fused-step"
-    "--schedule 2bw --micro-batches 4 --compile --compile-scope stage --adamw fused --fused-step"
-    "NPROC=4 --schedule 2bw --micro-batches 8 --stages 2 --compile --compile-scope stage --optimizer muon-ef --fused-step"
-    "NPROC=4 --schedule 2bw --micro-batches 8 --stages 2 --compile --compile-scope stage --adamw fused") ;;
+  muon4) runs+=("${muon4[@]}") ;;
+  muon2x2) runs+=("${muon2x2[@]}") ;;
+  muontargets) runs+=("${muon4[@]}" "${muon2x2[@]}") ;;
   muon16) runs+=(
     "--schedule 2bw --micro-batches 16 --compile --compile-scope stage --optimizer muon-ef --fused-step"
     "--schedule 2bw --micro-batches 16 --compile --compile-scope stage --adamw fused --fused-step") ;;
