@@ -504,6 +504,40 @@ def length_table(runs: pd.DataFrame) -> pd.DataFrame:
     return _fmt(t, {"tokens/param": 2, "sync": 3, "2bw": 3, "gap": "+3"})
 
 
+def seed_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Each seed's own figures along the gap-against-length curve (long.json's point and its lengths, the other
+    axes at the reference), which the length and long tables average: per optimizer and length, ``2bw − sync`` and,
+    where the length has 2bw+ef runs, ``2bw+ef − sync`` and the share EF recovers; one column per seed (numbers,
+    NaN where a seed lacks a run)."""
+    ref = reference(runs, group="long")
+    sub = at_reference(runs, ref, free="tokens")
+    params = runs["parameters"].dropna().iloc[0]
+    seeds = sorted(int(s) for s in sub["seed"].unique())
+    rows = []
+    for (opt, tokens), part in sub.groupby(["optimizer", "tokens"]):
+        t = part.pivot_table(index="seed", columns="label", values="final_val", aggfunc="mean")
+        if not {"sync", "2bw"} <= set(t.columns):
+            continue
+        figures = {"2bw − sync": t["2bw"] - t["sync"]}
+        if "2bw+ef" in t:
+            figures["2bw+ef − sync"] = t["2bw+ef"] - t["sync"]
+            figures["recovered by ef"] = (t["2bw"] - t["2bw+ef"]) / (t["2bw"] - t["sync"])
+        for figure, values in figures.items():
+            rows.append({"optimizer": opt, "tokens/param": tokens / params, "figure": figure,
+                         **{f"seed {s}": values.get(s, math.nan) for s in seeds}})
+    return pd.DataFrame(rows, columns=["optimizer", "tokens/param", "figure", *(f"seed {s}" for s in seeds)])
+
+
+def seed_markdown(table: pd.DataFrame) -> str:
+    """:func:`seed_table` as the results page shows it: gaps to 3 decimals, shares in percent."""
+    out = table.astype(object)
+    for col in [c for c in table.columns if c.startswith("seed ")]:
+        out[col] = [("—" if not math.isfinite(v) else f"{100 * v:.0f}%" if fig.startswith("recovered")
+                     else f"{v:+.3f}") for v, fig in zip(table[col], table["figure"])]
+    out["tokens/param"] = [f"{v:.2f}" for v in table["tokens/param"]]
+    return markdown(out, index=False)
+
+
 LR_LABELS = ("sync", "2bw", "2bw+ef")
 
 
@@ -818,6 +852,7 @@ def report(runs: pd.DataFrame) -> dict[str, str]:
         lengths = long[long["group"].isin(["long", "long-lengths"])]
         blocks["long-lengths"] = (markdown(length_table(lengths), index=False) + "\n"
                                   + _ran(long[long["group"] == "long-lengths"]))
+        blocks["long-seeds"] = seed_markdown(seed_table(lengths))
         lrs = long[long["group"].isin(LR_GROUPS)]
         blocks["long-lr"] = markdown(long_lr_table(lrs), index=False) + "\n" + _ran(
             long[long["group"].isin(["long-lr", "long-async-lr"])])

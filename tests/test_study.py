@@ -118,6 +118,26 @@ def test_length_curve_pairs_seeds_per_optimizer():
     assert table.loc[("adamw", "1.00"), "seeds"] == 1 and table.loc[("adamw", "1.00"), "gap"] == "+0.500"
 
 
+def test_seed_table_shows_each_seed_along_the_lengths():
+    """The per-seed table: each seed's own 2bw − sync at every length and, where 2bw+ef ran, its remaining gap and
+    the share EF recovers; a seed without a run there is NaN, not dropped."""
+    long = {"group": "long", "parameters": 1000, "tokens": 4000}
+    short = {"group": "long-lengths", "parameters": 1000, "tokens": 1000}
+    rows = [("muon", "sync", 0, 3.00, long), ("muon", "2bw", 0, 3.04, long), ("muon", "2bw+ef", 0, 3.01, long),
+            ("muon", "sync", 1, 3.10, long), ("muon", "2bw", 1, 3.12, long), ("muon", "2bw+ef", 1, 3.11, long),
+            ("muon", "sync", 0, 3.5, short), ("muon", "2bw", 0, 3.9, short)]
+    table = study.seed_table(_runs(rows)).set_index(["tokens/param", "figure"])
+    assert list(table.columns) == ["optimizer", "seed 0", "seed 1"]
+    assert table.loc[(4.0, "2bw − sync"), "seed 0"] == pytest.approx(0.04)
+    assert table.loc[(4.0, "2bw − sync"), "seed 1"] == pytest.approx(0.02)
+    assert table.loc[(4.0, "2bw+ef − sync"), "seed 1"] == pytest.approx(0.01)
+    assert table.loc[(4.0, "recovered by ef"), "seed 0"] == pytest.approx(0.75)
+    assert table.loc[(1.0, "2bw − sync"), "seed 0"] == pytest.approx(0.4)
+    assert math.isnan(table.loc[(1.0, "2bw − sync"), "seed 1"]) and (1.0, "2bw+ef − sync") not in table.index
+    shown = study.seed_markdown(study.seed_table(_runs(rows)))
+    assert "| muon | 4.00 | recovered by ef | 75% | 50% |" in shown and "| muon | 1.00 | 2bw − sync | +0.400 | — |" in shown
+
+
 def test_each_variant_at_its_own_best_lr():
     """The LR table and the findings' own-best line: sync, 2bw and 2bw+ef each at the lowest loss over the LRs it
     ran (seed 0), inside the sweep or at its edge; no own-best line while a variant has one LR."""
