@@ -504,6 +504,19 @@ def length_table(runs: pd.DataFrame) -> pd.DataFrame:
     return _fmt(t, {"tokens/param": 2, "sync": 3, "2bw": 3, "gap": "+3"})
 
 
+def clock_line(runs: pd.DataFrame) -> str:
+    """What the runs' training clocks (``summary.json``'s ``seconds``, compiling included) give, per card:
+    runs, the range of tokens/s and of minutes a run."""
+    parts = []
+    for card, part in runs.dropna(subset=["seconds_per_step"]).groupby("card", sort=True):
+        rate = part["tokens_per_step"] / part["seconds_per_step"] / 1e6
+        minutes = part["seconds_per_step"] * part["steps"] / 60
+        parts.append(f"{card}, {len(part)} run{'s' if len(part) > 1 else ''}: {rate.min():.2f}–{rate.max():.2f}M "
+                     f"tokens/s, {minutes.min():.1f}–{minutes.max():.1f} min a run")
+    return ("Training clock (each run's summary `seconds`, compiling included): " + "; ".join(parts) + ".\n"
+            if parts else "")
+
+
 def seed_table(runs: pd.DataFrame) -> pd.DataFrame:
     """Each seed's own figures along the gap-against-length curve (long.json's point and its lengths, the other
     axes at the reference), which the length and long tables average: per optimizer and length, ``2bw − sync`` and,
@@ -848,7 +861,7 @@ def report(runs: pd.DataFrame) -> dict[str, str]:
     long = runs[runs["group"].isin(LONG_GROUPS)]
     if not long.empty:
         main_long = long[long["group"] == "long"]
-        blocks["long"] = markdown(long_table(main_long)) + "\n" + _ran(main_long)
+        blocks["long"] = markdown(long_table(main_long)) + "\n" + _ran(main_long) + "\n" + clock_line(main_long)
         lengths = long[long["group"].isin(["long", "long-lengths"])]
         blocks["long-lengths"] = (markdown(length_table(lengths), index=False) + "\n"
                                   + _ran(long[long["group"] == "long-lengths"]))

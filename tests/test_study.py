@@ -138,6 +138,18 @@ def test_seed_table_shows_each_seed_along_the_lengths():
     assert "| muon | 4.00 | recovered by ef | 75% | 50% |" in shown and "| muon | 1.00 | 2bw − sync | +0.400 | — |" in shown
 
 
+def test_clock_line_per_card():
+    runs = _runs([("muon", "sync", 0, 3.0, {"card": "A", "tokens_per_step": 1000, "seconds_per_step": 0.001,
+                                             "steps": 60000}),
+                  ("muon", "2bw", 0, 3.1, {"card": "A", "tokens_per_step": 1000, "seconds_per_step": 0.002,
+                                            "steps": 60000}),
+                  ("muon", "sync", 1, 3.0, {"card": "B", "tokens_per_step": 2000, "seconds_per_step": 0.001,
+                                             "steps": 30000})])
+    assert study.clock_line(runs) == ("Training clock (each run's summary `seconds`, compiling included): A, 2 runs: "
+                                      "0.50–1.00M tokens/s, 1.0–2.0 min a run; B, 1 run: 2.00–2.00M tokens/s, "
+                                      "0.5–0.5 min a run.\n")
+
+
 def test_each_variant_at_its_own_best_lr():
     """The LR table and the findings' own-best line: sync, 2bw and 2bw+ef each at the lowest loss over the LRs it
     ran (seed 0), inside the sweep or at its edge; no own-best line while a variant has one LR."""
