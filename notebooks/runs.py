@@ -534,7 +534,8 @@ def seed_table(runs: pd.DataFrame) -> pd.DataFrame:
         figures = {"2bw − sync": t["2bw"] - t["sync"]}
         if "2bw+ef" in t:
             figures["2bw+ef − sync"] = t["2bw+ef"] - t["sync"]
-            figures["recovered by ef"] = (t["2bw"] - t["2bw+ef"]) / (t["2bw"] - t["sync"])
+            figures["recovered by ef"] = pd.Series({k: recovered_share(*t.loc[k, ["sync", "2bw", "2bw+ef"]])
+                                                    for k in t.index})
         for figure, values in figures.items():
             rows.append({"optimizer": opt, "tokens/param": tokens / params, "figure": figure,
                          **{f"seed {s}": values.get(s, math.nan) for s in seeds}})
