@@ -76,15 +76,30 @@ def orthogonalise_split(directions: list[Tensor], steps: int = NS_STEPS,
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1 or not directions:
         return orthogonalise_batched(directions, steps, coefficients, eps)
-    rank = dist.get_rank(group)
     if owners is None:
         owners = assign([d.shape for d in directions], world, steps)
-    mine = [i for i, r in enumerate(owners) if r == rank]
+    out, _ = orthogonalise_owned(directions, range(len(directions)), owners, steps, coefficients, eps, group=group)
+    return out
+
+
+@torch.no_grad()
+def orthogonalise_owned(directions: Sequence[Tensor], indices: Sequence[int], owners: Sequence[int],
+                        steps: int = NS_STEPS, coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+                        eps: float = NS_EPS, *, group: dist.ProcessGroup | None = None, async_op: bool = False
+                        ) -> tuple[list[Tensor], object]:
+    """One all-gather round of :func:`orthogonalise_split` over ``directions[i]`` for ``i`` in ``indices``: this
+    rank orthogonalises the ones ``owners`` gives it (batched by shape), packs them in order into one bf16 buffer
+    padded to the widest owner's, and all ranks gather every owner's buffer. Returns the results for ``indices``, in
+    their order (views into the gathered buffer), and the collective's work handle (``async_op``: wait on it before
+    reading them; None otherwise)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    indices = list(indices)
+    mine = [i for i in indices if owners[i] == rank]
     numel = [0] * world
-    for d, r in zip(directions, owners):
-        numel[r] += d.numel()
+    for i in indices:
+        numel[owners[i]] += directions[i].numel()
     width = max(numel)
-    device = directions[0].device
+    device = directions[indices[0]].device
     send = torch.empty(width, dtype=torch.bfloat16, device=device)
     offset = 0
     for o in orthogonalise_batched([directions[i] for i in mine], steps, coefficients, eps):
@@ -92,10 +107,11 @@ def orthogonalise_split(directions: list[Tensor], steps: int = NS_STEPS,
         offset += o.numel()
     send[offset:].zero_()  # padding to the widest owner: sent, never read
     gathered = torch.empty(world * width, dtype=torch.bfloat16, device=device)
-    _all_gather_single(gathered, send, group=group)
-    out: list[Tensor | None] = [None] * len(directions)
+    work = _all_gather_single(gathered, send, group=group, async_op=async_op)
+    out = []
     offsets = [r * width for r in range(world)]
-    for i, (d, r) in enumerate(zip(directions, owners)):
-        out[i] = gathered[offsets[r]:offsets[r] + d.numel()].view(d.shape)
-        offsets[r] += d.numel()
-    return out
+    for i in indices:
+        r, n = owners[i], directions[i].numel()
+        out.append(gathered[offsets[r]:offsets[r] + n].view(directions[i].shape))
+        offsets[r] += n
+    return out, work

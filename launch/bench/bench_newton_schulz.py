@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ds_async.flops import newton_schulz_flops  # noqa: E402
 from ds_async.optim.muon import NS_COEFFICIENTS, NS_EPS, orthogonalise_batched, zeropower_matmul  # noqa: E402
-from ds_async.optim.ns_split import assign  # noqa: E402
+from ds_async.optim.ns_split import assign, orthogonalise_owned  # noqa: E402
 
 
 def stage_shapes(hidden: int, ffn: int, heads: int, kv_heads: int, layers: int) -> list[tuple[int, int]]:
@@ -83,39 +83,23 @@ def timed_ms(fn, iters: int, warmup: int, cuda: bool) -> float:
 def split_overlapped(directions: list[torch.Tensor], steps: int, coefficients=NS_COEFFICIENTS, eps: float = NS_EPS, *,
                      group=None, owners=None) -> list[torch.Tensor]:
     """Candidate for ``ds_async.optim.ns_split.orthogonalise_split`` (same owners, same contract): one all-gather
-    per shape, largest in bytes first, each started (``async_op``) as soon as every replica's matrices of that shape
-    are orthogonalised, so that it runs while the next shape's Newton-Schulz does; only the last, smallest gather is
-    left exposed. Each gather is padded to its widest owner, as the library's single one is."""
-    dist = torch.distributed
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    round (``ns_split.orthogonalise_owned``) per shape, largest in bytes first, each started (``async_op``) as soon
+    as that shape is orthogonalised, so that it runs while the next shape's Newton-Schulz does; only the last,
+    smallest gather is left exposed."""
+    world = torch.distributed.get_world_size(group)
     owners = owners or assign([d.shape for d in directions], world, steps)
     by_shape: dict[tuple, list[int]] = {}
     for i, d in enumerate(directions):
         by_shape.setdefault(tuple(d.shape), []).append(i)
-    rounds = sorted(by_shape.values(), key=lambda idx: -sum(directions[i].numel() for i in idx))
     out: list[torch.Tensor | None] = [None] * len(directions)
-    pending = []
-    for idx in rounds:
-        numel = [0] * world
-        for i in idx:
-            numel[owners[i]] += directions[i].numel()
-        width = max(numel)
-        mine = [i for i in idx if owners[i] == rank]
-        send = torch.empty(width, dtype=torch.bfloat16, device=directions[0].device)
-        offset = 0
-        for o in orthogonalise_batched([directions[i] for i in mine], steps, coefficients, eps):
-            send[offset:offset + o.numel()].view_as(o).copy_(o)
-            offset += o.numel()
-        send[offset:].zero_()
-        gathered = torch.empty(world * width, dtype=torch.bfloat16, device=send.device)
-        pending.append((gather(gathered, send, group=group, async_op=True), send))
-        offsets = [r * width for r in range(world)]
-        for i in idx:
-            r, n = owners[i], directions[i].numel()
-            out[i] = gathered[offsets[r]:offsets[r] + n].view(directions[i].shape)
-            offsets[r] += n
-    for work, _ in pending:
+    works = []
+    for idx in sorted(by_shape.values(), key=lambda idx: -sum(directions[i].numel() for i in idx)):
+        results, work = orthogonalise_owned(directions, idx, owners, steps, coefficients, eps, group=group,
+                                            async_op=True)
+        works.append(work)
+        for i, o in zip(idx, results):
+            out[i] = o
+    for work in works:
         work.wait()
     return out
 
