@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed import free_port, job_env
+from distributed import SHARED, free_port, job_env
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("runs_ttl", ROOT / "notebooks" / "runs.py")
@@ -43,7 +43,7 @@ def test_the_driver_gives_both_schedules_the_same_training_time(tmp_path):
     """The shipped engine_ttl.json shrunk to a 2-stage CPU model, 2 s each: every variant trains floor(budget / its
     calibrated step time) steps under its own schedule, the target is the sync run's final loss, and each reported
     crossing is the one its own evaluation clock gives."""
-    if not (ROOT.parent / "shared" / "corpus" / "tokenizers" / "bpe8192.json").exists():
+    if not (SHARED / "corpus" / "tokenizers" / "bpe8192.json").exists():
         pytest.skip("shared corpus not found next to the repository")
     budget, out = 2.0, tmp_path / "ttl"
     sets = [a for k, v in TINY.items() for a in ("--set", f"{k}={json.dumps(v)}")]
