@@ -25,11 +25,10 @@ Variants (``--variants``, comma-separated):
   muon_step  the class step ``Muon.step()`` + ErrorFeedback on fp32 matrices (momentum, Newton-Schulz, update).
   muon_pass  ``ds_async.optim.muon_pass.muon_pass_`` + EF from bf16 gradients, writing two bf16 outputs (the module's
              weights and a weight-version slot): the bf16 fast path's Muon step.
-Under ``torchrun --nproc_per_node D`` (one GPU a process, NCCL) the variants are ``split_dist``: the real
-``ds_async.optim.ns_split.orthogonalise_split`` with its one all-gather after all of a replica's Newton-Schulz, and
-``split_overlap``: the candidate :func:`split_overlapped`, one all-gather per shape started as soon as that shape is
-done, so that it overlaps the next shape's Newton-Schulz; every rank checked bit-equal to the unsplit
-``orthogonalise_batched`` (rank 0 reports the slowest rank's median ms).
+Under ``torchrun --nproc_per_node D`` (one GPU a process, NCCL) the variant is ``split_dist``: the real
+``ds_async.optim.ns_split.orthogonalise_split`` (one all-gather per shape, overlapping the next shape's
+Newton-Schulz), every rank checked bit-equal to the unsplit ``orthogonalise_batched`` (rank 0 reports the slowest
+rank's median ms).
 Not part of the test suite.
 """
 from __future__ import annotations
@@ -47,8 +46,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ds_async.flops import newton_schulz_flops  # noqa: E402
-from ds_async.optim.muon import NS_COEFFICIENTS, NS_EPS, orthogonalise_batched, zeropower_matmul  # noqa: E402
-from ds_async.optim.ns_split import assign, orthogonalise_owned  # noqa: E402
+from ds_async.optim.muon import orthogonalise_batched, zeropower_matmul  # noqa: E402
+from ds_async.optim.ns_split import assign  # noqa: E402
 
 
 def stage_shapes(hidden: int, ffn: int, heads: int, kv_heads: int, layers: int) -> list[tuple[int, int]]:
@@ -77,31 +76,6 @@ def timed_ms(fn, iters: int, warmup: int, cuda: bool) -> float:
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
-
-
-@torch.no_grad()
-def split_overlapped(directions: list[torch.Tensor], steps: int, coefficients=NS_COEFFICIENTS, eps: float = NS_EPS, *,
-                     group=None, owners=None) -> list[torch.Tensor]:
-    """Candidate for ``ds_async.optim.ns_split.orthogonalise_split`` (same owners, same contract): one all-gather
-    round (``ns_split.orthogonalise_owned``) per shape, largest in bytes first, each started (``async_op``) as soon
-    as that shape is orthogonalised, so that it runs while the next shape's Newton-Schulz does; only the last,
-    smallest gather is left exposed."""
-    world = torch.distributed.get_world_size(group)
-    owners = owners or assign([d.shape for d in directions], world, steps)
-    by_shape: dict[tuple, list[int]] = {}
-    for i, d in enumerate(directions):
-        by_shape.setdefault(tuple(d.shape), []).append(i)
-    out: list[torch.Tensor | None] = [None] * len(directions)
-    works = []
-    for idx in sorted(by_shape.values(), key=lambda idx: -sum(directions[i].numel() for i in idx)):
-        results, work = orthogonalise_owned(directions, idx, owners, steps, coefficients, eps, group=group,
-                                            async_op=True)
-        works.append(work)
-        for i, o in zip(idx, results):
-            out[i] = o
-    for work in works:
-        work.wait()
-    return out
 
 
 def merged(directions: list[torch.Tensor], steps: int) -> list[torch.Tensor]:
@@ -155,14 +129,14 @@ def main() -> None:
         from ds_async.optim.ns_split import orthogonalise_split
 
         dist = torch.distributed
-        for variant, fn in (("split_dist", orthogonalise_split), ("split_overlap", split_overlapped)):
-            got = fn(directions, a.steps)
-            ms = torch.tensor(timed_ms(lambda: fn(directions, a.steps), a.iters, a.warmup, cuda), device=device)
-            equal = torch.tensor(float(all(torch.equal(g, w) for g, w in zip(got, want))), device=device)
-            dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-            dist.all_reduce(equal, op=dist.ReduceOp.MIN)
-            if dist.get_rank() == 0:
-                report(variant, ms.item(), replicas=world, split_bit_equal=bool(equal.item()))
+        got = orthogonalise_split(directions, a.steps)
+        ms = torch.tensor(timed_ms(lambda: orthogonalise_split(directions, a.steps), a.iters, a.warmup, cuda),
+                          device=device)
+        equal = torch.tensor(float(all(torch.equal(g, w) for g, w in zip(got, want))), device=device)
+        dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+        dist.all_reduce(equal, op=dist.ReduceOp.MIN)
+        if dist.get_rank() == 0:
+            report("split_dist", ms.item(), replicas=world, split_bit_equal=bool(equal.item()))
         dist.destroy_process_group()
         a.variants = ""
     for variant in filter(None, a.variants.split(",")):
