@@ -15,12 +15,13 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import datasets
 import numpy as np
 import torch
 from datasets.distributed import split_dataset_by_node
+from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from .config import ConfigError, DataConfig, DataSource, from_dict
@@ -313,6 +314,26 @@ def load_tokenizer(spec: str, key: str | None = None) -> PreTrainedTokenizerFast
     return tokenizer
 
 
+def document_encoder(tokenizer) -> Callable[[list[str]], list[list[int]]]:
+    """A function from documents to their token ids, equal to ``tokenizer(texts, add_special_tokens=False,
+    split_special_tokens=True)["input_ids"]`` (a literal ``<|endoftext|>`` in a document is text, not a boundary).
+
+    For a tokenizer with a Rust backend it encodes with a copy of that backend, set up once as that call sets it up
+    (no truncation, no padding, special tokens split) and without computing character offsets
+    (``encode_batch_fast``): 1.25x the call's tokens/s on 64 enwiki documents at a time (2-core CPU, 2.0-2.1M
+    against 1.6-1.7M). The copy is this function's own, so a stream read in a background thread shares no settings
+    with the caller's tokenizer, which the call would set on every use."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a Python or SentencePiece tokenizer: the call itself
+        return lambda texts: tokenizer(texts, add_special_tokens=False, split_special_tokens=True,
+                                       return_attention_mask=False)["input_ids"]
+    backend = Tokenizer.from_str(backend.to_str())
+    backend.no_truncation()
+    backend.no_padding()
+    backend.encode_special_tokens = True
+    return lambda texts: [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+
+
 def eos_id(tokenizer) -> int:
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no EOS token to separate documents")
@@ -535,7 +556,7 @@ class PackedBatches:
             raise ValueError("seq_len, micro_batch_size, tokenize_batch and min_chars must be positive")
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(f"dp_rank {dp_rank} is outside dp_world_size {dp_world_size}")
-        self._tokenizer = tokenizer
+        self._encode = document_encoder(tokenizer)
         self._eos = eos_id(tokenizer)
         self._seq_len = seq_len
         self._micro_batch_size = micro_batch_size
@@ -598,11 +619,7 @@ class PackedBatches:
                 continue
             self._epoch_has_text = True
             self._used += len(texts)
-            # split_special_tokens: a literal "<|endoftext|>" inside a document is text, not a document boundary.
-            encoded = self._tokenizer(
-                texts, add_special_tokens=False, split_special_tokens=True, return_attention_mask=False
-            )["input_ids"]
-            for ids in encoded:
+            for ids in self._encode(texts):
                 self._buffer.extend(ids)
                 self._buffer.append(self._eos)
         return True

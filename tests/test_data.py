@@ -14,6 +14,7 @@ from ds_async.data import (
     LEE_CORPUS,
     DataError,
     PackedBatches,
+    document_encoder,
     eos_id,
     load_text_stream,
     load_tokenizer,
@@ -313,6 +314,24 @@ def test_train_bpe_and_load_it_back(tmp_path, lee_texts):
     text = "Byte-level BPE round-trips anything: naïve café, 東京, <|endoftext|>."
     ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     assert 0 not in ids and tokenizer.decode(ids) == text
+
+
+def test_document_encoder_is_the_tokenizer_call(corpus, tokenizer):
+    """The streams' encoder (a copy of the Rust backend, no offsets) gives the ids of the tokenizer call on real
+    documents, a literal ``<|endoftext|>`` and an empty one included, whatever truncation and padding the
+    tokenizer's own backend carries (the call switches them off), and leaves that backend's settings alone."""
+    texts = pq.read_table(corpus / "enwiki-validation.parquet").column("text").to_pylist()[:40]
+    texts += ["a literal <|endoftext|> inside a document", ""]
+    want = tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert sum(map(len, want)) > 10_000 and 0 not in want[-2] and want[-1] == []
+
+    truncating = load_tokenizer(str(corpus / "tokenizers" / "bpe8192.json"))
+    truncating.backend_tokenizer.enable_truncation(max_length=16)
+    truncating.backend_tokenizer.enable_padding(length=4096)
+    assert document_encoder(truncating)(texts) == want
+    assert truncating.backend_tokenizer.truncation["max_length"] == 16
+    assert truncating.backend_tokenizer.padding["length"] == 4096
+    assert truncating.backend_tokenizer.encode_special_tokens is False
 
 
 def test_tokenizer_command(tmp_path):
