@@ -574,7 +574,9 @@ class Emulation:
                                      "precision": self.precision,
                                      "parameters": sum(q.numel() for q in self.layers.parameters()),
                                      "compile": cfg.performance.compile, "partition": self.bounds,
-                                     "torch_threads": torch.get_num_threads()})
+                                     "torch_threads": torch.get_num_threads(),
+                                     # the tokenizer's thread pool (None: one thread per core)
+                                     "tokenizer_threads": os.environ.get("RAYON_NUM_THREADS")})
 
     def report(self, upto_all: bool = False) -> None:
         """Log the steps whose figures have reached the host (all of them with ``upto_all``)."""

@@ -393,6 +393,18 @@ def engine_run(study_out):
     return study_out / "engine" / "engine" / "muon-2bw+ef-s0"
 
 
+def test_workers_share_the_host_cores_for_tokenizing(tmp_path, monkeypatch):
+    """``--gpus 2`` starts two workers, each with half the host's cores for its tokenizer's thread pool, which the
+    run's manifest records."""
+    _corpus()
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert driver.main(["tiny", "--only", "main/adamw-sync-s0", "--gpus", "2", "--device", "cpu",
+                        "--out", str(tmp_path)]) == 0
+    manifest = json.loads((tmp_path / "emulation" / "main" / "adamw-sync-s0" / "manifest.json").read_text())
+    assert manifest["emulation"]["tokenizer_threads"] == str(max(1, (os.cpu_count() or 1) // 2))
+
+
 def test_tiny_matrix_run_folders(study_out):
     folders = study.find_runs(study_out / "emulation")
     assert len(folders) == 21 + 1

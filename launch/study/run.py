@@ -425,7 +425,10 @@ def _release_memory() -> None:
 
 
 def spread(argv: list[str], runs: list[Run], out: Path, runner: str, gpus: int, sets: dict) -> int:
-    """Start one worker (this script with ``--share k/W``) per group of GPUs a run needs, wait for all."""
+    """Start one worker (this script with ``--share k/W``) per group of GPUs a run needs, wait for all. Each worker's
+    tokenizer thread pool gets ``1/W`` of the host's cores (``RAYON_NUM_THREADS``, unless set), as torchrun sets
+    ``OMP_NUM_THREADS``: left alone, every worker's pool starts one thread per core, and W of them compete with the
+    workers' training loops for the cores."""
     per_run = max(processes(r.config(sets)) for r in runs) if runner == "engine" else 1
     workers = gpus // per_run
     if workers < 1:
@@ -435,7 +438,8 @@ def spread(argv: list[str], runs: list[Run], out: Path, runner: str, gpus: int, 
     for k in range(workers):
         visible = ",".join(str(g) for g in range(k * per_run, (k + 1) * per_run))
         log = out / "logs" / f"{runner}-{k}.log"
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible}
+        env = {"RAYON_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // workers)), **os.environ,
+               "CUDA_VISIBLE_DEVICES": visible}
         cmd = [sys.executable, __file__, *argv, "--share", f"{k}/{workers}", "--port", str(29600 + 10 * k)]
         jobs.append((k, log, subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)))
         print(f"worker {k}: GPUs {visible}, log {log}", flush=True)
