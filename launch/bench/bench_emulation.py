@@ -2,9 +2,11 @@
 
 Each row trains one config for ``--steps`` steps through :func:`ds_async.emulate.run` and reports what its summary
 measured after the logger's warm-up: step time, tokens/s and MFU (model FLOPs of ``ds_async.flops``), with the
-card, the commit and the command. Rows go to stdout and, with ``--out``, to a JSON-lines file.
+card, the commit and the command; ``steady_step_time_s`` is the mean step after :data:`STEADY_FROM`, once the
+steps read ahead during compilation are used up, which is what a long run gets. Rows go to stdout and, with
+``--out``, to a JSON-lines file.
 
-    python launch/bench/bench_emulation.py --steps 60 --out runs/bench_emulation.jsonl \\
+    python launch/bench/bench_emulation.py --out runs/bench_emulation.jsonl \\
         launch/study/long.json:adamw-sync launch/study/long.json:muon-2bw+ef launch/study/base.json:adamw-sync
 
 A row is ``CONFIG[:OPTIMIZER-VARIANT]``: the variant applies ``launch/study/run.py``'s overrides (the long study's
@@ -42,6 +44,20 @@ def row_config(spec: str, sets: dict) -> tuple[str, dict]:
     return spec, study.override(config, sets)
 
 
+STEADY_FROM = 100
+"""Steps after which a run trains at the rate its data are read: the first ~32-48 steps train from chunks the
+prefetch thread read while the model compiled (16-step chunks, two queued), so they show the GPU alone."""
+
+
+def steady_step_time(history: list, window: int, start: int = STEADY_FROM) -> float | None:
+    """Mean step time over steps ``start + 1`` up to the last multiple of ``window`` past it, from the logger's
+    running means over ``window`` steps (``summary["history"]["step_time_s"]``): taken at every ``window``-th step
+    past ``start`` they are the means of disjoint windows. None for a run too short for one window."""
+    means = dict(history)
+    points = [means[s] for s in range(start + window, max(means, default=0) + 1, window) if s in means]
+    return sum(points) / len(points) if points else None
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -50,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("rows", nargs="+", metavar="CONFIG[:OPTIMIZER-VARIANT]")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--device", default=None)
@@ -80,12 +96,15 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.chdir(ROOT):
                 summary = emulate.run(str(path), max_steps=args.steps, device=args.device)
             manifest = json.loads((Path(tmp) / f"row{k}" / "manifest.json").read_text())
+            history = json.loads((Path(tmp) / f"row{k}" / "summary.json").read_text())["history"]
             model = config["ds_async"]["model"]["config"]
             row = {"row": name, "params": manifest["emulation"]["parameters"], "model": model,
                    "micro_batch_size": manifest["micro_batch_size"], "micro_batches": manifest["micro_batches"],
                    "seq_len": config["ds_async"]["data"]["seq_len"], "tokens_per_step": manifest["tokens_per_step"],
                    "steps": args.steps, "warmup_steps": summary["warmup_steps"],
                    "step_time_s": summary["step_time_s"], "tokens_per_s": summary["train_tokens_per_s"],
+                   "steady_step_time_s": steady_step_time(history["step_time_s"],
+                                                          manifest["ds_async"]["logging"]["window"]),
                    "mfu": summary["mfu"], "precision": manifest["emulation"]["precision"],
                    "card": manifest["emulation"]["card"], "torch": torch.__version__,
                    "commit": code_version().get("commit"), "command": shlex.join([sys.argv[0], *sys.argv[1:]]),

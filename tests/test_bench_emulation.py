@@ -1,0 +1,28 @@
+"""``launch/bench/bench_emulation.py``'s steady step time: from the logger's running means to the exact mean step
+after the read-ahead phase."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch" / "bench"))
+
+import bench_emulation  # noqa: E402
+
+
+def running_means(spans: list[float], window: int, warmup: int) -> list[tuple[int, float]]:
+    """``summary["history"]["step_time_s"]`` as ``ds_async.metrics.MetricsLogger`` logs it: at each step after the
+    warm-up, the mean of the last ``window`` step spans (fewer at first)."""
+    out = []
+    for step in range(warmup + 1, len(spans) + 1):
+        last = spans[max(warmup, step - window):step]
+        out.append((step, sum(last) / len(last)))
+    return out
+
+
+def test_steady_step_time_is_the_mean_step_after_the_read_ahead():
+    spans = [0.07] * 40 + [0.1 + 0.001 * (i % 7) for i in range(300)]  # 40 fast steps, then slower, uneven ones
+    history = running_means(spans, window=20, warmup=2)
+    last = 100 + (len(spans) - 100) // 20 * 20
+    want = sum(spans[100:last]) / (last - 100)
+    assert abs(bench_emulation.steady_step_time(history, 20) - want) < 1e-12
+    assert abs(bench_emulation.steady_step_time(history, 20) - sum(spans[2:]) / len(spans[2:])) > 1e-3
+    assert bench_emulation.steady_step_time(history[:110], 20) is None  # no whole window past step 100
