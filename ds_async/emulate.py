@@ -25,9 +25,9 @@ Precision: fp32 on CPU always. On a GPU, ``bf16.enabled`` trains as the engine d
 versions, fp32 master weights and optimizer state through :class:`~ds_async.optim.master.MasterWeights`, Muon's
 step fused with ``performance.fused_optimizer_step``), and ``torch_autocast`` runs each layer's forward under bf16
 autocast over fp32 weights. ``performance.compile`` compiles the whole model's forward and loss as one region;
-``loss_chunk`` applies; other levers change no result beyond rounding and are not applied. Data is read ahead and
-staged on the device in chunks (:class:`ds_async.prefetch.Prefetcher`) and losses reach the host a step late, so
-on a GPU the loop does not wait for the host. On CPU in fp32 a run equals ``launch/train.py``'s on the engine: the
+``loss_chunk`` applies; other levers change no result beyond rounding and are not applied. Data is read ahead (on
+a GPU by a reader process) and staged on the device in chunks (:class:`ds_async.prefetch.Prefetcher`) and losses
+reach the host a step late, so on a GPU the loop does not wait for the host. On CPU in fp32 a run equals ``launch/train.py``'s on the engine: the
 same validation losses, bit for bit (``tests/test_study.py``).
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -327,6 +328,16 @@ def build_scheduler(block: dict | None, optimizer: torch.optim.Optimizer):
         raise ConfigError(f"scheduler.params: {e}") from None
 
 
+def open_train_streams(data_cfg, tokenizer, micro_batch_size: int, replicas: int, seed: int,
+                       tokenize_batch_: int) -> list:
+    """Each replica's training stream (:func:`ds_async.data.open_batches`): what the prefetcher's reader opens, in
+    its own process on a GPU, so it takes only picklable arguments."""
+    from . import data
+
+    return [data.open_batches(data_cfg, "train", tokenizer, micro_batch_size, dp_rank=r, dp_world_size=replicas,
+                              seed=seed, tokenize_batch=tokenize_batch_) for r in range(replicas)]
+
+
 def tokenize_batch(tokens: int) -> int:
     """Documents a stream tokenizes at a time when a run reads ``tokens`` tokens from it: the stream is the same
     whatever the batch, but a short run (a CPU test) should not tokenize 64 long documents to use a few thousand
@@ -469,19 +480,22 @@ class Emulation:
         if self.scheduler is not None and not getattr(self.stepped, "overflow", False):
             self.scheduler.step()
 
-    def _stream(self, split: str, rank: int, train: bool):
+    def _validation_stream(self, rank: int):
         from . import data
 
         cfg, mbs = self.cfg, self.mbs
-        tokens = (self.total_steps * mbs * self.gas if train else cfg.eval.batches * mbs) * cfg.data.seq_len
-        return data.open_batches(cfg.data, split, self.tokenizer, mbs, dp_rank=rank, dp_world_size=self.dp,
+        tokens = cfg.eval.batches * mbs * cfg.data.seq_len
+        return data.open_batches(cfg.data, "validation", self.tokenizer, mbs, dp_rank=rank, dp_world_size=self.dp,
                                  seed=cfg.seed, tokenize_batch=tokenize_batch(tokens))
 
     def _open_data(self) -> None:
         from .prefetch import Prefetcher
 
-        self.train_streams = [self._stream("train", r, True) for r in range(self.dp)]
-        self.batches = Prefetcher(self.train_streams, self.gas, self.device, steps=self.total_steps,
+        cfg = self.cfg
+        tokens = self.total_steps * self.mbs * self.gas * cfg.data.seq_len
+        streams = functools.partial(open_train_streams, cfg.data, self.tokenizer, self.mbs, self.dp, cfg.seed,
+                                    tokenize_batch(tokens))
+        self.batches = Prefetcher(streams, self.gas, self.device, steps=self.total_steps,
                                   chunk=min(16, self.total_steps))
         self.held_out: list[list] = []  # the validation micro-batches of each replica: the same every evaluation
 
@@ -493,7 +507,7 @@ class Emulation:
         cfg = self.cfg
         if not self.held_out:
             for r in range(self.dp):
-                batches = [b for _, b in zip(range(cfg.eval.batches), self._stream("validation", r, False))]
+                batches = [b for _, b in zip(range(cfg.eval.batches), self._validation_stream(r))]
                 if len(batches) < cfg.eval.batches:
                     raise data.DataError(f"{cfg.data.validation}: {len(batches)} validation micro-batches for "
                                          f"replica {r}, ds_async.eval.batches asks for {cfg.eval.batches}")
@@ -621,7 +635,8 @@ class Emulation:
         """The summary (``summary.json``, the console line); the saved state is no longer needed."""
         from . import data
 
-        skipped_docs = {k: sum(s.skipped[k] for s in self.train_streams) for k in data.SKIP_REASONS}
+        skipped = self.batches.skipped
+        skipped_docs = {k: skipped.get(k, 0) for k in data.SKIP_REASONS}
         summary = self.log.close(self.total_steps, plot=self.cfg.logging.plot,
                                  extra={"skipped_docs": skipped_docs,
                                         "skipped_steps": getattr(self.stepped, "skipped", 0),

@@ -3,93 +3,148 @@
 :class:`Prefetcher` turns one or more micro-batch streams (``(inputs, labels)`` iterators with
 ``state_dict``/``load_state_dict``, such as :class:`ds_async.data.PackedBatches`) into steps: each step is the next
 ``per_step`` micro-batches of every stream, stream after stream (replica after replica, as the emulation and the
-engine order them). Steps are read ``chunk`` at a time; on a GPU a background thread reads and stacks the next
-chunks into pinned memory while the device trains (the tokenizer releases the GIL), and each chunk reaches the
-device in one asynchronous copy, so the training loop never waits on the host for data. Without ``background``
-a chunk is read when it is needed, in the caller's thread: the same steps in the same order.
+engine order them). Steps are read ``chunk`` at a time. On a GPU a reader process opens the streams and reads and
+stacks the next chunks while the device trains; each chunk arrives through shared memory, is pinned and reaches
+the device in one asynchronous copy, so the training loop never waits on the host for data. Without
+``background`` a chunk is read when it is needed, in the caller's thread: the same steps in the same order.
+
+Why a process and not a thread: reading holds the GIL between tokenizer calls (datasets' rows, token lists), and
+a training loop that launches kernels releases and retakes it at every op, so a reading thread stalls it at each
+one. On a 2-core CPU a loop of small torch ops ran at 263k ops/s alone, 79k beside a reading thread (81k with a
+0.5 ms switch interval) and 230k beside a reading process; the GPU study runs stepped 16-19% (Muon) slower while a
+thread was reading than after it stopped (``launch/bench/RESULTS.md``).
 
 Position: :meth:`state_dict` is the streams' states at the start of the chunk being consumed plus the steps of it
 consumed since; :meth:`load_state_dict` (before the first step) restores the streams and skips those steps, so a
-resumed run reads exactly the steps the interrupted one would have read next.
+resumed run reads exactly the steps the interrupted one would have read next. :attr:`skipped` counts the documents
+the streams skipped up to the end of the chunk being consumed, whatever the reader has read beyond it.
 """
 from __future__ import annotations
 
+import multiprocessing
 import queue
-import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+import torch.multiprocessing  # noqa: F401 - registers the reductions that pass tensors through shared memory
+
+Streams = Sequence | Callable[[], Sequence]
+
+
+def read_chunk(streams: Sequence, per_step: int, steps: int):
+    """The streams' states; ``steps`` steps of micro-batches stacked as ``[steps, per_step * streams, micro_batch,
+    seq_len]`` inputs and labels; the streams' skipped-document counts after them."""
+    states = [s.state_dict() for s in streams]
+    xs, ys = [], []
+    for _ in range(steps):
+        for stream in streams:
+            for _ in range(per_step):
+                x, y = next(stream)
+                xs.append(x)
+                ys.append(y)
+    shape = (steps, per_step * len(streams), *xs[0].shape)
+    skipped = [dict(getattr(s, "skipped", {})) for s in streams]
+    return states, torch.stack(xs).view(shape), torch.stack(ys).view(shape), skipped
+
+
+def open_streams(streams: Streams, states: list[dict] | None) -> list:
+    """``streams`` (opened first if it is a function), restored to ``states`` when given."""
+    streams = list(streams() if callable(streams) else streams)
+    if states is not None:
+        for stream, state in zip(streams, states, strict=True):
+            stream.load_state_dict(state)
+    return streams
+
+
+def _read(streams: Streams, states, per_step: int, chunk: int, left: int | None, out, stop) -> None:
+    """The reader process: opens the streams and puts chunks of ``chunk`` steps (``left`` in all; None: no end)
+    into ``out`` until done or ``stop``; an exception instead of a chunk if reading fails. It then waits for
+    ``stop``: a chunk's tensors travel as file descriptors this process hands over when they are unpickled, so it
+    must outlive their reception."""
+    try:
+        torch.set_num_threads(1)
+        streams = open_streams(streams, states)
+        while not stop.is_set() and (left is None or left > 0):
+            n = chunk if left is None else min(chunk, left)
+            item = read_chunk(streams, per_step, n)
+            if left is not None:
+                left -= n
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+    except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it in its own process
+        out.put(e)
+    stop.wait()
+    out.cancel_join_thread()  # chunks still queued are not wanted once stopped: exit without flushing them
 
 
 class Prefetcher:
-    """Steps of ``per_step`` micro-batches from each of ``streams``, on ``device``; ``steps``: how many will be
-    taken (None: no end), so that nothing past the run's last step is read; ``chunk`` steps are read and copied at a
-    time; ``background``: read in a thread (default: on a GPU); ``depth``: chunks read ahead."""
+    """Steps of ``per_step`` micro-batches from each of ``streams``, on ``device``. ``streams``: the streams, or a
+    function that opens them (a reader process calls it, so it must pickle; the streams themselves pickle into the
+    reader otherwise); ``steps``: how many will be taken (None: no end), so that nothing past the run's last step is
+    read; ``chunk`` steps are read and copied at a time; ``background``: read in a process (default: on a GPU);
+    ``depth``: chunks read ahead."""
 
-    def __init__(self, streams: Sequence, per_step: int, device: torch.device, steps: int | None = None,
+    def __init__(self, streams: Streams, per_step: int, device: torch.device, steps: int | None = None,
                  chunk: int = 16, background: bool | None = None, depth: int = 2):
-        self.streams, self.per_step, self.device, self.chunk = list(streams), per_step, device, max(1, chunk)
-        self._left = steps  # steps still to read from the streams
+        self.per_step, self.device, self.chunk = per_step, device, max(1, chunk)
         self.background = device.type == "cuda" if background is None else background
         self.depth = depth
+        self._source = streams
+        self._left = steps  # steps still to read from the streams
+        self._loaded: list[dict] | None = None  # states given to load_state_dict, applied when the streams open
+        self._streams: list | None = None  # the streams, when read in this process
         self._states: list[dict] | None = None  # the streams' states at the start of the current chunk
+        self._skipped: list[dict] = []
         self._steps: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         self._used = 0
         self._skip = 0
-        self._queue: queue.Queue | None = None
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._queue = None
+        self._stop = None
+        self._process = None
+        if not self.background:  # opened now, so that a stream that cannot be opened fails here, not at step 1
+            self._streams = open_streams(streams, None)
 
     # -- reading -------------------------------------------------------------------------------------------------
-    def _read_chunk(self) -> tuple[list[dict], torch.Tensor, torch.Tensor]:
-        """The streams' states, then ``chunk`` steps of micro-batches stacked as ``[steps, per_step * streams,
-        micro_batch, seq_len]`` inputs and labels (pinned when the device is a GPU)."""
-        states = [s.state_dict() for s in self.streams]
+    def _start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")  # no fork: the parent may hold CUDA and datasets' threads
+        self._queue, self._stop = ctx.Queue(maxsize=self.depth), ctx.Event()
+        self._process = ctx.Process(target=_read, name="ds_async-prefetch", daemon=True,
+                                    args=(self._source, self._loaded, self.per_step, self.chunk, self._left,
+                                          self._queue, self._stop))
+        self._process.start()
+
+    def _take(self):
+        if self.background:
+            if self._process is None:
+                self._start()
+            while True:
+                try:
+                    item = self._queue.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    if not self._process.is_alive():
+                        raise RuntimeError(f"Prefetcher: the reader process died (exit code "
+                                           f"{self._process.exitcode})") from None
+            if isinstance(item, BaseException):
+                raise item
+            return item
         n = self.chunk if self._left is None else min(self.chunk, self._left)
         if n <= 0:
             raise RuntimeError("Prefetcher: every step it was built for has been taken")
         if self._left is not None:
             self._left -= n
-        xs, ys = [], []
-        for _ in range(n):
-            for stream in self.streams:
-                for _ in range(self.per_step):
-                    x, y = next(stream)
-                    xs.append(x)
-                    ys.append(y)
-        shape = (n, self.per_step * len(self.streams), *xs[0].shape)
-        x, y = torch.stack(xs).view(shape), torch.stack(ys).view(shape)
-        if self.device.type == "cuda":
-            x, y = x.pin_memory(), y.pin_memory()
-        return states, x, y
-
-    def _produce(self) -> None:
-        try:
-            while not self._stop.is_set() and (self._left is None or self._left > 0):
-                item = self._read_chunk()
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it in its own thread
-            self._queue.put(e)
+        return read_chunk(self._streams, self.per_step, n)
 
     def _next_chunk(self) -> None:
-        if self.background:
-            if self._thread is None:
-                self._queue = queue.Queue(maxsize=self.depth)
-                self._thread = threading.Thread(target=self._produce, name="ds_async-prefetch", daemon=True)
-                self._thread.start()
-            item = self._queue.get()
-            if isinstance(item, BaseException):
-                raise item
-        else:
-            item = self._read_chunk()
-        states, x, y = item
+        states, x, y, skipped = self._take()
+        if self.device.type == "cuda":
+            x, y = x.pin_memory(), y.pin_memory()
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        self._states = states
+        self._states, self._skipped = states, skipped
         self._steps = [list(zip(x[k].unbind(0), y[k].unbind(0))) for k in range(x.shape[0])]
         self._used = 0
 
@@ -105,28 +160,46 @@ class Prefetcher:
                 continue
             return step
 
+    @property
+    def skipped(self) -> dict[str, int]:
+        """Documents the streams skipped, by reason, up to the end of the chunk being consumed."""
+        out: dict[str, int] = {}
+        for counts in self._skipped:
+            for reason, n in counts.items():
+                out[reason] = out.get(reason, 0) + n
+        return out
+
     # -- position --------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Where the next step comes from (plain data, ``torch.load(weights_only=True)``-safe)."""
-        if self._states is None:  # nothing read yet: the streams stand where they were built
-            return {"streams": [s.state_dict() for s in self.streams], "skip": self._skip}
-        return {"streams": self._states, "skip": self._used}
+        """Where the next step comes from (plain data, ``torch.load(weights_only=True)``-safe); ``streams`` is None
+        for streams a function opens that have not been read yet (they start where they open)."""
+        if self._states is not None:
+            return {"streams": self._states, "skip": self._used}
+        streams = self._streams if self._streams is not None else (
+            None if callable(self._source) else self._source)
+        if self._loaded is not None or streams is None:
+            return {"streams": self._loaded, "skip": self._skip}
+        return {"streams": [s.state_dict() for s in streams], "skip": self._skip}
 
     def load_state_dict(self, state: dict) -> None:
-        if self._states is not None or self._thread is not None:
+        if self._states is not None or self._process is not None:
             raise RuntimeError("Prefetcher.load_state_dict: load before the first step")
-        for stream, s in zip(self.streams, state["streams"], strict=True):
-            stream.load_state_dict(s)
+        if self._streams is not None:  # read in this process: restore them now
+            self._streams = open_streams(self._streams, state["streams"])
+        else:
+            self._loaded = state["streams"]
         self._skip = state["skip"]
         if self._left is not None:
             self._left += self._skip
 
     def close(self) -> None:
-        """Stop the background thread (it may be blocked reading; it exits at its next chunk)."""
+        """Stop the reader process (it exits at its next chunk, or is terminated)."""
+        if self._process is None:
+            return
         self._stop.set()
-        if self._queue is not None:
-            try:
-                while True:
-                    self._queue.get_nowait()
-            except queue.Empty:
-                pass
+        self._process.join(timeout=5)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join()
+        self._queue.close()
+        self._process = None

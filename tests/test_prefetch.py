@@ -1,7 +1,14 @@
 """``ds_async.prefetch.Prefetcher``: the steps it hands out are the streams' micro-batches in order, read in the
-caller's thread or a background one alike, and its position resumes mid-chunk."""
+caller's thread or a background reader alike, and its position resumes mid-chunk."""
+import functools
+from pathlib import Path
+
+import pytest
 import torch
 
+from ds_async.config import DataConfig
+from ds_async.data import LEE_CORPUS, load_tokenizer
+from ds_async.emulate import open_train_streams
 from ds_async.prefetch import Prefetcher
 
 
@@ -27,7 +34,7 @@ def values(step):
     return [int(x[0, 0]) for x, _ in step]
 
 
-def test_steps_in_stream_order_with_or_without_the_thread():
+def test_steps_in_stream_order_with_or_without_the_reader():
     for background in (False, True):
         p = Prefetcher([Counting(0), Counting(100)], per_step=2, device=torch.device("cpu"), steps=5, chunk=2,
                        background=background)
@@ -46,3 +53,65 @@ def test_resume_mid_chunk_reads_the_next_steps_and_nothing_past_the_last():
     q.load_state_dict(state)
     rest = [values(q.next_step()) for _ in range(3)]
     assert first + rest == [[k] for k in range(7)] and stream.k == 7
+
+
+CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus"
+
+
+def lee_streams(replicas: int = 2, train: str = LEE_CORPUS):
+    """The emulation's training streams (``emulate.open_train_streams``) over the Lee corpus, as a picklable
+    function: what a reader process opens."""
+    tokenizer_file = CORPUS / "tokenizers" / "bpe8192.json"
+    if not tokenizer_file.is_file():
+        pytest.skip(f"shared corpus not found at {CORPUS} (the repo must be cloned next to shared/)")
+    cfg = DataConfig(train=train, seq_len=16, shuffle_buffer=8)
+    return functools.partial(open_train_streams, cfg, load_tokenizer(str(tokenizer_file)), 2, replicas, 3, 4)
+
+
+def taken(prefetcher, n):
+    return [[(x.clone(), y.clone()) for x, y in prefetcher.next_step()] for _ in range(n)]
+
+
+def same(a, b) -> bool:
+    return len(a) == len(b) and all(len(s) == len(t) and all(torch.equal(x, u) and torch.equal(y, v)
+                                                           for (x, y), (u, v) in zip(s, t)) for s, t in zip(a, b))
+
+
+def test_a_reader_process_reads_what_the_caller_would_and_resumes_mid_chunk():
+    """Real streams (tokenized text, a shuffle buffer, two replicas) read in a reader process give the steps, the
+    position and the skipped-document counts of reading them in place; a reader started from a mid-chunk position
+    gives the rest."""
+    streams = lee_streams()
+    inline = Prefetcher(streams, per_step=2, device=torch.device("cpu"), steps=9, chunk=4, background=False)
+    want = taken(inline, 9)
+    process = Prefetcher(streams, per_step=2, device=torch.device("cpu"), steps=9, chunk=4, background=True)
+    try:
+        first = taken(process, 6)  # the second chunk is two steps in
+        state = process.state_dict()
+        skipped = process.skipped
+    finally:
+        process.close()
+    assert same(first, want[:6]) and state["skip"] == 2 and len(state["streams"]) == 2
+    again = Prefetcher(streams, per_step=2, device=torch.device("cpu"), steps=9, chunk=4, background=False)
+    taken(again, 6)
+    assert again.state_dict() == state and again.skipped == skipped
+
+    resumed = Prefetcher(streams, per_step=2, device=torch.device("cpu"), steps=3, chunk=4, background=True)
+    resumed.load_state_dict(state)
+    try:
+        assert same(taken(resumed, 3), want[6:])
+    finally:
+        resumed.close()
+
+
+def test_a_reader_process_hands_its_error_to_the_caller(tmp_path):
+    missing = str(tmp_path / "none-*.parquet")
+    with pytest.raises(FileNotFoundError, match="none-"):
+        Prefetcher(lee_streams(train=missing), per_step=1, device=torch.device("cpu"), steps=2, background=False)
+    process = Prefetcher(lee_streams(train=missing), per_step=1, device=torch.device("cpu"), steps=2,
+                         background=True)
+    try:
+        with pytest.raises(FileNotFoundError, match="none-"):
+            process.next_step()
+    finally:
+        process.close()
