@@ -11,12 +11,6 @@ steps read ahead during compilation are used up, which is what a long run gets. 
 
 A row is ``CONFIG[:OPTIMIZER-VARIANT]``: the variant applies ``launch/study/run.py``'s overrides (the long study's
 optimizers for ``long.json``); ``--set KEY=VALUE`` overrides a key of every row's JSON.
-
-``--switch-interval``: the data are tokenized by a background thread, which needs the GIL between tokenizer calls;
-while the training loop runs Python it gets it back only every switch interval. On a 2-core CPU with one tokenizer
-thread and a Python-busy main thread, that thread delivered 256k tokens/s at the default 5 ms, 514k at 1 ms and
-639k at 0.2 ms (758k with the main thread idle): rows with a smaller interval tell whether a GPU run waits for it
-(on a 4x H200 host it did not: 1.28M tokens/s at 5 ms, 1.25M at 0.5 ms; ``launch/bench/RESULTS.md``).
 """
 from __future__ import annotations
 
@@ -70,12 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--device", default=None)
-    p.add_argument("--switch-interval", type=float, default=None, metavar="S",
-                   help="Python's GIL switch interval (sys.setswitchinterval; default 0.005 s): how long the data "
-                        "prefetch thread may wait for the GIL while the training loop runs Python")
     args = p.parse_args(argv)
-    if args.switch_interval is not None:
-        sys.setswitchinterval(args.switch_interval)
     sets = {}
     for item in args.sets:
         key, _, value = item.partition("=")
@@ -108,7 +97,6 @@ def main(argv: list[str] | None = None) -> int:
                    "mfu": summary["mfu"], "precision": manifest["emulation"]["precision"],
                    "card": manifest["emulation"]["card"], "torch": torch.__version__,
                    "commit": code_version().get("commit"), "command": shlex.join([sys.argv[0], *sys.argv[1:]]),
-                   "switch_interval_s": sys.getswitchinterval(),
                    "sets": sets}
             rows.append(row)
             print("BENCH " + json.dumps(row), flush=True)
