@@ -22,6 +22,7 @@ the streams skipped up to the end of the chunk being consumed, whatever the read
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 import queue
 from collections.abc import Callable, Sequence
 
@@ -76,6 +77,10 @@ def _read(streams: Streams, states, per_step: int, chunk: int, left: int | None,
                 except queue.Full:
                     continue
     except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it in its own process
+        try:
+            pickle.loads(pickle.dumps(e))
+        except Exception:  # noqa: BLE001 - one the consumer could not rebuild; the queue would fail in its own thread
+            e = RuntimeError(f"{type(e).__name__}: {e}")
         out.put(e)
     stop.wait()
     out.cancel_join_thread()  # chunks still queued are not wanted once stopped: exit without flushing them
