@@ -27,8 +27,8 @@ step fused with ``performance.fused_optimizer_step``), and ``torch_autocast`` ru
 autocast over fp32 weights. ``performance.compile`` compiles the whole model's forward and loss as one region;
 ``loss_chunk`` applies; other levers change no result beyond rounding and are not applied. Data is read ahead (on
 a GPU by a reader process) and staged on the device in chunks (:class:`ds_async.prefetch.Prefetcher`) and losses
-reach the host a step late, so on a GPU the loop does not wait for the host. On CPU in fp32 a run equals ``launch/train.py``'s on the engine: the
-same validation losses, bit for bit (``tests/test_study.py``).
+reach the host a step late, so on a GPU the loop does not wait for the host. On CPU in fp32 a run equals
+``launch/train.py``'s on the engine: the same validation losses, bit for bit (``tests/test_study.py``).
 """
 from __future__ import annotations
 
