@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 7's levers, one at a time, on one GPU host: each line of the matrix is one bench_pipeline.py run.
 # Usage: bash launch/bench/bench_levers.sh OUT.jsonl [MATRIX]
-# MATRIX: headline | muon | muon4 | muon2x2 | muontargets | muon16 | muondp | big | levers | compiled | fused | scope | fusedstep | clip | scaling | optimizer |
+# MATRIX: headline | muon | muon4 | muon2x2 | muontargets | text | muon16 | muondp | big | levers | compiled | fused | scope | fusedstep | clip | scaling | optimizer |
 # optimizer16;
 # default levers; several: 'compiled scaling'.
 # Every row records its flags ("performance", "adamw", ...) and the card; compare rows of one call only.
@@ -37,6 +37,9 @@ case $matrix in
   muon4) runs+=("${muon4[@]}") ;;
   muon2x2) runs+=("${muon2x2[@]}") ;;
   muontargets) runs+=("${muon4[@]}" "${muon2x2[@]}") ;;
+  text) runs+=(  # the engine fed real text read on its main thread (as launch/train.py reads it) against host batches
+    "--schedule 2bw --micro-batches 8 --compile --compile-scope stage --adamw fused --fused-step --host-batches"
+    "--schedule 2bw --micro-batches 8 --compile --compile-scope stage --adamw fused --fused-step --text ../shared/corpus/enwiki-train-00000-of-00006.parquet") ;;
   muon16) runs+=(
     "--schedule 2bw --micro-batches 16 --compile --compile-scope stage --optimizer muon-ef --fused-step"
     "--schedule 2bw --micro-batches 16 --compile --compile-scope stage --adamw fused --fused-step") ;;

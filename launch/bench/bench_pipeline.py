@@ -189,6 +189,11 @@ def main() -> None:
                     help="torch AdamW implementation (DeepSpeed passes the flag through to torch.optim.AdamW)")
     ap.add_argument("--host-batches", action="store_true",
                     help="feed micro-batches from CPU memory (as the trainer does) instead of a pool on the GPU")
+    ap.add_argument("--text", default=None, metavar="GLOB",
+                    help="feed micro-batches of real text (parquet or text files), tokenized on each data-reading "
+                         "rank's main thread as launch/train.py reads them, instead of random tokens")
+    ap.add_argument("--tokenizer", default="../shared/corpus/tokenizers/bpe16384.json",
+                    help="the tokenizer for --text (its ids must fit the model's vocabulary)")
     ap.add_argument("--fused-step", action="store_true",
                     help="the bf16 AdamW step in one pass per tensor (performance.fused_optimizer_step; 2bw, bf16)")
     ap.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off, no global-norm all-reduce)")
@@ -301,6 +306,21 @@ def described(cfg, ds_config: dict) -> dict:
             "clip": ds_config.get("gradient_clipping", 0.0)}
 
 
+def text_batches(a, engine, job: dict, vocab_size: int):
+    """This rank's micro-batches of ``--text``, as the trainer opens its training stream (``ds_async.data``:
+    shuffled, packed, read and tokenized on this thread when the engine asks for the next one)."""
+    from ds_async import data
+    from ds_async.config import DataConfig
+
+    tokenizer = data.load_tokenizer(a.tokenizer, key="--tokenizer")
+    if len(tokenizer) > vocab_size:
+        raise SystemExit(f"--tokenizer {a.tokenizer}: {len(tokenizer)} tokens, more than the model's vocabulary "
+                         f"({vocab_size})")
+    return data.open_batches(DataConfig(train=a.text, seq_len=job["seq_len"]), "train", tokenizer,
+                             job["micro_batch_size"], dp_rank=engine.grid.data_parallel_id,
+                             dp_world_size=engine.grid.data_parallel_size)
+
+
 def measure(a, cfg, hf, ds_config: dict, model: dict, world: int, stages: int, extra: dict | None = None) -> None:
     """Build the engine, run ``--warmup`` + ``--steps`` batches of random tokens, print and append the row. ``a``
     gives only how to run (warm-up, steps, profile, ``--skip-step``, ``--host-batches``, ``--out``); what runs is
@@ -335,7 +355,7 @@ def measure(a, cfg, hf, ds_config: dict, model: dict, world: int, stages: int, e
             for ids in pool:
                 yield ids[:, :-1], ids[:, 1:]
 
-    it = batches()
+    it = text_batches(a, engine, job, hf.vocab_size) if a.text else batches()
     total = a.warmup + a.steps + (2 if a.profile else 0)
     engine.drain_after(total - 1)
     for _ in range(a.warmup):
@@ -386,7 +406,7 @@ def measure(a, cfg, hf, ds_config: dict, model: dict, world: int, stages: int, e
            "step_time_s": round(step_time, 4), "tokens_per_s": round(tokens / step_time, 1),
            "mfu": None if mfu is None else round(mfu, 4), "ideal_1f1b_bubble": round((p - 1) / (m + p - 1), 4),
            "optimizer": job["optimizer"], "adamw": job["adamw"], "clip": job["clip"], "skip_step": a.skip_step,
-           "host_batches": a.host_batches,
+           "host_batches": a.host_batches, "text": a.text,
            "performance": dataclasses.asdict(cfg.performance),
            "peak_mem_GiB_by_stage": {f"s{s}": g for s, d, g, *_ in sorted(peaks) if d == 0},
            "measured_idle_by_stage": {f"s{s}": b for s, d, _, b, *_ in sorted(peaks) if d == 0},
