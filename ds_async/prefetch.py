@@ -123,26 +123,27 @@ class Prefetcher:
         self._process.start()
 
     def _take(self):
-        if self.background:
-            if self._process is None:
-                self._start()
-            while True:
-                try:
-                    item = self._queue.get(timeout=1.0)
-                    break
-                except queue.Empty:
-                    if not self._process.is_alive():
-                        raise RuntimeError(f"Prefetcher: the reader process died (exit code "
-                                           f"{self._process.exitcode})") from None
-            if isinstance(item, BaseException):
-                raise item
-            return item
+        """The next chunk's item: read here, or the reader's next (it reads the same chunk sizes)."""
         n = self.chunk if self._left is None else min(self.chunk, self._left)
         if n <= 0:
             raise RuntimeError("Prefetcher: every step it was built for has been taken")
+        if self.background and self._process is None:
+            self._start()  # before counting this chunk: the reader reads all that is left
         if self._left is not None:
             self._left -= n
-        return read_chunk(self._streams, self.per_step, n)
+        if not self.background:
+            return read_chunk(self._streams, self.per_step, n)
+        while True:
+            try:
+                item = self._queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._process.is_alive():
+                    raise RuntimeError(f"Prefetcher: the reader process died (exit code "
+                                       f"{self._process.exitcode})") from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     def _next_chunk(self) -> None:
         states, x, y, skipped = self._take()
@@ -177,14 +178,12 @@ class Prefetcher:
     # -- position --------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Where the next step comes from (plain data, ``torch.load(weights_only=True)``-safe); ``streams`` is None
-        for streams a function opens that have not been read yet (they start where they open)."""
+        for a reader's streams that have not been read yet and were given no state (they start where they open)."""
         if self._states is not None:
             return {"streams": self._states, "skip": self._used}
-        streams = self._streams if self._streams is not None else (
-            None if callable(self._source) else self._source)
-        if self._loaded is not None or streams is None:
-            return {"streams": self._loaded, "skip": self._skip}
-        return {"streams": [s.state_dict() for s in streams], "skip": self._skip}
+        if self._streams is not None:
+            return {"streams": [s.state_dict() for s in self._streams], "skip": self._skip}
+        return {"streams": self._loaded, "skip": self._skip}
 
     def load_state_dict(self, state: dict) -> None:
         if self._states is not None or self._process is not None:

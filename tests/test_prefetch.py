@@ -115,3 +115,14 @@ def test_a_reader_process_hands_its_error_to_the_caller(tmp_path):
             process.next_step()
     finally:
         process.close()
+
+
+def test_a_reader_refuses_a_step_past_the_last_as_reading_in_place_does():
+    for background in (False, True):
+        p = Prefetcher([Counting(0)], per_step=1, device=torch.device("cpu"), steps=2, chunk=2, background=background)
+        try:
+            assert [values(p.next_step()) for _ in range(2)] == [[0], [1]]
+            with pytest.raises(RuntimeError, match="every step it was built for has been taken"):
+                p.next_step()
+        finally:
+            p.close()
