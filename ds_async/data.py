@@ -41,8 +41,10 @@ _DEFAULT_SPLIT = {"train": "train", "validation": "validation"}
 # arrow's reader threads are gone before the interpreter is (apache/arrow#45214; arrow#39862 reports 100 ms after a
 # scan enough). Only interpreter exit needs that: the end of an epoch or a dropped stream does not, and there it
 # stalls training and every short job. So the sleep is 0 while a process runs, and at exit the process waits until
-# _EXIT_WAIT seconds have passed since it last read a stream (ten times the reported need).
-_EXIT_WAIT = 1.0
+# _EXIT_WAIT seconds have passed since it last read a stream. 1 s was not enough on a loaded CPU: a study worker
+# (tiny matrix, 2 cores and 3 busy processes) aborted at exit ("terminate called without an active exception") in
+# 2 of 8 runs at 1 s and 0 of 10 at 3 s.
+_EXIT_WAIT = 3.0
 datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0
 _last_read = [None]  # time.monotonic() of the last row read through this module
 
