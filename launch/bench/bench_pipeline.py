@@ -278,12 +278,15 @@ def bench_config(a, world: int) -> None:
         perf = raw["ds_async"].setdefault("performance", {})
         perf.update(activation_checkpoint_interval=0, activation_checkpoint_layers=recompute_counts(a))
     raw.pop("train_batch_size", None)
+    # the LR schedule spans the benchmark's steps, whatever length the job itself would train for
+    (raw.get("scheduler") or {}).get("params", {}).pop("total_num_steps", None)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(raw, f)
     ds_config, cfg = cfgmod.load(f.name)
     hf = model_config(cfg)
     planned = to_json(plan(f.name, gpus=world))
-    ds_config = {k: v for k, v in ds_config.items() if k != "ds_async"}
+    ds_config = cfgmod.with_schedule_length({k: v for k, v in ds_config.items() if k != "ds_async"},
+                                            a.warmup + a.steps + (2 if a.profile else 0))
     ds_config.update(steps_per_print=10 ** 9, wall_clock_breakdown=False)
     extra = {"config": a.config, "family": cfg.model.family,
              "planned_GiB_by_stage": {f"s{x['stage']}": round(x["total"] / 2 ** 30, 2) for x in planned["stages_detail"]},
