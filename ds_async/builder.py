@@ -5,6 +5,8 @@ our class. Everything else (config parsing, optimizer and scheduler construction
 """
 from __future__ import annotations
 
+import os
+
 import deepspeed
 from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import PipelineModule
@@ -19,14 +21,21 @@ def init_distributed() -> None:
 
     On CPU, DeepSpeed's communication backend would first JIT-compile its shared-memory all-reduce op, which sits
     silent for minutes on a machine's first run; only DeepSpeed's inference tensor parallelism calls that op (the
-    process group's all-reduce serves training), so it is marked unavailable here and never built."""
+    process group's all-reduce serves training), so it is marked unavailable here and never built.
+
+    On an accelerator each process takes the device of its ``LOCAL_RANK``, as the launchers lay them out, before
+    anything is placed on "the current device": DeepSpeed's engine sets it only when it is built, after the client
+    optimizer has put its fp32 masters and state there (every rank's on device 0 otherwise)."""
     import torch.distributed as tdist
 
-    if get_accelerator().device_name() == "cpu" and not tdist.is_initialized():
-        shm = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu" and not tdist.is_initialized():
+        shm = accelerator.create_op_builder("ShareMemCommBuilder")
         if shm is not None:
             deepspeed.ops.__compatible_ops__[shm.NAME] = False  # DeepSpeed keeps this dict; it reads it to decide
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    if accelerator.device_name() != "cpu":
+        accelerator.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
 
 
 def initialize(model: PipelineModule, config: dict, schedule: str = "1f1b", correction=None, optimizer=None,

@@ -217,7 +217,6 @@ def main() -> None:
 
     init_distributed()
     world = dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if a.config:
         return bench_config(a, world)
     if a.schedule is None:
