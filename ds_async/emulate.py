@@ -360,14 +360,6 @@ def _autocast(layers: Sequence[nn.Module], device: torch.device) -> list[nn.Modu
     return [Autocast(layer) for layer in layers]
 
 
-def card_name(device: torch.device) -> str:
-    import platform
-
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu: {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
-
-
 class _OneProcess:
     """The rank/barrier interface ``ds_async.trainer.resolve_tokenizer`` expects, for a single process."""
 
@@ -584,7 +576,7 @@ class Emulation:
                           micro_batch_size=self.mbs, micro_batches=self.gas, tokens_per_step=self.tokens_per_step,
                           total_steps=self.total_steps, model=self.hf_config.to_dict(),
                           resumed_from=self.resumed_from,
-                          emulation={"device": str(self.device), "card": card_name(self.device),
+                          emulation={"device": str(self.device), "card": metrics.card_name(self.device),
                                      "precision": self.precision,
                                      "parameters": sum(q.numel() for q in self.layers.parameters()),
                                      "compile": cfg.performance.compile, "partition": self.bounds,

@@ -18,6 +18,15 @@ from contextlib import nullcontext
 from pathlib import Path
 
 
+def card_name(device) -> str:
+    """What ``device`` (a ``torch.device``) is, for the records: the GPU's name, or the CPU and its thread count."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu: {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
 def code_version() -> dict:
     """The code that ran: git commit and dirty flag of the ds_async checkout, and library versions.
 

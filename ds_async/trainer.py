@@ -450,8 +450,9 @@ class Trainer:
                                      peak_flops=None if peak is None else peak * self.world, monitor=self.ds_monitor,
                                      seconds_before=self.seconds_before)
         self.log.manifest(config_file=str(self.config_path), ds_async=cfgmod.resolved(cfg), deepspeed=self.ds_config,
-                          world_size=self.world, pipeline_stages=cfg.pipeline_stages,
-                          data_parallel=engine.grid.data_parallel_size, micro_batch_size=self.mbs,
+                          card=metrics.card_name(engine.device), world_size=self.world,
+                          pipeline_stages=cfg.pipeline_stages, data_parallel=engine.grid.data_parallel_size,
+                          micro_batch_size=self.mbs,
                           micro_batches=self.gas, tokens_per_step=self.tokens_per_step, total_steps=self.total_steps,
                           model=self.hf_config.to_dict(),
                           resumed_from=str(self.resume_from) if self.resume_from else None)
