@@ -52,10 +52,15 @@ def test_the_driver_gives_both_schedules_the_same_training_time(tmp_path):
                     "--port", str(free_port()), *sets], cwd=ROOT, env=job_env(), check=True, timeout=600)
     doc = json.loads((out / "time_to_loss.json").read_text())
     assert set(doc["runs"]) == {"sync", "2bw+ef"}
+    assert doc["command"].startswith("python launch/study/time_to_loss.py --budget 2.0 --gpus 2")
+    assert doc["parameters"] == runs.llama_parameters(json.loads((out / "sync" / "manifest.json").read_text())["model"])
     assert doc["target"] == doc["runs"]["sync"]["final_validation_loss"]
     for name, run in doc["runs"].items():
         assert run["steps"] == max(1, math.floor(budget / doc["calibration_step_time_s"][name]))
-        ds = json.loads((out / name / "manifest.json").read_text())["ds_async"]
+        manifest = json.loads((out / name / "manifest.json").read_text())
+        ds = manifest["ds_async"]
+        assert manifest["card"].startswith("cpu") and run["card"] == f"2x {manifest['card']}"
+        assert run["commit"] == manifest["code"]["commit"]
         assert (ds["schedule"], ds["correction"]["type"]) == {"sync": ("1f1b", "none"), "2bw+ef": ("2bw", "ef")}[name]
         losses = [v for _, v in run["validation"]]
         at = runs.time_to_loss([t for _, t in run["validation_seconds"]], losses, doc["target"])
@@ -63,3 +68,4 @@ def test_the_driver_gives_both_schedules_the_same_training_time(tmp_path):
     sync = doc["runs"]["sync"]
     assert sync["time_to_loss"] is not None and sync["time_to_loss"] <= sync["validation_seconds"][-1][1] + 0.05
     assert 0 < sync["tokens_to_loss"] <= sync["tokens"]
+

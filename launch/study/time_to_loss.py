@@ -12,9 +12,10 @@ recording the wall-clock of every evaluation (``history["validation_seconds"]``)
 
 ``tests/test_time_to_loss.py`` runs it end to end on 2 CPU ranks with the model shrunk (``--set``).
 
-Writes ``OUT/time_to_loss.json``: the target (the sync run's final validation loss) and per run its steps, tokens,
-step time, final loss, ``time_to_loss`` (seconds from the start of training to the target, linear between
-evaluations; null if never reached) and ``tokens_to_loss``; the run folders are ``OUT/<variant>`` as
+Writes ``OUT/time_to_loss.json``: the command, the model's parameter count, the target (the sync run's final
+validation loss) and per run its card, commit, steps, tokens, step time, final loss, ``time_to_loss`` (seconds from
+the start of training to the target, linear between evaluations; null if never reached), ``tokens_to_loss`` and
+its validation curve against steps and seconds; the run folders are ``OUT/<variant>`` as
 ``launch/train.py`` writes them. The base config is ``engine_ttl.json`` beside this file (``--config`` for another).
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -61,7 +63,7 @@ def length(steps: int, evals: int) -> dict:
     return {"ds_async.train.steps": steps, "ds_async.eval.every": max(1, steps // evals)}
 
 
-def result(summary: dict, tokens_per_step: int, target: float) -> dict:
+def result(summary: dict, manifest: dict, tokens_per_step: int, target: float) -> dict:
     from runs import time_to_loss
 
     history = summary["history"]
@@ -70,7 +72,8 @@ def result(summary: dict, tokens_per_step: int, target: float) -> dict:
     at = time_to_loss([t for _, t in seconds], losses, target)
     step = time_to_loss([s for s, _ in val], losses, target)  # the same crossing, in steps
     tokens = None if step is None else round(step * tokens_per_step)
-    return {"steps": summary["steps"], "tokens": summary["tokens"], "step_time_s": summary["step_time_s"],
+    return {"card": f"{manifest['world_size']}x {manifest.get('card')}", "commit": manifest["code"]["commit"],
+            "steps": summary["steps"], "tokens": summary["tokens"], "step_time_s": summary["step_time_s"],
             "final_validation_loss": summary["final_validation_loss"], "seconds": summary["seconds"],
             "time_to_loss": None if at is None else round(at, 1), "tokens_to_loss": tokens,
             "validation": val, "validation_seconds": seconds}
@@ -106,9 +109,17 @@ def main(argv: list[str] | None = None) -> int:
                                 args.port)
     tokens_per_step = summaries["sync"]["tokens"] // summaries["sync"]["steps"]
     target = summaries["sync"]["final_validation_loss"]
-    doc = {"budget_s": args.budget, "gpus": args.gpus, "config": str(args.config), "sets": dict(args.sets),
-           "target": target, "calibration_step_time_s": {k: v[1] for k, v in plans.items()},
-           "runs": {name: result(s, tokens_per_step, target) for name, s in summaries.items()}}
+    from runs import llama_parameters
+
+    manifests = {name: json.loads((out / name / "manifest.json").read_text()) for name in summaries}
+    config = args.config.resolve()
+    command = ["python", "launch/study/time_to_loss.py", *(argv if argv is not None else sys.argv[1:])]
+    doc = {"budget_s": args.budget, "gpus": args.gpus,
+           "config": str(config.relative_to(ROOT) if config.is_relative_to(ROOT) else config),
+           "sets": dict(args.sets), "command": shlex.join(command),
+           "parameters": llama_parameters(manifests["sync"]["model"]), "target": target,
+           "calibration_step_time_s": {k: v[1] for k, v in plans.items()},
+           "runs": {name: result(s, manifests[name], tokens_per_step, target) for name, s in summaries.items()}}
     (out / "time_to_loss.json").write_text(json.dumps(doc, indent=1) + "\n")
     for name, r in doc["runs"].items():
         print(f"[result] {name}: {r['steps']} steps, final {r['final_validation_loss']:.4f}, reaches {target:.4f} "
