@@ -40,7 +40,7 @@ def row_config(spec: str, sets: dict) -> tuple[str, dict]:
 
 STEADY_FROM = 100
 """Steps after which a run trains at the rate its data are read: the first ~32-48 steps train from chunks the
-prefetch thread read while the model compiled (16-step chunks, two queued), so they show the GPU alone."""
+reader read while the model compiled (16-step chunks, two queued), so they show the GPU alone."""
 
 
 def steady_step_time(history: list, window: int, start: int = STEADY_FROM) -> float | None:

@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import json
 import os
+import sys
 import time
 
 import torch
@@ -157,6 +158,9 @@ def main() -> None:
                          "partition, batch, precision, optimizer and performance levers instead of the flags below "
                          "(--schedule and --micro-batches still override); the row adds the memory planner's "
                          "per-stage figures (python -m ds_async.plan) beside the measured peaks")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="with --config: set a dotted key of it (JSON value), as launch/study/run.py's --set, e.g. "
+                         "--set ds_async.schedule=2bw --set 'ds_async.correction={\"type\": \"ef\"}'")
     ap.add_argument("--schedule", choices=["1f1b", "2bw"], default=None, help="required without --config")
     ap.add_argument("--stages", type=int, default=None, help="pipeline depth (default: world size)")
     ap.add_argument("--micro-batches", type=int, default=None, help="m (default 4, or the config's)")
@@ -219,6 +223,8 @@ def main() -> None:
     world = dist.get_world_size()
     if a.config:
         return bench_config(a, world)
+    if a.sets:
+        ap.error("--set needs --config")
     if a.schedule is None:
         ap.error("--schedule is required without --config")
     stages = a.stages or world
@@ -265,6 +271,11 @@ def bench_config(a, world: int) -> None:
     from ds_async.plan import plan, to_json
 
     raw = json.loads(open(a.config).read())
+    if a.sets:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "study"))
+        from run import override, parse_set
+
+        raw = override(raw, dict(parse_set(x) for x in a.sets))
     if a.schedule:
         raw["ds_async"]["schedule"] = a.schedule
     if raw["ds_async"].get("schedule", "1f1b") == "1f1b" and raw["optimizer"]["type"].lower() in ("adam", "adamw"):
@@ -287,7 +298,7 @@ def bench_config(a, world: int) -> None:
     ds_config = cfgmod.with_schedule_length({k: v for k, v in ds_config.items() if k != "ds_async"},
                                             a.warmup + a.steps + (2 if a.profile else 0))
     ds_config.update(steps_per_print=10 ** 9, wall_clock_breakdown=False)
-    extra = {"config": a.config, "family": cfg.model.family,
+    extra = {"config": a.config, "sets": a.sets, "family": cfg.model.family,
              "planned_GiB_by_stage": {f"s{x['stage']}": round(x["total"] / 2 ** 30, 2) for x in planned["stages_detail"]},
              "planned_fits": planned["fits"]}
     measure(a, cfg, hf, ds_config, hf.to_dict(), world, cfg.pipeline_stages, extra)
