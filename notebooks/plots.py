@@ -1,5 +1,5 @@
 """The study's figures, drawn from the rows of :mod:`runs` (beside this file): loss curves over seeds, the sweeps,
-PipeDream's depth, EF's λ and the engine next to its emulation. Each function returns its matplotlib figure."""
+PipeDream's depth, EF's λ, the engine next to its emulation and time to loss. Each function returns its matplotlib figure."""
 from __future__ import annotations
 
 import pandas as pd
@@ -155,5 +155,33 @@ def plot_engine(runs: pd.DataFrame, ref: dict | None = None, group: str | None =
                         color=color, marker="o", ms=3, label=f"seed {pair['seed']}")
         bottom.axhline(0, color="k", lw=0.8)
         _finish_pair(top, bottom, f"{opt} {label}", "engine − emulation", fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_time_to_loss(doc: dict):
+    """A time-to-loss comparison (``launch/study/time_to_loss.py``'s JSON): validation loss against wall-clock
+    seconds (left) and training tokens (right) per run, the target (the sync run's final loss) as a line and each
+    run's crossing of it marked. Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    curves, table = study.time_to_loss_curves(doc), study.time_to_loss_table(doc).set_index("run")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, (name, d) in enumerate(curves.groupby("run", sort=False)):
+        for ax, x, at in ((axes[0], d["seconds"], table.loc[name, "time to target (s)"]),
+                          (axes[1], d["tokens"] / 1e6, table.loc[name, "tokens to target (M)"])):
+            ax.plot(x, d["loss"], color=colors[k], marker="o", ms=2.5, label=name)
+            if pd.notna(at):
+                ax.plot([at], [doc["target"]], color=colors[k], marker="x", ms=9, mew=2)
+    low = curves["loss"].min()
+    for ax, xlabel in zip(axes, ("seconds from the start of training", "training tokens (M)")):
+        ax.axhline(doc["target"], color="k", lw=0.8, ls="--", label="target: sync's final loss")
+        ax.set_xlabel(xlabel)
+        ax.set_ylim(low - 0.05, low + 1.5)
+    axes[0].set_ylabel("validation loss")
+    fig.suptitle(f"time to loss, {doc['parameters'] / 1e6:.0f}M LLaMA on {doc['gpus']} GPUs "
+                 f"({doc['budget_s']:g} s of steps each)")
+    _grid_and_legend(axes, fontsize=8)
     fig.tight_layout()
     return fig

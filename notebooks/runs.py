@@ -131,7 +131,7 @@ def read_run(folder: str | Path) -> dict:
         "diverged": bool(summary) and (not math.isfinite(final_val)
                                        or not all(math.isfinite(v) for _, v in train)),
         "complete": bool(summary) and bool(train) and train[-1][0] >= steps,
-        "card": emulation["card"] if emulation else None, "commit": manifest["code"].get("commit"),
+        "card": emulation["card"] if emulation else manifest.get("card"), "commit": manifest["code"].get("commit"),
         "dirty": manifest["code"].get("dirty"), "declared_commit": None, "note": None,
         "driver": "ds_async.emulate" if emulation else "launch/train.py",
         "command": (f"python -m ds_async.emulate --config {config_file}" if emulation
@@ -658,6 +658,67 @@ def time_to_loss(seconds: list[float], losses: list[float], target: float) -> fl
     return None
 
 
+TIME_TO_LOSS = "time_to_loss.json"  # launch/study/time_to_loss.py's output, committed beside runs.csv
+
+
+def load_time_to_loss(folder: str | Path = RESULTS) -> dict | None:
+    """The committed time-to-loss comparison (``launch/study/time_to_loss.py``'s JSON), None if there is none."""
+    path = Path(folder) / TIME_TO_LOSS
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def find_time_to_loss(roots: Iterable[str | Path]) -> dict | None:
+    """The first time-to-loss comparison (``OUT/time_to_loss.json``) below ``roots``, None if there is none."""
+    for root in roots:
+        for path in sorted(Path(root).rglob(TIME_TO_LOSS)):
+            return json.loads(path.read_text())
+    return None
+
+
+def time_to_loss_curves(doc: dict) -> pd.DataFrame:
+    """Every evaluation of every run of a time-to-loss comparison: run, step, tokens, seconds, validation loss."""
+    rows = []
+    for name, run in doc["runs"].items():
+        per_step = run["tokens"] / run["steps"]
+        for (step, loss), (_, seconds) in zip(run["validation"], run["validation_seconds"], strict=True):
+            rows.append({"run": name, "step": step, "tokens": step * per_step, "seconds": seconds, "loss": loss})
+    return pd.DataFrame(rows)
+
+
+def time_to_loss_table(doc: dict) -> pd.DataFrame:
+    """One row per run of a time-to-loss comparison, every crossing recomputed from the run's validation curve:
+    seconds and tokens to reach the target (the sync run's final loss) and the wall-clock speed-up to it over sync.
+    The seconds count from the start of training, so they include compiling and the evaluations."""
+    runs = doc["runs"]
+    per_step = runs["sync"]["tokens"] / runs["sync"]["steps"]
+    rows = []
+    for name, run in runs.items():
+        losses = [v for _, v in run["validation"]]
+        at = time_to_loss([t for _, t in run["validation_seconds"]], losses, doc["target"])
+        step = time_to_loss([s for s, _ in run["validation"]], losses, doc["target"])
+        rows.append({"run": name, "card": run["card"], "commit": str(run["commit"])[:7], "steps": run["steps"],
+                     "tokens (M)": run["tokens"] / 1e6, "step (s)": run["step_time_s"],
+                     "training (s)": run["seconds"], "final loss": run["final_validation_loss"],
+                     "time to target (s)": math.nan if at is None else at,
+                     "tokens to target (M)": math.nan if step is None else step * per_step / 1e6})
+    table = pd.DataFrame(rows)
+    table["speed-up to target"] = table.loc[table["run"] == "sync", "time to target (s)"].iloc[0] / table[
+        "time to target (s)"]
+    return table
+
+
+def time_to_loss_block(doc: dict) -> str:
+    """The results page's time-to-loss table and the line saying what ran."""
+    table = _fmt(time_to_loss_table(doc), {"tokens (M)": 1, "step (s)": 4, "training (s)": 1, "final loss": 4,
+                                           "time to target (s)": 1, "tokens to target (M)": 1,
+                                           "speed-up to target": 3})
+    return (markdown(table, index=False) + f"\nTarget: {doc['target']:.4f} (sync's final validation loss). "
+            f"Model: {doc['parameters'] / 1e6:.1f}M parameters (`{doc['config']}`), {doc['gpus']} GPUs, "
+            f"{doc['budget_s']:g} s of steady-state steps each (calibrated: "
+            + ", ".join(f"{k} {v:.4f} s a step" for k, v in doc["calibration_step_time_s"].items())
+            + f"). Ran: `{doc['command']}`" + (f" ({doc['note']})" if doc.get("note") else "") + ".\n")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The real engine vs the emulation
 
@@ -825,8 +886,9 @@ def _fmt(table: pd.DataFrame, digits: dict) -> pd.DataFrame:
     return out
 
 
-def report(runs: pd.DataFrame) -> dict[str, str]:
-    """The results page's generated blocks, by name, from the rows of the committed results."""
+def report(runs: pd.DataFrame, ttl: dict | None = None) -> dict[str, str]:
+    """The results page's generated blocks, by name, from the rows of the committed results and, with ``ttl``, the
+    committed time-to-loss comparison."""
     study = runs[runs["group"].isin(["main", "tokens", "lr", "batch", "depth", "ef_lambda", "nesterov",
                                      ENGINE_GROUP])]
     ref = reference(study)
@@ -876,6 +938,8 @@ def report(runs: pd.DataFrame) -> dict[str, str]:
                           "recovered by ef": [recovered_share(*PAPER.loc[o, ["sync", "2bw", "2bw+ef"]])
                                               for o in PAPER.index]}).rename_axis("optimizer")
     blocks["paper"] = markdown(_fmt(paper, {"gap 2bw − sync": "+3", "recovered by ef": "%"}))
+    if ttl is not None:
+        blocks["time-to-loss"] = time_to_loss_block(ttl)
     prov = provenance(runs).sort_values(["group", "runner"])
     prov["commit"] = [str(c)[:7] for c in prov["commit"]]
     blocks["provenance"] = markdown(prov.fillna("—"), index=False)
@@ -952,7 +1016,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.cmd == "report":
         page = args.page.read_text()
-        new = render(page, report(load_results(args.results)))
+        new = render(page, report(load_results(args.results), load_time_to_loss(args.results)))
         if args.check:
             if new != page:
                 import difflib

@@ -339,7 +339,7 @@ def test_results_page_shows_what_the_committed_results_give():
     assert table.loc["muon", "sync (n)"] == "5.091 ± 0.006 (3)"
     assert table.loc["adamw", "recovered by ef"] == "49% (n=3)"
     sizes = {p.name: p.stat().st_size for p in (ROOT / "launch" / "study" / "results").iterdir()}
-    assert set(sizes) == {"runs.csv", "curves.json"} and sum(sizes.values()) < 200_000
+    assert set(sizes) == {"runs.csv", "curves.json", "time_to_loss.json"} and sum(sizes.values()) < 200_000
 
 
 def test_results_round_trip(tmp_path):
@@ -486,3 +486,25 @@ def test_notebook_executes_on_the_run_folders(study_out, engine_run):
                    "no engine runs"):
         assert absent not in text, absent
     assert images >= 7  # curves, tokens, LR, batch, depth, λ, engine
+
+
+def test_the_committed_comparison_is_what_its_curves_give():
+    """launch/study/results/time_to_loss.json: the table the results page shows recomputes every crossing from the
+    runs' validation curves, and they agree with what the driver wrote."""
+    doc = study.load_time_to_loss()
+    table = study.time_to_loss_table(doc).set_index("run")
+    assert list(table.index) == ["sync", "2bw+ef"]
+    assert doc["target"] == doc["runs"]["sync"]["final_validation_loss"]
+    for name, run in doc["runs"].items():
+        assert round(table.loc[name, "time to target (s)"], 1) == run["time_to_loss"]
+        assert round(table.loc[name, "tokens to target (M)"] * 1e6) == run["tokens_to_loss"]
+    assert table.loc["sync", "speed-up to target"] == 1.0
+    curves = study.time_to_loss_curves(doc)
+    assert len(curves) == sum(len(r["validation"]) for r in doc["runs"].values())
+
+
+def test_the_comparison_plots_loss_against_seconds_and_tokens():
+    fig = plots.plot_time_to_loss(study.load_time_to_loss())
+    left, right = fig.axes
+    assert left.get_xlabel().startswith("seconds") and right.get_xlabel().startswith("training tokens")
+    assert len(left.get_lines()) == len(right.get_lines()) == 5  # two curves, two crossings, the target
