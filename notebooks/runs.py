@@ -954,7 +954,7 @@ def render(page: str, blocks: dict[str, str]) -> str:
     return BLOCK.sub(lambda m: m[1] + blocks[m["name"]] + m[4], page)
 
 
-def compact_images(nb, colors: int = 64) -> None:
+def compact_images(nb, colors: int = 32) -> None:
     """Re-encode the notebook's PNG outputs with an adaptive palette of ``colors`` (line plots need few): about a
     quarter of the bytes, so that the executed notebook stays small enough to commit."""
     import base64
