@@ -1,5 +1,6 @@
 """The study's figures, drawn from the rows of :mod:`runs` (beside this file): loss curves over seeds, the sweeps,
-PipeDream's depth, EF's λ, the engine next to its emulation and time to loss. Each function returns its matplotlib figure."""
+PipeDream's depth, EF's λ, the engine next to its emulation and time to loss. Each function returns its matplotlib
+figure."""
 from __future__ import annotations
 
 import pandas as pd
