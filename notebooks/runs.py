@@ -707,12 +707,33 @@ def time_to_loss_table(doc: dict) -> pd.DataFrame:
     return table
 
 
+def time_to_loss_findings(doc: dict) -> str:
+    """What a time-to-loss comparison shows, per asynchronous run against sync, in numbers computed from it: how much
+    sooner it reaches the target, at what cost in tokens, how much faster its steps are, where it ends."""
+    t = time_to_loss_table(doc).set_index("run")
+    sync, calibrated = t.loc["sync"], doc["calibration_step_time_s"]
+    lines = []
+    for name, r in t.drop(index="sync").iterrows():
+        if pd.isna(r["time to target (s)"]):
+            reach = f"**{name} never reaches the target**"
+        else:
+            reach = (f"**{name} reaches the target {r['speed-up to target']:.3f}× sooner** on the wall clock "
+                     f"({r['time to target (s)']:.1f} s against {sync['time to target (s)']:.1f} s), with "
+                     f"{r['tokens to target (M)'] / sync['tokens to target (M)'] - 1:+.0%} tokens "
+                     f"({r['tokens to target (M)']:.1f}M against {sync['tokens to target (M)']:.1f}M)")
+        lines.append(f"- {reach}; its steps are {sync['step (s)'] / r['step (s)']:.2f}× as fast in the full runs "
+                     f"({calibrated['sync'] / calibrated[name]:.2f}× in calibration), and with the same training "
+                     f"time it ends at {r['final loss']:.4f} against {sync['final loss']:.4f}.")
+    return "\n".join(lines) + "\n"
+
+
 def time_to_loss_block(doc: dict) -> str:
-    """The results page's time-to-loss table and the line saying what ran."""
+    """The results page's time-to-loss table, what it shows and the line saying what ran."""
     table = _fmt(time_to_loss_table(doc), {"tokens (M)": 1, "step (s)": 4, "training (s)": 1, "final loss": 4,
                                            "time to target (s)": 1, "tokens to target (M)": 1,
                                            "speed-up to target": 3})
-    return (markdown(table, index=False) + f"\nTarget: {doc['target']:.4f} (sync's final validation loss). "
+    return (markdown(table, index=False) + "\n" + time_to_loss_findings(doc)
+            + f"\nTarget: {doc['target']:.4f} (sync's final validation loss). "
             f"Model: {doc['parameters'] / 1e6:.1f}M parameters (`{doc['config']}`), {doc['gpus']} GPUs, "
             f"{doc['budget_s']:g} s of steady-state steps each (calibrated: "
             + ", ".join(f"{k} {v:.4f} s a step" for k, v in doc["calibration_step_time_s"].items())

@@ -501,6 +501,16 @@ def test_the_committed_comparison_is_what_its_curves_give():
     assert table.loc["sync", "speed-up to target"] == 1.0
     curves = study.time_to_loss_curves(doc)
     assert len(curves) == sum(len(r["validation"]) for r in doc["runs"].values())
+    assert "**2bw+ef reaches the target 1.085× sooner** on the wall clock (175.8 s against 190.7 s), with +17% " \
+           "tokens (99.4M against 84.9M)" in study.time_to_loss_findings(doc)
+
+
+def test_a_run_that_never_reaches_the_target_says_so():
+    doc = study.load_time_to_loss()
+    doc["runs"]["2bw+ef"]["validation"] = [[s, v + 1.0] for s, v in doc["runs"]["2bw+ef"]["validation"]]
+    table = study.time_to_loss_table(doc).set_index("run")
+    assert pd.isna(table.loc["2bw+ef", "time to target (s)"]) and pd.isna(table.loc["2bw+ef", "tokens to target (M)"])
+    assert study.time_to_loss_findings(doc).startswith("- **2bw+ef never reaches the target**; its steps are")
 
 
 def test_the_comparison_plots_loss_against_seconds_and_tokens():
