@@ -518,3 +518,17 @@ def test_the_comparison_plots_loss_against_seconds_and_tokens():
     left, right = fig.axes
     assert left.get_xlabel().startswith("seconds") and right.get_xlabel().startswith("training tokens")
     assert len(left.get_lines()) == len(right.get_lines()) == 5  # two curves, two crossings, the target
+
+
+def test_the_driver_leaves_out_what_the_committed_results_hold(capsys):
+    """``--skip-committed``: the runs of a matrix that launch/study/results/runs.csv already holds are not run again
+    on a machine whose run folders are empty."""
+    done = driver.committed()
+    long = driver.matrix("long")
+    held = [r for r in long if ("emulation", r.group, r.name) in done]
+    assert 0 < len(held) < len(long)
+    assert driver.main(["long", "--skip-committed", "--list", "--out", "/nonexistent"]) == 0
+    listed = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if not line.startswith(" ")]
+    assert listed[:-1] == [f"{r.group}/{r.name}" for r in long if r not in held]
+    assert listed[-1].startswith(f"{len(long) - len(held)} runs")
+

@@ -13,6 +13,7 @@ only config language. A matrix (below) is a list of such runs; the driver writes
     python launch/study/run.py main --list                      # the runs, and what each would run
     python launch/study/run.py main extras --gpus 4             # a share of the runs per GPU (main's first)
     python launch/study/run.py pairs --runner engine --gpus 4   # the engine side of the comparison, 2 GPUs a run
+    python launch/study/run.py long long-lr --skip-committed --gpus 4   # what the committed results lack
     python launch/study/run.py tiny --device cpu --out /tmp/study
 
 The configs' data and tokenizer paths are relative to the repository root (``../shared/corpus``): every run
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import csv
 import fnmatch
 import itertools
 import json
@@ -348,6 +350,12 @@ def split(runs: list[Run], index: int, of: int, sets: dict | None = None) -> lis
     return [runs[k] for k in sorted(shares[index])]
 
 
+def committed(path: Path = HERE / "results" / "runs.csv") -> set[tuple[str, str, str]]:
+    """(runner, group, name) of every run the committed results hold."""
+    with open(path, newline="") as f:
+        return {(row["runner"], row["group"], row["name"]) for row in csv.DictReader(f)}
+
+
 def run_dir(out: Path, runner: str, run: Run) -> Path:
     return out / runner / run.group / run.name
 
@@ -477,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="emulation runs: cuda, cuda:N or cpu (default: cuda if present)")
     p.add_argument("--port", type=int, default=29600, help="engine runs: torchrun's master port")
     p.add_argument("--force", action="store_true", help="re-run finished runs")
+    p.add_argument("--skip-committed", action="store_true",
+                   help="leave out the runs launch/study/results/runs.csv already holds (finished on another machine)")
     p.add_argument("--time-limit", type=float, default=None,
                    help="emulation: seconds for this call; the run going then saves its state, and the next call "
                         "resumes it (unfinished runs with a saved state always resume)")
@@ -488,6 +498,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = list({(r.group, r.name): r for name in args.matrices for r in matrix(name)}.values())
     if args.only:
         runs = [r for r in runs if fnmatch.fnmatch(f"{r.group}/{r.name}", args.only)]
+    if args.skip_committed:
+        done = committed()
+        runs = [r for r in runs if (args.runner, r.group, r.name) not in done]
     out = args.out.resolve()
     if args.gpus and not args.share:
         return spread(argv, runs, out, args.runner, args.gpus, sets)
