@@ -735,7 +735,8 @@ def time_to_loss_block(doc: dict) -> str:
     return (markdown(table, index=False) + "\n" + time_to_loss_findings(doc)
             + f"\nTarget: {doc['target']:.4f} (sync's final validation loss). "
             f"Model: {doc['parameters'] / 1e6:.1f}M parameters (`{doc['config']}`), {doc['gpus']} GPUs, "
-            f"{doc['budget_s']:g} s of steady-state steps each (calibrated: "
+            f"{doc['budget_s']:g} s of steady-state steps each ("
+            + (f"as calibrated for `{doc['calibration_from']}`: " if doc.get("calibration_from") else "calibrated: ")
             + ", ".join(f"{k} {v:.4f} s a step" for k, v in doc["calibration_step_time_s"].items())
             + f"). Ran: `{doc['command']}`" + (f" ({doc['note']})" if doc.get("note") else "") + ".\n")
 

@@ -503,6 +503,9 @@ def test_the_committed_comparison_is_what_its_curves_give():
     assert len(curves) == sum(len(r["validation"]) for r in doc["runs"].values())
     assert "**2bw+ef reaches the target 1.085× sooner** on the wall clock (175.8 s against 190.7 s), with +17% " \
            "tokens (99.4M against 84.9M)" in study.time_to_loss_findings(doc)
+    assert "(calibrated: sync 0.1158 s a step, 2bw+ef 0.0949 s a step)" in study.time_to_loss_block(doc)
+    doc["calibration_from"] = "runs/ttl/time_to_loss.json"  # another seed's comparison, with these step times
+    assert "(as calibrated for `runs/ttl/time_to_loss.json`: sync 0.1158" in study.time_to_loss_block(doc)
 
 
 def test_a_run_that_never_reaches_the_target_says_so():

@@ -69,3 +69,17 @@ def test_the_driver_gives_both_schedules_the_same_training_time(tmp_path):
     assert sync["time_to_loss"] is not None and sync["time_to_loss"] <= sync["validation_seconds"][-1][1] + 0.05
     assert 0 < sync["tokens_to_loss"] <= sync["tokens"]
 
+    # Another seed with the first comparison's step times: no calibration runs, the same steps, its own curves.
+    again = tmp_path / "ttl-s1"
+    subprocess.run([sys.executable, str(ROOT / "launch" / "study" / "time_to_loss.py"), "--budget", str(budget),
+                    "--gpus", "2", "--out", str(again), "--evals", "3", "--port", str(free_port()), *sets,
+                    "--set", "ds_async.seed=1", "--calibration", str(out / "time_to_loss.json")],
+                   cwd=ROOT, env=job_env(), check=True, timeout=600)
+    second = json.loads((again / "time_to_loss.json").read_text())
+    assert sorted(p.name for p in again.iterdir() if p.is_dir()) == ["2bw+ef", "sync"]
+    assert second["calibration_step_time_s"] == doc["calibration_step_time_s"]
+    assert second["calibration_from"] == str(out / "time_to_loss.json")
+    assert {k: r["steps"] for k, r in second["runs"].items()} == {k: r["steps"] for k, r in doc["runs"].items()}
+    assert json.loads((again / "sync" / "manifest.json").read_text())["ds_async"]["seed"] == 1
+    assert second["runs"]["sync"]["validation"] != sync["validation"]
+

@@ -9,6 +9,8 @@ recording the wall-clock of every evaluation (``history["validation_seconds"]``)
 
     python launch/study/time_to_loss.py --budget 300 --gpus 4 --out runs/ttl
     python launch/study/time_to_loss.py --budget 300 --gpus 4 --out runs/ttl --set ds_async.data.train=...
+    python launch/study/time_to_loss.py --budget 300 --gpus 4 --out runs/ttl-s1 --set ds_async.seed=1 \
+        --calibration runs/ttl/time_to_loss.json      # another seed, the same steps: no calibration runs
 
 ``tests/test_time_to_loss.py`` runs it end to end on 2 CPU ranks with the model shrunk (``--set``).
 
@@ -86,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, required=True, help="processes per run (pipeline stages x replicas)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "ttl")
     p.add_argument("--calibrate-steps", type=int, default=30)
+    p.add_argument("--calibration", type=Path, default=None, metavar="JSON",
+                   help="take each variant's step time from an earlier OUT/time_to_loss.json (the same config and "
+                        "card, e.g. another seed: --set ds_async.seed=1) instead of calibrating again")
     p.add_argument("--evals", type=int, default=20, help="validations per full run")
     p.add_argument("--set", dest="sets", type=parse_set, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--port", type=int, default=29500, help="torchrun's master port")
@@ -94,14 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     base = override(json.loads(args.config.read_text()), dict(args.sets))
     out = args.out.resolve()
     plans = {}
+    earlier = json.loads(args.calibration.read_text())["calibration_step_time_s"] if args.calibration else {}
     for name, variant in VARIANTS.items():
-        config = override(base, {**variant, **length(args.calibrate_steps, 1), "ds_async.eval.every": 0,
-                                 "ds_async.data.validation": None})
-        summary = train(config, out, f"{name}-calibrate", args.gpus, args.port)
-        steps = max(1, math.floor(args.budget / summary["step_time_s"]))
-        plans[name] = (steps, summary["step_time_s"])
-        print(f"[calibrate] {name}: {summary['step_time_s']:.4f} s a step -> {steps} steps in {args.budget:g} s",
-              flush=True)
+        if name in earlier:
+            step_time = earlier[name]
+        else:
+            config = override(base, {**variant, **length(args.calibrate_steps, 1), "ds_async.eval.every": 0,
+                                     "ds_async.data.validation": None})
+            step_time = train(config, out, f"{name}-calibrate", args.gpus, args.port)["step_time_s"]
+        steps = max(1, math.floor(args.budget / step_time))
+        plans[name] = (steps, step_time)
+        print(f"[calibrate] {name}: {step_time:.4f} s a step -> {steps} steps in {args.budget:g} s", flush=True)
     summaries = {}
     for name, variant in VARIANTS.items():
         steps, _ = plans[name]
@@ -119,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
            "sets": dict(args.sets), "command": shlex.join(command),
            "parameters": llama_parameters(manifests["sync"]["model"]), "target": target,
            "calibration_step_time_s": {k: v[1] for k, v in plans.items()},
+           "calibration_from": str(args.calibration) if args.calibration else None,
            "runs": {name: result(s, manifests[name], tokens_per_step, target) for name, s in summaries.items()}}
     (out / "time_to_loss.json").write_text(json.dumps(doc, indent=1) + "\n")
     for name, r in doc["runs"].items():
