@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT / "notebooks"))
 import run  # noqa: E402  (the study's dotted-key overrides and variants)
 from run import override, parse_set  # noqa: E402
 
-VARIANTS = {k: run.VARIANTS[k] for k in ("sync", "2bw+ef")}
+# The study's two variants; sync also says "no correction", for a job config that carries one (the shipped 2BW ones).
+VARIANTS = {"sync": {**run.VARIANTS["sync"], "ds_async.correction": {"type": "none"}}, "2bw+ef": run.VARIANTS["2bw+ef"]}
 
 
 def train(config: dict, out: Path, name: str, gpus: int, port: int = 29500) -> dict:
@@ -97,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     base = override(json.loads(args.config.read_text()), dict(args.sets))
+    # Each run's length sets its LR schedule's (ds_async fills it in); a length written there would be refused.
+    base.get("scheduler", {}).get("params", {}).pop("total_num_steps", None)
     out = args.out.resolve()
     plans = {}
     earlier = json.loads(args.calibration.read_text())["calibration_step_time_s"] if args.calibration else {}
