@@ -53,6 +53,7 @@ def steady_step_time(history: list, window: int, start: int = STEADY_FROM) -> fl
 
 
 def main(argv: list[str] | None = None) -> int:
+    import run as study
     import torch
 
     from ds_async import emulate
@@ -61,17 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("rows", nargs="+", metavar="CONFIG[:OPTIMIZER-VARIANT]")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", dest="sets", type=study.parse_set, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
-    sets = {}
-    for item in args.sets:
-        key, _, value = item.partition("=")
-        try:
-            sets[key] = json.loads(value)
-        except json.JSONDecodeError:
-            sets[key] = value
+    sets = dict(args.sets)
     sets.setdefault("ds_async.logging.progress", False)
     sets.setdefault("ds_async.eval.every", 0)
     sets.setdefault("ds_async.data.validation", None)
