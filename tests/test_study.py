@@ -329,10 +329,10 @@ def test_results_page_shows_what_the_committed_results_give():
     launch/study/results/, and the main table is the study's headline (AdamW and Muon, 3 seeds each)."""
     assert study.main(["report", "--check"]) == 0
     runs = study.load_results()
-    assert len(runs) == 119 and runs["complete"].all() and not runs["diverged"].any()
+    assert len(runs) == 123 and runs["complete"].all() and not runs["diverged"].any()
     assert (runs.groupby("group").size()[["main", "tokens", "lr", "batch", "depth", "ef_lambda", "nesterov"]].sum()
             == 18 + 32)
-    assert runs.groupby("group").size()[["long", "long-lr", "long-lengths"]].tolist() == [9, 2, 32]
+    assert runs.groupby("group").size()[["long", "long-lr", "long-lengths"]].tolist() == [10, 5, 32]
     long = runs[runs["group"] == "long"]
     assert (long["tokens"] / long["parameters"]).round(2).eq(20.0).all() and long["steps"].eq(4712).all()
     table = study.main_table(runs[runs["group"] == "main"], labels=("sync", "2bw", "2bw+ef"))
