@@ -442,9 +442,11 @@ def gap_curves(runs: pd.DataFrame, sync: str = "sync") -> pd.DataFrame:
 # ---------------------------------------------------------------------------------------------------------------
 # The study at a real length (long.json: 20 tokens per parameter)
 
-LONG_GROUPS = ("long", "long-lr", "long-async-lr", "long-lengths", "long-lambda")
-LR_GROUPS = ("long", "long-lr", "long-async-lr", "long-lambda")
-"""The groups whose runs sit on long.json's LR axis (long-lambda's lambda-1 points are 2bw+ef's)."""
+LONG_GROUPS = ("long", "long-tuned", "long-lr", "long-async-lr", "long-lengths", "long-lambda", "long-delay")
+LR_GROUPS = ("long", "long-tuned", "long-lr", "long-async-lr")
+"""The groups whose runs sit on long.json's LR axis at its full length."""
+MAIN_GROUPS = ("long", "long-tuned")
+"""The multi-seed points at full length: long.json's own peak LRs, and Muon at its sync-tuned one."""
 # Two-sided 95% quantiles of Student's t by degrees of freedom (1.96 beyond the table).
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
@@ -464,25 +466,67 @@ def gap_with_interval(mean: float, half: float, n: int) -> str:
     return f"{mean:+.3f} ± {half:.3f} (n={n})" if math.isfinite(half) else f"{mean:+.3f} (n={n}, no interval)"
 
 
+def _lr_key(lr: float) -> float:
+    return float(f"{lr:.6g}")
+
+
+def sync_tuned_lr(runs: pd.DataFrame) -> dict[str, float]:
+    """Each optimizer's best sync peak LR over the full-length LR sweep (``LR_GROUPS``, seeds common to its
+    points), for the optimizers whose sweep has two or more LRs."""
+    ref = reference(runs, group="long")
+    t = sweep(runs[runs["group"].isin(LR_GROUPS)], "lr_scale", ref, labels=LR_LABELS, x="lr")
+    t = t.dropna(subset=["sync"]) if "sync" in t else t
+    return {opt: _lr_key(part.loc[part["sync"].idxmin(), "lr"]) for opt, part in t.groupby("optimizer")
+            if len(part) >= 2}
+
+
+def main_points(runs: pd.DataFrame) -> pd.DataFrame:
+    """The runs at the full length's multi-seed points (each optimizer and peak LR that ``MAIN_GROUPS`` ran, and
+    each optimizer's sync-tuned LR), from every LR group: an LR sweep's seed-0 run at such a point is that point's
+    seed 0."""
+    ref = reference(runs, group="long")
+    sub = at_reference(runs[runs["group"].isin(LR_GROUPS)], ref, free="lr_scale")
+    sub = sub.assign(lr=[_lr_key(v) for v in sub["lr"]])
+    main = sub[sub["group"].isin(MAIN_GROUPS)]
+    keys = set(zip(main["optimizer"], main["lr"])) | set(sync_tuned_lr(runs).items())
+    return sub[[k in keys for k in zip(sub["optimizer"], sub["lr"])]]
+
+
 def long_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per optimizer at long.json's point: each variant's final validation loss (mean over seeds, n), the gaps of
-    2bw and 2bw+ef to sync paired by seed with their 95% intervals, and the share of the gap EF recovers."""
-    rows = {}
-    for opt, part in runs.groupby("optimizer", sort=False):
+    """Per optimizer and peak LR at the full length's multi-seed points (:func:`main_points`; the LR sync's sweep
+    puts best is marked): each variant's final validation loss (mean over seeds, n), the gaps of 2bw and 2bw+ef to
+    sync paired by seed with their 95% intervals, and the share of the gap EF recovers."""
+    tuned = sync_tuned_lr(runs)
+    rows = []
+    for (opt, lr), part in main_points(runs).groupby(["optimizer", "lr"], sort=True):
         table = part.pivot_table(index="seed", columns="label", values="final_val", aggfunc="mean")
-        row = {}
+        row = {"optimizer": opt, "lr": f"{lr:g}" + (" (sync's best)" if tuned.get(opt) == lr else "")}
         for label in ("sync", "2bw", "2bw+ef"):
             row[label] = (f"{table[label].mean():.3f} ({int(table[label].count())})" if label in table else "—")
         for label in ("2bw", "2bw+ef"):
-            if "sync" in table and label in table:
-                diff = (table[label] - table["sync"]).dropna()
-                row[f"{label} − sync"] = gap_with_interval(diff.mean(), paired_interval(diff), len(diff))
+            diff = (table[label] - table["sync"]).dropna() if {"sync", label} <= set(table) else pd.Series([])
+            row[f"{label} − sync"] = gap_with_interval(diff.mean(), paired_interval(diff), len(diff)) \
+                if len(diff) else "—"
+        row["recovered by ef"] = "—"
         if {"sync", "2bw", "2bw+ef"} <= set(table.columns):
             both = table[["sync", "2bw", "2bw+ef"]].dropna()
             share = recovered_share(*(both[c].mean() for c in ("sync", "2bw", "2bw+ef")))
-            row["recovered by ef"] = "—" if not math.isfinite(share) else f"{100 * share:.0f}% (n={len(both)})"
-        rows[opt] = row
-    return pd.DataFrame.from_dict(rows, orient="index").rename_axis("optimizer")
+            if math.isfinite(share):
+                row["recovered by ef"] = f"{100 * share:.0f}% (n={len(both)})"
+        rows.append(row)
+    return pd.DataFrame(rows, columns=["optimizer", "lr", "sync", "2bw", "2bw+ef", "2bw − sync", "2bw+ef − sync",
+                                       "recovered by ef"])
+
+
+def headline_runs(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per optimizer, the full-length point the findings quote: its sync-tuned LR once that point has sync and 2bw
+    runs, else long.json's own LR (``long``'s runs)."""
+    tuned, points = sync_tuned_lr(runs), main_points(runs)
+    parts = []
+    for opt, own in runs[runs["group"] == "long"].groupby("optimizer", sort=False):
+        at = points[(points["optimizer"] == opt) & (points["lr"] == tuned.get(opt))]
+        parts.append(at if {"sync", "2bw"} <= set(at["label"]) else own)
+    return pd.concat(parts) if parts else runs.iloc[0:0]
 
 
 def length_sweep(runs: pd.DataFrame, ref: dict) -> pd.DataFrame:
@@ -587,8 +631,10 @@ def long_findings(runs: pd.DataFrame, short: pd.DataFrame | None = None) -> str:
     ref = reference(runs, group="long")
     lengths = length_sweep(runs[runs["group"].isin(["long", "long-lengths"])], ref)
     params = runs["parameters"].dropna().iloc[0]
-    full = runs[runs["group"] == "long"]
+    full = headline_runs(runs)
     table = gap_table(full)
+    tuned = sync_tuned_lr(runs)
+    at_lr = {opt: _lr_key(part["lr"].iloc[0]) for opt, part in full.groupby("optimizer")}
     lines = []
     gaps = {opt: part.sort_values("tokens") for opt, part in lengths.groupby("optimizer")}
     if gaps:
@@ -612,9 +658,12 @@ def long_findings(runs: pd.DataFrame, short: pd.DataFrame | None = None) -> str:
         if short is not None and len(short):
             sg = gap_table(short[short["label"].isin(["sync", "2bw"])])
             short_gap = "; the short study's: " + ", ".join(f"{o} {sg.loc[o, 'gap']:+.3f}" for o in sg.index)
+        def at(o: str) -> str:
+            note = "" if tuned.get(o) == at_lr[o] or o not in tuned else f", not yet at its sync-tuned {tuned[o]:g}"
+            return f"peak LR {at_lr[o]:g}{note}; paper {PAPER.loc[o, '2bw'] - PAPER.loc[o, 'sync']:+.3f}"
+
         lines.append("- **At 20 tokens per parameter** the delay costs " + ", ".join(
-            f"{o} {table.loc[o, 'gap']:+.3f} (paper {PAPER.loc[o, '2bw'] - PAPER.loc[o, 'sync']:+.3f})"
-            for o in ("muon", "adamw")) + short_gap + ".")
+            f"{o} {table.loc[o, 'gap']:+.3f} ({at(o)})" for o in ("muon", "adamw")) + short_gap + ".")
     for opt in table.index:
         col = "recovered 2bw+ef"
         if col in table and math.isfinite(table.loc[opt, col]):
@@ -643,6 +692,99 @@ def long_findings(runs: pd.DataFrame, short: pd.DataFrame | None = None) -> str:
                          for label in best.index if label != "sync")
         lines.append(f"- **{opt}, each at its own best LR:** {each}; gaps to sync's best: {gaps}.")
     return "\n".join(lines) + "\n"
+
+
+LAMBDAS = (0.5, 1.0, 2.0, 3.0)
+
+
+def _short_point(runs: pd.DataFrame, group: str) -> pd.DataFrame:
+    """``group``'s runs with the long-lengths runs of the same length and seed 0 (the x1 LR's sync and 2bw)."""
+    own = runs[runs["group"] == group]
+    if own.empty:
+        return own
+    tokens = own["tokens"].mode().iloc[0]
+    ref = runs[(runs["group"] == "long-lengths") & (runs["tokens"] == tokens) & (runs["seed"] == 0)]
+    return pd.concat([own[own["tokens"] == tokens], ref])
+
+
+def lambda_grid(runs: pd.DataFrame) -> pd.DataFrame:
+    """EF strength against peak LR at long-lambda's length (seed 0): per optimizer and LR, the final loss of sync,
+    2bw (lambda 0) and 2bw + EF at each lambda (NaN where a run diverged or is missing), the best lambda and the
+    lambdas that beat plain 2bw there."""
+    sub = _short_point(runs, "long-lambda")
+    rows = []
+    for (opt, lr), part in sub.assign(lr=[_lr_key(v) for v in sub["lr"]]).groupby(["optimizer", "lr"], sort=True):
+        ok = part[~part["diverged"].astype(bool)]
+        loss = {label: ok.loc[ok["label"] == label, "final_val"].mean() for label in ("sync", "2bw")}
+        row = {"optimizer": opt, "lr": lr, "sync": loss["sync"], "λ=0 (2bw)": loss["2bw"]}
+        ef = {lam: ok.loc[(ok["correction"] == "ef") & np.isclose(ok["ef_lambda"].astype(float), lam),
+                          "final_val"].mean() for lam in LAMBDAS}
+        row.update({f"λ={lam:g}": v for lam, v in ef.items()})
+        ran = {lam: v for lam, v in ef.items() if math.isfinite(v)}
+        row["best λ"] = min(ran, key=ran.get) if ran else math.nan
+        row["beat 2bw"] = ", ".join(f"{lam:g}" for lam, v in ran.items() if v < loss["2bw"]) or "—"
+        row["diverged"] = ", ".join(f"{lam:g}" for lam in LAMBDAS if (
+            part["diverged"].astype(bool) & (part["correction"] == "ef")
+            & np.isclose(part["ef_lambda"].astype(float), lam)).any()) or "—"
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def lambda_findings(grid: pd.DataFrame) -> str:
+    """Per optimizer and lambda: the peak LRs where 2BW + EF trained without diverging and where it beat plain 2BW,
+    and the best lambda at each LR."""
+    lines = []
+    for opt, part in grid.groupby("optimizer"):
+        each = []
+        for lam in LAMBDAS:
+            col = f"λ={lam:g}"
+            ran = part[np.isfinite(part[col].astype(float))]
+            if ran.empty:
+                continue
+            better = ran[ran[col] < ran["λ=0 (2bw)"]]
+            each.append(f"λ={lam:g} trained at {', '.join(f'{x:g}' for x in ran['lr'])}, beat 2BW at "
+                        + (", ".join(f"{x:g}" for x in better["lr"]) or "none"))
+        if each:
+            best = ", ".join(f"{x:g}: λ={b:g}" for x, b in zip(part["lr"], part["best λ"]) if math.isfinite(b))
+            lines.append(f"- **{opt}:** " + "; ".join(each) + f". Best λ by peak LR: {best}.")
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+def delay_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """PipeDream's variable delay against the constant delay of its mean (long-delay, seed 0, m = 1): per optimizer
+    and depth, the final loss of sync, 2bw, pipedream and the constant delay, and each delayed run's gap to sync."""
+    sub = runs[(runs["group"] == "long-delay") & (runs["seed"] == 0)]
+    rows = []
+    for opt, part in sub.groupby("optimizer"):
+        loss = {(r["schedule"], int(r["stages"])): r["final_val"] for _, r in part.iterrows()}
+        sync = next((v for (sched, _), v in loss.items() if sched == "1f1b"), math.nan)
+        two = next((v for (sched, _), v in loss.items() if sched == "2bw"), math.nan)
+        for p in sorted({st for sched, st in loss if sched == "pipedream"}):
+            variable = loss[("pipedream", p)]
+            constant = next((v for (sched, st), v in loss.items() if st == p and sched.startswith("delay")), math.nan)
+            rows.append({"optimizer": opt, "stages": p, "sync": sync, "2bw": two, "pipedream": variable,
+                         "constant (mean delay)": constant, "gap 2bw": two - sync, "gap pipedream": variable - sync,
+                         "gap constant": constant - sync, "pipedream − constant": variable - constant})
+    return pd.DataFrame(rows)
+
+
+def lambda_block(runs: pd.DataFrame) -> str:
+    """The results page's lambda grid (:func:`lambda_grid`), what it shows and the line saying what ran."""
+    if not (runs["group"] == "long-lambda").any():
+        return "Not run yet.\n"
+    grid = lambda_grid(runs)
+    shown = _fmt(grid, {"lr": "g", "sync": 3, "λ=0 (2bw)": 3, **{f"λ={x:g}": 3 for x in LAMBDAS}, "best λ": "g"})
+    return (markdown(shown, index=False) + "\n" + lambda_findings(grid) + "\n"
+            + _ran(runs[runs["group"] == "long-lambda"]))
+
+
+def delay_block(runs: pd.DataFrame) -> str:
+    """The results page's variable-against-constant delay table (:func:`delay_table`) and what ran."""
+    if not (runs["group"] == "long-delay").any():
+        return "Not run yet.\n"
+    table = delay_table(runs)
+    shown = _fmt(table, {c: "+3" if c.startswith("gap") or "−" in c else 3 for c in table.columns[2:]})
+    return markdown(shown, index=False) + "\n" + _ran(runs[runs["group"] == "long-delay"])
 
 
 def time_to_loss(seconds: list[float], losses: list[float], target: float) -> float | None:
@@ -945,16 +1087,18 @@ def report(runs: pd.DataFrame, ttl: dict | None = None) -> dict[str, str]:
         blocks[name] = markdown(engine_summary(table)[engine_cols]) + "\n" + _ran(part)
     long = runs[runs["group"].isin(LONG_GROUPS)]
     if not long.empty:
-        main_long = long[long["group"] == "long"]
-        blocks["long"] = markdown(long_table(main_long)) + "\n" + _ran(main_long) + "\n" + clock_line(main_long)
+        main_long = main_points(long)
+        blocks["long"] = (markdown(long_table(long), index=False) + "\n" + _ran(main_long) + "\n"
+                          + clock_line(main_long))
         lengths = long[long["group"].isin(["long", "long-lengths"])]
         blocks["long-lengths"] = (markdown(length_table(lengths), index=False) + "\n"
                                   + _ran(long[long["group"] == "long-lengths"]))
         blocks["long-seeds"] = seed_markdown(seed_table(lengths))
         lrs = long[long["group"].isin(LR_GROUPS)]
         blocks["long-lr"] = markdown(long_lr_table(lrs), index=False) + "\n" + _ran(
-            long[long["group"].isin(["long-lr", "long-async-lr"])])
+            long[long["group"].isin(["long-lr", "long-async-lr", "long-tuned"])])
         blocks["long-findings"] = long_findings(long, core)
+        blocks["long-lambda"], blocks["long-delay"] = lambda_block(long), delay_block(long)
     paper = pd.DataFrame({"sync": PAPER["sync"], "2bw": PAPER["2bw"], "2bw+ef": PAPER["2bw+ef"],
                           "gap 2bw − sync": PAPER["2bw"] - PAPER["sync"],
                           "recovered by ef": [recovered_share(*PAPER.loc[o, ["sync", "2bw", "2bw+ef"]])

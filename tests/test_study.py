@@ -171,6 +171,77 @@ def test_each_variant_at_its_own_best_lr():
     assert "own best" not in study.long_findings(one)
 
 
+def test_main_table_at_each_optimizers_sync_tuned_lr():
+    """The full-length table holds long.json's own LRs and each optimizer's sync-tuned one, whose seed 0 is the LR
+    sweeps' run; the findings quote the tuned point once it has sync and 2bw, long.json's LR until then."""
+    def at(group, x, lr):
+        return {"group": group, "parameters": 1000, "lr_scale": x, "lr": lr}
+
+    rows = [("adamw", v, 0, loss, at("long", 1.0, 0.003)) for v, loss in (("sync", 3.0), ("2bw", 3.5))]
+    rows += [("muon", v, k, loss + k / 100, at("long", 1.0, 0.02)) for v, loss in (("sync", 2.97), ("2bw", 3.0))
+             for k in (0, 1)]
+    rows += [("muon", "sync", 0, loss, at("long-lr", x, 0.02 * x)) for x, loss in ((0.5, 2.99), (2.0, 2.96),
+                                                                                     (4.0, 2.98))]
+    runs = _runs(rows)
+    assert study.sync_tuned_lr(runs) == {"muon": 0.04}  # AdamW has one LR: no sweep to tune by
+    table = study.long_table(runs).set_index(["optimizer", "lr"])
+    assert list(table.index) == [("adamw", "0.003"), ("muon", "0.02"), ("muon", "0.04 (sync's best)")]
+    assert table.loc[("muon", "0.04 (sync's best)"), "sync"] == "2.960 (1)"
+    assert table.loc[("muon", "0.04 (sync's best)"), "2bw"] == "—"
+    assert table.loc[("muon", "0.02"), "2bw − sync"] == "+0.030 ± 0.000 (n=2)"
+    line = next(x for x in study.long_findings(runs).splitlines() if x.startswith("- **At 20 tokens"))
+    assert "muon +0.030 (peak LR 0.02, not yet at its sync-tuned 0.04; paper +0.012)" in line
+
+    tuned = [("muon", "2bw", 0, 2.97, at("long-async-lr", 2.0, 0.04)),
+             ("muon", "sync", 1, 2.965, at("long-tuned", 2.0, 0.04)),
+             ("muon", "2bw", 1, 2.985, at("long-tuned", 2.0, 0.04))]
+    runs = _runs(rows + tuned)
+    table = study.long_table(runs).set_index(["optimizer", "lr"])
+    assert table.loc[("muon", "0.04 (sync's best)"), "sync"] == "2.962 (2)"
+    assert table.loc[("muon", "0.04 (sync's best)"), "2bw − sync"] == "+0.015 ± 0.064 (n=2)"
+    line = next(x for x in study.long_findings(runs).splitlines() if x.startswith("- **At 20 tokens"))
+    assert "muon +0.015 (peak LR 0.04; paper +0.012)" in line
+
+
+def test_lambda_grid_and_delay_table_by_hand():
+    """long-lambda's grid: per LR, sync and 2bw (x1's from long-lengths at that length), each lambda's loss, the
+    best lambda, those beating 2bw and those that diverged; long-delay's variable against constant delay."""
+    def at(group, x, lam=None, tokens=100, **extra):
+        return {"group": group, "lr_scale": x, "lr": 0.02 * x, "tokens": tokens, "ef_lambda": lam, **extra}
+
+    rows = [("muon", "sync", 0, 3.0, at("long-lengths", 1.0)), ("muon", "2bw", 0, 3.3, at("long-lengths", 1.0)),
+            ("muon", "sync", 0, 2.0, at("long-lengths", 1.0, tokens=900)),  # another length: left out
+            ("muon", "sync", 0, 3.1, at("long-lambda", 2.0)), ("muon", "2bw", 0, 3.6, at("long-lambda", 2.0))]
+    rows += [("muon", "2bw+ef" + ("" if lam == 1 else f" λ={lam:g}"), 0, loss, at("long-lambda", 1.0, lam))
+             for lam, loss in ((0.5, 3.2), (1.0, 3.1), (2.0, 3.15), (3.0, 3.4))]
+    rows += [("muon", "2bw+ef λ=0.5", 0, 3.5, at("long-lambda", 2.0, 0.5)),
+             ("muon", "2bw+ef λ=3", 0, math.nan, at("long-lambda", 2.0, 3.0, diverged=True))]
+    grid = study.lambda_grid(_runs(rows)).set_index("lr")
+    assert grid.loc[0.02, "sync"] == 3.0 and grid.loc[0.02, "λ=0 (2bw)"] == 3.3 and grid.loc[0.02, "best λ"] == 1.0
+    assert grid.loc[0.02, "beat 2bw"] == "0.5, 1, 2" and grid.loc[0.02, "diverged"] == "—"
+    assert grid.loc[0.04, "beat 2bw"] == "0.5" and grid.loc[0.04, "diverged"] == "3"
+    assert math.isnan(grid.loc[0.04, "λ=3"]) and math.isnan(grid.loc[0.04, "λ=1"])
+    assert study.lambda_findings(grid.reset_index()).splitlines() == [
+        "- **muon:** λ=0.5 trained at 0.02, 0.04, beat 2BW at 0.02, 0.04; λ=1 trained at 0.02, beat 2BW at 0.02; "
+        "λ=2 trained at 0.02, beat 2BW at 0.02; λ=3 trained at 0.02, beat 2BW at none. Best λ by peak LR: 0.02: λ=1, "
+        "0.04: λ=0.5."]
+    shown = study.lambda_block(_runs(rows).assign(command="c", card="card", commit="abc", declared_commit=None,
+                                                  dirty=False))
+    assert "| muon | 0.04 | 3.100 | 3.600 | 3.500 | — | — | — | 0.5 | 0.5 | 3 |" in shown and "- **muon:**" in shown
+
+    delay = [("adamw", label, 0, loss, {"group": "long-delay", "schedule": sched, "stages": p})
+             for label, sched, p, loss in (("sync", "1f1b", 1, 3.0), ("2bw", "2bw", 1, 3.2),
+                                           ("pipedream p=3", "pipedream", 3, 3.25), ("delay1", "delay1", 3, 3.21),
+                                           ("pipedream p=5", "pipedream", 5, 3.5), ("delay2", "delay2", 5, 3.4))]
+    table = study.delay_table(_runs(delay)).set_index("stages")
+    assert table.loc[3, "pipedream − constant"] == pytest.approx(0.04)
+    assert table.loc[5, "gap constant"] == pytest.approx(0.4) and table.loc[5, "gap 2bw"] == pytest.approx(0.2)
+    shown = study.delay_block(_runs(delay).assign(command="c", card="card", commit="abc", declared_commit=None,
+                                                  dirty=False))
+    assert "| adamw | 3 | 3.000 | 3.200 | 3.250 | 3.210 | +0.200 | +0.250 | +0.210 | +0.040 |" in shown
+    assert study.delay_block(_runs(rows)) == "Not run yet.\n"
+
+
 def _paired_runs(rows, noise_rows=()) -> pd.DataFrame:
     """Hand-made engine pairs (optimizer, label, seed, emulation loss, engine loss), plus main matrix runs
     (optimizer, label, seed, loss) for the seed noise."""
@@ -269,30 +340,58 @@ def test_matrices_and_split():
     assert len(driver.matrix("tiny")) == 21 and len(driver.matrix("tiny-pairs")) == 3
 
 
+def test_long_lr_matrices_sweep_around_each_optimizers_tuned_point():
+    """Sync's LR sweep brackets each optimizer's tuned scale; Muon's main point at its tuned LR is long's runs with
+    both rates scaled, seed 0 trained once (long-lr's and long-async-lr's folders); the async variants' own sweep."""
+    long = {r.name: r.config() for r in driver.matrix("long")}
+    lr = {r.name: r.config() for r in driver.matrix("long-lr")}
+    assert sorted(lr) == sorted(f"{o}-sync-lr{x:g}x-s0" for o, xs in driver.SYNC_LR_SCALES.items() for x in xs)
+    for opt, x in driver.TUNED_LR.items():
+        assert min(driver.SYNC_LR_SCALES[opt]) < x < max(driver.SYNC_LR_SCALES[opt])
+    tuned = driver.matrix("long-tuned")
+    assert len(tuned) == 9 and {r.group for r in tuned} == {"long-lr", "long-async-lr", "long-tuned"}
+    assert sorted(r.name for r in tuned if r.group != "long-tuned") == [
+        "muon-2bw+ef-lr2x-s0", "muon-2bw-lr2x-s0", "muon-sync-lr2x-s0"]
+    for r in tuned:
+        variant, seed = r.name.split("-")[1], r.name.rsplit("-", 1)[1]
+        assert r.config() == driver.override(long[f"muon-{variant}-{seed}"], driver.lr_scaled("muon", 2.0)), r.name
+    asynchronous = {r.name for r in driver.matrix("long-async-lr")}
+    assert asynchronous == {f"{o}-{v}-lr{x:g}x-s0" for o, xs in driver.ASYNC_LR_SCALES.items() for x in xs
+                            for v in ("2bw", "2bw+ef")}
+
+
 def test_long_lambda_and_long_delay_matrices():
-    """EF lambda x peak LR around ``long``'s 2bw+ef point (not repeated); PipeDream at m = 1 against the constant
-    delay of its mean on the same stages, with sync and 2bw at m = 1."""
+    """EF lambda x peak LR at 1/9 of long's length, with sync and 2bw at the LRs long-lengths lacks there; PipeDream
+    at m = 1 against the constant delay of its mean on the same stages, with sync and 2bw at m = 1, at 1/3."""
     from ds_async.pipe.version_rule import get
 
     long = {r.name: r.config() for r in driver.matrix("long")}
+    lengths = {r.name: r.config() for r in driver.matrix("long-lengths")}
     lam = {r.name: r.config() for r in driver.matrix("long-lambda")}
-    assert len(lam) == 22 == len(driver.matrix("long-lambda"))
+    assert len(lam) == 32 == len(driver.matrix("long-lambda"))
+    assert all(c["ds_async"]["train"]["steps"] == 524 and c["ds_async"]["seed"] == 0 for c in lam.values())
     points = {(c["optimizer"]["type"], c["ds_async"]["correction"]["lambda"],
                c["optimizer"]["params"]["lr"] / long[f"{o}-sync-s0"]["optimizer"]["params"]["lr"])
-              for n, c in lam.items() for o in [n.split("-")[0]]}
-    assert points == {(t, x, y) for t in ("AdamW", "Muon") for x in (0.5, 1.0, 2.0, 3.0) for y in (0.5, 1.0, 2.0)
-                      if (x, y) != (1.0, 1.0)}
-    assert all(c["ds_async"]["schedule"] == "2bw" and c["ds_async"]["seed"] == 0 for c in lam.values())
-    muon = lam["muon-2bw+ef-lambda3-lr2x-s0"]
+              for n, c in lam.items() for o in [n.split("-")[0]] if "correction" in c["ds_async"]}
+    assert points == {(t, x, y) for t in ("AdamW", "Muon") for x in (0.5, 1.0, 2.0, 3.0) for y in (0.5, 1.0, 2.0)}
+    references = {n for n, c in lam.items() if "correction" not in c["ds_async"]}
+    assert references == {f"{o}-{v}-lr{x:g}x-len524-s0" for o in ("adamw", "muon") for v in ("sync", "2bw")
+                          for x in (0.5, 2.0)}
+    muon = lam["muon-2bw+ef-lambda3-lr2x-len524-s0"]
     assert muon["optimizer"]["params"]["adam_lr"] == pytest.approx(2 * long["muon-2bw+ef-s0"]["optimizer"]["params"]
                                                                    ["adam_lr"])
-    # everything else is long's 2bw+ef run: lambda 1 at x1 is that run itself
-    same = driver.override(lam["muon-2bw+ef-lambda2-lr1x-s0"], {"ds_async.correction.lambda": 1.0})
-    assert same == long["muon-2bw+ef-s0"]
+    # everything else is long-lengths' 2bw run at that length: lambda 0 at x1 is that run itself
+    same = lam["muon-2bw+ef-lambda2-lr1x-len524-s0"]
+    del same["ds_async"]["correction"]
+    assert same == lengths["muon-2bw-len524-s0"]
+    assert driver.override(lam["muon-sync-lr2x-len524-s0"], driver.lr_scaled("muon", 1.0)) == \
+        lengths["muon-sync-len524-s0"]
 
     delay = {r.name: r.config() for r in driver.matrix("long-delay")}
     assert len(delay) == 12 and {n.split("-", 1)[1] for n in delay} == {
-        "pipedream-p3-s0", "delay1-p3-s0", "pipedream-p5-s0", "delay2-p5-s0", "sync-s0", "2bw-s0"}
+        f"{k}-len1571-s0" for k in ("pipedream-p3", "delay1-p3", "pipedream-p5", "delay2-p5", "sync", "2bw")}
+    assert all(c["ds_async"]["train"]["steps"] == c["scheduler"]["params"]["total_num_steps"] == 1571
+               for c in delay.values())
     base = long["adamw-sync-s0"]
     for name, c in delay.items():
         # one micro-batch per step holding the step's sequences; validation on the same held-out sequences
@@ -303,7 +402,8 @@ def test_long_lambda_and_long_delay_matrices():
             base["train_micro_batch_size_per_gpu"] * base["ds_async"]["eval"]["batches"]
     for opt in ("adamw", "muon"):
         for p in (3, 5):
-            pd, const = delay[f"{opt}-pipedream-p{p}-s0"], delay[f"{opt}-delay{(p - 1) // 2}-p{p}-s0"]
+            pd, const = (delay[f"{opt}-pipedream-p{p}-len1571-s0"],
+                         delay[f"{opt}-delay{(p - 1) // 2}-p{p}-len1571-s0"])
             assert pd["ds_async"]["pipeline_stages"] == const["ds_async"]["pipeline_stages"] == p
             assert driver.override(const, {"ds_async.schedule": "pipedream"}) == pd  # only the rule differs
             variable = [get("pipedream").delay(s, p, 1) for s in range(p)]

@@ -206,24 +206,30 @@ def long_lengths(fractions=(1 / 81, 1 / 27, 1 / 9, 1 / 3)) -> dict:
             for f in fractions}
 
 
-def long_lambda(lambdas=(0.5, 1.0, 2.0, 3.0), lr_scales=(0.5, 1.0, 2.0)) -> list[Run]:
-    """2bw + EF on long.json at each lambda and peak-LR scale, both optimizers, seed 0: the LR range where each
-    lambda stays stable. lambda 1 at x1 is ``long``'s own 2bw+ef run and is not repeated."""
+def long_lambda(lambdas=(0.5, 1.0, 2.0, 3.0), lr_scales=(0.5, 1.0, 2.0), fraction=1 / 9) -> list[Run]:
+    """2bw + EF at each lambda and peak-LR scale, both optimizers, seed 0, with sync and plain 2bw (lambda 0) at the
+    scales other than x1 (long-lengths holds those): the LR range where each lambda stays stable. At 1/9 of
+    long.json's length (2.2 tokens per parameter), where the delay costs most (long-lengths) and a 16-point grid
+    per optimizer costs less than two full runs; the full length's EF points are ``long``'s and long-async-lr's."""
+    points = {f"2bw+ef-lambda{lam:g}-lr{x:g}x": lambda opt, lam=lam, x=x: {
+        **VARIANTS["2bw"], **lr_scaled(opt, x), "ds_async.correction": {"type": "ef", "lambda": lam}}
+        for x in lr_scales for lam in lambdas}
+    points.update({f"{v}-lr{x:g}x": lambda opt, v=v, x=x: {**VARIANTS[v], **lr_scaled(opt, x)}
+                   for x in lr_scales if x != 1.0 for v in ("sync", "2bw")})
     runs = []
     for opt in LONG_OPTIMIZERS:
-        points = {f"2bw+ef-lambda{lam:g}-lr{x:g}x": {**VARIANTS["2bw"], **lr_scaled(opt, x),
-                                                     "ds_async.correction": {"type": "ef", "lambda": lam}}
-                  for lam, x in itertools.product(lambdas, lr_scales) if (lam, x) != (1.0, 1.0)}
-        runs += long_product("long-lambda", {opt: LONG_OPTIMIZERS[opt]}, points, seeds(0))
+        runs += long_product("long-lambda", {opt: LONG_OPTIMIZERS[opt]}, {k: f(opt) for k, f in points.items()},
+                             long_lengths((fraction,)), seeds(0))
     return runs
 
 
-def long_delay(depths=(3, 5)) -> list[Run]:
+def long_delay(depths=(3, 5), fraction=1 / 3) -> list[Run]:
     """PipeDream's variable delay against a constant one of the same mean, on long.json at m = 1 (the step's
     sequences in one micro-batch, as ``extras``' depth sweep; validation on the same held-out sequences in
     micro-batches of that size): ``pipedream`` at depth p delays stage s by p - 1 - s steps, ``delay<(p-1)/2>``
     every stage by their mean, on the same p stages; sync and 2bw (one stage, which 2bw's m >= p asks for at m = 1;
-    its rule is then delay1's) as references. Both optimizers, seed 0."""
+    its rule is then delay1's) as references. Both optimizers, seed 0, at 1/3 of long.json's length (6.7 tokens
+    per parameter): the delay still costs both optimizers a clear gap there (long-lengths), at a third of the cost."""
     cfg = load_base("long.json")
     mbs, gas, batches = (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"],
                          cfg["ds_async"]["eval"]["batches"])
@@ -235,7 +241,7 @@ def long_delay(depths=(3, 5)) -> list[Run]:
         rules[f"delay{(p - 1) // 2}-p{p}"] = {"ds_async.schedule": f"delay{(p - 1) // 2}",
                                              "ds_async.pipeline_stages": p}
     rules.update({k: {**VARIANTS[k], "ds_async.pipeline_stages": 1} for k in ("sync", "2bw")})
-    return long_product("long-delay", LONG_OPTIMIZERS, rules, {"": one}, seeds(0))
+    return long_product("long-delay", LONG_OPTIMIZERS, rules, {"": one}, long_lengths((fraction,)), seeds(0))
 
 
 # The MoE study (long_moe.json): a Mixtral of long.json's shape (hidden 512, 7 layers, vocab 8192, seq 512, 4 stages,
@@ -247,11 +253,29 @@ def long_delay(depths=(3, 5)) -> list[Run]:
 LONG_MOE_MUON = {"muon": {**LONG_OPTIMIZERS["muon"], "optimizer.params.split_gate_up": False}}
 
 
-def _long_lr(group: str, variant: str, scales: tuple[float, ...]) -> list[Run]:
-    """``variant`` on long.json at each peak-LR scale, per optimizer, seed 0."""
+# Each optimizer's sync-tuned peak-LR scale: the best of long-lr's sweep, which brackets it (AdamW: x0.5 3.025, x1
+# 3.002, x2 3.042; Muon: x0.5 2.986, x1 2.966, x2 2.961, x4 2.968). AdamW's is long.json's own, so ``long`` is its
+# main point; Muon's main point is ``long-tuned``.
+TUNED_LR = {"adamw": 1.0, "muon": 2.0}
+SYNC_LR_SCALES = {"adamw": (0.5, 2.0), "muon": (0.5, 2.0, 4.0)}
+ASYNC_LR_SCALES = {"adamw": (0.5, 2.0), "muon": (0.5, 2.0, 4.0)}
+
+
+def _long_lr(group: str, variants: tuple[str, ...], scales: dict[str, tuple[float, ...]]) -> list[Run]:
+    """Each of ``variants`` on long.json at each of the optimizer's peak-LR ``scales``, seed 0."""
     return [r for opt in LONG_OPTIMIZERS for r in long_product(
-        group, {opt: LONG_OPTIMIZERS[opt]}, {variant: VARIANTS[variant]},
-        {f"lr{x:g}x": lr_scaled(opt, x) for x in scales}, seeds(0))]
+        group, {opt: LONG_OPTIMIZERS[opt]}, {v: VARIANTS[v] for v in variants},
+        {f"lr{x:g}x": lr_scaled(opt, x) for x in scales[opt]}, seeds(0))]
+
+
+def _long_tuned() -> list[Run]:
+    """Muon x {sync, 2bw, 2bw+ef} at its sync-tuned LR (``TUNED_LR``), seeds 0-2: seed 0's runs are long-lr's and
+    long-async-lr's (the same folders: trained once)."""
+    opt, x = "muon", TUNED_LR["muon"]
+    shared = {f"{opt}-{v}-lr{x:g}x-s0" for v in VARIANTS}
+    seed0 = [r for name in ("long-lr", "long-async-lr") for r in MATRIX_BUILDERS[name]() if r.name in shared]
+    return seed0 + long_product("long-tuned", {opt: LONG_OPTIMIZERS[opt]}, VARIANTS,
+                                {f"lr{x:g}x": lr_scaled(opt, x)}, seeds(1, 2))
 
 
 def _long_moe_ns() -> list[Run]:
@@ -278,8 +302,9 @@ MATRIX_BUILDERS = {
                                   **{"ds_async.model.config.num_hidden_layers": 6, "ds_async.eval.batches": 8,
                                      **length(200), "ds_async.eval.every": 20}),
     "long": lambda: long_product("long", LONG_OPTIMIZERS, VARIANTS, seeds(0, 1, 2)),
-    "long-lr": lambda: _long_lr("long-lr", "sync", (0.5, 2.0, 4.0)),
-    "long-async-lr": lambda: _long_lr("long-async-lr", "2bw", (0.5, 2.0)),  # 2bw+ef's: long-lambda's lambda 1
+    "long-lr": lambda: _long_lr("long-lr", ("sync",), SYNC_LR_SCALES),
+    "long-tuned": _long_tuned,
+    "long-async-lr": lambda: _long_lr("long-async-lr", ("2bw", "2bw+ef"), ASYNC_LR_SCALES),
     "long-lengths": lambda: long_product("long-lengths", LONG_OPTIMIZERS, {k: VARIANTS[k] for k in ("sync", "2bw")},
                                          long_lengths(), seeds(0, 1)),
     "long-lambda": long_lambda,
@@ -303,13 +328,16 @@ def matrix(name: str) -> list[Run]:
     micro-batches of 2), to run with both runners. ``depth8`` (8 GPUs) and ``depth8-cpu``
     (8 CPU ranks, a 6-layer tiny model, 200 steps, seeds 0 and 1): Muon sync vs 2bw+ef through 8 stages.
     ``long``: ``main`` at a real length on ``long.json`` (20 tokens per parameter, bf16 weights with fp32 masters
-    as on the engine's fast path; 18). ``long-lr``: each optimizer's sync peak LR x0.5, x2 and x4 there (seed 0;
-    6). ``long-async-lr``: 2bw at x0.5 and x2 (seed 0; 4): with ``long-lambda``'s lambda-1 points, each async
-    variant at its own best LR.
+    as on the engine's fast path; 18). ``long-lr``: sync's peak LR there, AdamW x0.5 and x2, Muon x0.5, x2 and x4
+    (seed 0; 5), which brackets each optimizer's best (``TUNED_LR``). ``long-tuned``: Muon's sync, 2bw and 2bw+ef
+    at its sync-tuned x2, seeds 0-2 (seed 0's are long-lr's and long-async-lr's runs; 6 more); AdamW's tuned point
+    is ``long``'s. ``long-async-lr``: 2bw and 2bw+ef at AdamW x0.5 and x2, Muon x0.5, x2 and x4 (seed 0; 10):
+    each async variant at its own best LR.
     ``long-lengths``: sync and 2bw at 1/81, 1/27, 1/9 and 1/3 of that length, seeds 0 and 1 (32).
-    ``long-lambda``: 2bw + EF at lambda 0.5/1/2/3 x peak LR x0.5/x1/x2, less ``long``'s own point (seed 0; 22).
-    ``long-delay``: m = 1, PipeDream at p = 3 and 5 against the constant delays of their means (``delay1``,
-    ``delay2``, emulation only) on the same stages, with sync and 2bw at m = 1 (seed 0; 12).
+    ``long-lambda``: at 1/9 of the length, 2bw + EF at lambda 0.5/1/2/3 x peak LR x0.5/x1/x2, with sync and 2bw at
+    x0.5 and x2 (seed 0; 32). ``long-delay``: at 1/3 of the length and m = 1, PipeDream at p = 3 and 5 against the
+    constant delays of their means (``delay1``, ``delay2``, emulation only) on the same stages, with sync and 2bw at
+    m = 1 (seed 0; 12).
     ``long-moe``: Muon x {sync, 2bw, 2bw+ef} x seeds {0, 1, 2} on ``long_moe.json`` (a 43.3M Mixtral, 8 experts,
     top-2, 22.6M active; 20 tokens per total parameter; 9). ``long-moe-ns``: how Muon orthogonalises the experts'
     fused ``gate_up_proj``, sync and 2bw+ef at seed 0: one matrix per expert (``long-moe``'s own runs) and its gate
