@@ -470,11 +470,18 @@ def _lr_key(lr: float) -> float:
     return float(f"{lr:.6g}")
 
 
+def lr_sweep(runs: pd.DataFrame) -> pd.DataFrame:
+    """The full-length LR sweep (``LR_GROUPS``): sync, 2bw and 2bw+ef at each peak LR, seed 0, the sweeps' one seed
+    (a main point's other seeds would mix in while some point lacks them)."""
+    ref = reference(runs, group="long")
+    sub = runs[runs["group"].isin(LR_GROUPS) & (runs["seed"] == 0)]
+    return sweep(sub, "lr_scale", ref, labels=LR_LABELS, x="lr")
+
+
 def sync_tuned_lr(runs: pd.DataFrame) -> dict[str, float]:
     """Each optimizer's best sync peak LR over the full-length LR sweep (``LR_GROUPS``, seeds common to its
     points), for the optimizers whose sweep has two or more LRs."""
-    ref = reference(runs, group="long")
-    t = sweep(runs[runs["group"].isin(LR_GROUPS)], "lr_scale", ref, labels=LR_LABELS, x="lr")
+    t = lr_sweep(runs)
     t = t.dropna(subset=["sync"]) if "sync" in t else t
     return {opt: _lr_key(part.loc[part["sync"].idxmin(), "lr"]) for opt, part in t.groupby("optimizer")
             if len(part) >= 2}
@@ -601,18 +608,15 @@ LR_LABELS = ("sync", "2bw", "2bw+ef")
 
 def long_lr_table(runs: pd.DataFrame) -> pd.DataFrame:
     """Final loss against the peak LR at long.json's point (Muon: both of its rates scaled) for sync, 2BW and
-    2BW + EF; the gap is 2BW − sync at the same LR."""
-    ref = reference(runs, group="long")
-    t = sweep(runs, "lr_scale", ref, labels=LR_LABELS, x="lr")
-    t = t.drop(columns=["lr_scale"])
+    2BW + EF, seed 0 (:func:`lr_sweep`); the gap is 2BW − sync at the same LR."""
+    t = lr_sweep(runs).drop(columns=["lr_scale"])
     return _fmt(t, {"lr": "g", "sync": 3, "2bw": 3, "2bw+ef": 3, "gap": "+3", "seeds": "g"})
 
 
 def own_best_lr(runs: pd.DataFrame) -> pd.DataFrame:
     """Each optimizer's sync, 2BW and 2BW + EF at the best peak LR each has run (``LR_GROUPS``, seed 0 where
     the sweep is): the LR, the loss, how many LRs were tried and whether the best lies inside them."""
-    ref = reference(runs, group="long")
-    t = sweep(runs, "lr_scale", ref, labels=LR_LABELS, x="lr")
+    t = lr_sweep(runs)
     rows = []
     for opt, part in t.groupby("optimizer"):
         for label in LR_LABELS:
@@ -658,6 +662,7 @@ def long_findings(runs: pd.DataFrame, short: pd.DataFrame | None = None) -> str:
         if short is not None and len(short):
             sg = gap_table(short[short["label"].isin(["sync", "2bw"])])
             short_gap = "; the short study's: " + ", ".join(f"{o} {sg.loc[o, 'gap']:+.3f}" for o in sg.index)
+
         def at(o: str) -> str:
             note = "" if tuned.get(o) == at_lr[o] or o not in tuned else f", not yet at its sync-tuned {tuned[o]:g}"
             return f"peak LR {at_lr[o]:g}{note}; paper {PAPER.loc[o, '2bw'] - PAPER.loc[o, 'sync']:+.3f}"
@@ -671,7 +676,7 @@ def long_findings(runs: pd.DataFrame, short: pd.DataFrame | None = None) -> str:
             lines.append(f"- **EF on {opt}** recovers {100 * table.loc[opt, col]:.0f}% of the gap (paper "
                          f"{100 * paper:.0f}%): 2BW + EF {table.loc[opt, '2bw+ef']:.3f} against sync "
                          f"{table.loc[opt, 'sync']:.3f} and 2BW {table.loc[opt, '2bw']:.3f}.")
-    lr = sweep(runs[runs["group"].isin(LR_GROUPS)], "lr_scale", ref, x="lr").dropna(subset=["sync"])
+    lr = lr_sweep(runs).dropna(subset=["sync"])
     for opt, part in lr.groupby("optimizer"):
         if len(part) < 2:
             continue
@@ -681,7 +686,7 @@ def long_findings(runs: pd.DataFrame, short: pd.DataFrame | None = None) -> str:
                  else "at the sweep's edge: not bracketed yet")
         points = ", ".join(f"{x:g}: {v:.3f}" for x, v in zip(part["lr"], part["sync"]))
         lines.append(f"- **{opt}'s sync LR** ({points}): the best, {best['lr']:g}, is {where}.")
-    own = own_best_lr(runs[runs["group"].isin(LR_GROUPS)])
+    own = own_best_lr(runs)
     for opt, part in own.groupby("optimizer"):
         best = part.set_index("label")
         if len(part) < 2 or "sync" not in best.index or (best["lrs"] < 2).any():

@@ -194,11 +194,15 @@ def test_main_table_at_each_optimizers_sync_tuned_lr():
 
     tuned = [("muon", "2bw", 0, 2.97, at("long-async-lr", 2.0, 0.04)),
              ("muon", "sync", 1, 2.965, at("long-tuned", 2.0, 0.04)),
-             ("muon", "2bw", 1, 2.985, at("long-tuned", 2.0, 0.04))]
+             ("muon", "2bw", 1, 2.985, at("long-tuned", 2.0, 0.04)),
+             ("muon", "2bw+ef", 1, 2.975, at("long-tuned", 2.0, 0.04))]  # its seed 0 not run yet
     runs = _runs(rows + tuned)
     table = study.long_table(runs).set_index(["optimizer", "lr"])
     assert table.loc[("muon", "0.04 (sync's best)"), "sync"] == "2.962 (2)"
     assert table.loc[("muon", "0.04 (sync's best)"), "2bw − sync"] == "+0.015 ± 0.064 (n=2)"
+    assert table.loc[("muon", "0.04 (sync's best)"), "2bw+ef − sync"] == "+0.010 (n=1, no interval)"
+    sweep = study.long_lr_table(runs).set_index("lr")  # seed 0 alone: seed 1 of one point does not mix in
+    assert sweep.loc["0.04", "sync"] == "2.960" and sweep.loc["0.04", "2bw+ef"] == "—"
     line = next(x for x in study.long_findings(runs).splitlines() if x.startswith("- **At 20 tokens"))
     assert "muon +0.015 (peak LR 0.04; paper +0.012)" in line
 
