@@ -19,7 +19,10 @@ optimizer then updates the newest weights, exactly as the pipeline does, without
   the resolved config, tensorboard events, ``summary.json``, ``loss.png``), the manifest adding an ``emulation``
   section (device, card, precision). Instead of engine checkpoints it keeps ``emulation_state.pt`` (weights,
   older versions, optimizer, scheduler, data position, curves, training clock) at ``checkpoint.every`` steps and when
-  ``--time-limit`` runs out (exit 75); ``--resume`` continues from it, the same as a run that never stopped.
+  ``--time-limit`` runs out (exit 75); ``--resume`` continues from it, the same as a run that never stopped. A run
+  whose loss turns NaN or inf stops there as on the engine (``train.on_nonfinite = "stop"``), but first writes its
+  ``summary.json`` up to that step with ``"stopped"`` saying why: a diverged run is a result of a sweep, not a
+  run to try again.
 
 Precision: fp32 on CPU always. On a GPU, ``bf16.enabled`` trains as the engine does under bf16 (bf16 weights and
 versions, fp32 master weights and optimizer state through :class:`~ds_async.optim.master.MasterWeights`, Muon's
@@ -623,16 +626,20 @@ class Emulation:
         finally:
             self.batches.close()
 
-    def finish(self) -> dict:
-        """The summary (``summary.json``, the console line); the saved state is no longer needed."""
+    def finish(self, stopped: str | None = None) -> dict:
+        """The summary (``summary.json``, the console line); the saved state is no longer needed. ``stopped``: why
+        the run ended before its last step (its summary then covers the steps it ran)."""
         from . import data
 
         skipped = self.batches.skipped
         skipped_docs = {k: skipped.get(k, 0) for k in data.SKIP_REASONS}
-        summary = self.log.close(self.total_steps, plot=self.cfg.logging.plot,
+        train = self.log.history["train"]
+        steps = self.total_steps if stopped is None or not train else train[-1][0]
+        summary = self.log.close(steps, plot=self.cfg.logging.plot,
                                  extra={"skipped_docs": skipped_docs,
                                         "skipped_steps": getattr(self.stepped, "skipped", 0),
-                                        "checkpoint": None, "resumed_from": self.resumed_from})
+                                        "checkpoint": None, "resumed_from": self.resumed_from,
+                                        **({"stopped": stopped} if stopped else {})})
         self.state_file.unlink(missing_ok=True)
         return summary
 
@@ -644,11 +651,16 @@ def run(config_path: str, max_steps: int | None = None, run_name: str | None = N
 
     ``time_limit`` (seconds from the call): once a step ends past it, the run saves its state to
     ``<run folder>/emulation_state.pt`` and raises :class:`Stopped`; so does a ``checkpoint.every`` step (without
-    stopping). ``resume``: continue from that file when the run folder has one (the same config only)."""
+    stopping). ``resume``: continue from that file when the run folder has one (the same config only). A NaN or
+    inf loss raises :class:`~ds_async.nonfinite.NonFiniteLoss` after the summary of the steps run is written."""
     deadline = None if time_limit is None else time.perf_counter() + time_limit
     job = Emulation(config_path, max_steps=max_steps, run_name=run_name, device=device)
     job.start_logging(job.restore() if resume else None)
-    job.train(deadline)
+    try:
+        job.train(deadline)
+    except NonFiniteLoss as e:
+        job.finish(stopped=f"{type(e).__name__}: {e}")
+        raise
     return job.finish()
 
 

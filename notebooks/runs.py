@@ -108,7 +108,10 @@ def read_run(folder: str | Path) -> dict:
     train, val = history.get("train", []), history.get("validation", [])
     steps, tps = manifest["total_steps"], manifest["tokens_per_step"]
     autocast = (dsc.get("torch_autocast") or {}).get("enabled") or (dsc.get("bf16") or {}).get("enabled")
-    final_val = _finite(summary.get("final_validation_loss"))
+    diverged = bool(summary) and (not math.isfinite(_finite(summary.get("final_validation_loss")))
+                                  or not all(math.isfinite(v) for _, v in train))
+    # A diverged run's last validation came before it diverged: it has no final loss.
+    final_val = math.nan if diverged else _finite(summary.get("final_validation_loss"))
     lam = corr.get("lambda", corr.get("lam"))  # manifests before the config's JSON keys were kept say "lam"
     ef_lambda = (lam if lam is not None else 1.0) if corr["type"] == "ef" else math.nan
     runner = "emulation" if emulation else "engine"
@@ -128,8 +131,7 @@ def read_run(folder: str | Path) -> dict:
         "precision": emulation["precision"] if emulation else ("bf16" if autocast else "fp32"),
         "world_size": manifest.get("world_size"), "final_val": final_val,
         "final_train": _finite(train[-1][1]) if train else math.nan,
-        "diverged": bool(summary) and (not math.isfinite(final_val)
-                                       or not all(math.isfinite(v) for _, v in train)),
+        "diverged": diverged,
         "complete": bool(summary) and bool(train) and train[-1][0] >= steps,
         "card": emulation["card"] if emulation else manifest.get("card"), "commit": manifest["code"].get("commit"),
         "dirty": manifest["code"].get("dirty"), "declared_commit": None, "note": None,

@@ -509,6 +509,27 @@ def test_workers_share_the_host_cores_for_tokenizing(tmp_path, monkeypatch):
     assert manifest["emulation"]["tokenizer_threads"] == str(max(1, (os.cpu_count() or 1) // 2))
 
 
+def test_a_diverging_emulation_run_is_a_result_not_a_failure(tmp_path, monkeypatch):
+    """AdamW at lr 1e6 turns the loss NaN within a few steps: the run stops there as on the engine, but first its
+    summary.json records the steps it ran and why it stopped; the driver counts it as done, skips it on the next
+    call, and the results read it as diverged and incomplete (the lambda grid's "diverged")."""
+    _corpus()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    args = ["tiny", "--only", "main/adamw-sync-s0", "--device", "cpu", "--out", str(tmp_path),
+            "--set", "optimizer.params.lr=1e6", "--set", "ds_async.eval.every=3"]
+    assert driver.main(args) == 0
+    folder = tmp_path / "emulation" / "main" / "adamw-sync-s0"
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["stopped"].startswith("NonFiniteLoss: step ") and 1 <= summary["steps"] < 20
+    assert math.isfinite(summary["final_validation_loss"])  # an evaluation before the loss turned NaN
+    assert summary["history"]["train"][-1][0] == summary["steps"]
+    assert not math.isfinite(summary["history"]["train"][-1][1])
+    row = study.read_run(folder)
+    assert row["diverged"] and not row["complete"] and math.isnan(row["final_val"])  # no final loss
+    written = (folder / "summary.json").stat().st_mtime_ns
+    assert driver.main(args) == 0 and (folder / "summary.json").stat().st_mtime_ns == written
+
+
 def test_tiny_matrix_run_folders(study_out):
     folders = study.find_runs(study_out / "emulation")
     assert len(folders) == 21 + 1

@@ -18,10 +18,11 @@ only config language. A matrix (below) is a list of such runs; the driver writes
 
 The configs' data and tokenizer paths are relative to the repository root (``../shared/corpus``): every run
 starts there. A run's folder is ``OUT/<runner>/<group>/<name>/``: ``config.json`` (the JSON it ran) and what the
-runner writes (``manifest.json``, tensorboard events, ``summary.json``). A folder with ``summary.json`` is finished and skipped
-(``--force`` re-runs it); an unfinished one resumes from its ``emulation_state.pt`` (left by ``--time-limit``),
-else starts again from scratch. ``--set KEY=VALUE`` overrides a key in
-every run (a JSON value, else a string), e.g. the data paths on another machine.
+runner writes (``manifest.json``, tensorboard events, ``summary.json``). A folder with ``summary.json`` is finished
+(an emulation run that diverged too: its summary says at which step) and skipped (``--force`` re-runs it); an
+unfinished one resumes from its ``emulation_state.pt`` (left by ``--time-limit``), else starts again from scratch.
+``--set KEY=VALUE`` overrides a key in every run (a JSON value, else a string), e.g. the data paths on another
+machine.
 """
 from __future__ import annotations
 
@@ -430,6 +431,7 @@ def train(runs: list[Run], out: Path, runner: str, sets: dict, force: bool, devi
         try:
             if runner == "emulation":
                 from ds_async import emulate
+                from ds_async.nonfinite import NonFiniteLoss
 
                 with contextlib.chdir(ROOT):  # the configs' data and tokenizer paths are relative to it
                     try:
@@ -437,6 +439,8 @@ def train(runs: list[Run], out: Path, runner: str, sets: dict, force: bool, devi
                     except emulate.Stopped as e:
                         print(f"[stopped] {run.group}/{run.name}: {e}", flush=True)
                         break
+                    except NonFiniteLoss as e:  # a result, not a failure: its summary.json says where it stopped
+                        print(f"[diverged] {run.group}/{run.name}: {e}", flush=True)
                 _release_memory()
             else:
                 nproc = processes(json.loads(config_path.read_text()))
