@@ -118,6 +118,27 @@ def plot_lambda(table: pd.DataFrame):
     return fig
 
 
+def plot_lambda_grid(grid: pd.DataFrame):
+    """One panel per optimizer of a ``lambda_grid``: final loss against EF λ (0 = plain 2BW), a line per peak LR,
+    sync at that LR dotted in the same colour; a diverged run leaves its point out."""
+    import matplotlib.pyplot as plt
+
+    opts = sorted(grid["optimizer"].unique())
+    fig, axes = plt.subplots(1, len(opts), figsize=(5 * len(opts), 3.5), squeeze=False)
+    lams = [c for c in grid.columns if c.startswith("λ=") and c != "λ=0 (2bw)"]
+    for ax, opt in zip(axes[0], opts):
+        for _, row in grid[grid["optimizer"] == opt].sort_values("lr").iterrows():
+            xs = [0.0] + [float(c[2:]) for c in lams]
+            line = ax.plot(xs, [row["λ=0 (2bw)"]] + [row[c] for c in lams], marker="o", label=f"lr {row['lr']:g}")[0]
+            ax.axhline(row["sync"], color=line.get_color(), lw=0.8, ls=":")
+        ax.set_title(f"{opt} (dotted: sync)", fontsize=9)
+        ax.set_xlabel("EF λ (0: plain 2BW)")
+        ax.set_ylabel("final validation loss")
+    _grid_and_legend(axes[0], fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def plot_engine(runs: pd.DataFrame, ref: dict | None = None, group: str | None = None):
     """One column per (optimizer, label) of the engine pairs (of ``group`` if given). Top: validation loss of each
     seed through the engine (solid) and the emulation (dashed). Bottom: engine − emulation per seed, over ± the

@@ -229,6 +229,10 @@ def test_lambda_grid_and_delay_table_by_hand():
         "- **muon:** λ=0.5 trained at 0.02, 0.04, beat 2BW at 0.02, 0.04; λ=1 trained at 0.02, beat 2BW at 0.02; "
         "λ=2 trained at 0.02, beat 2BW at 0.02; λ=3 trained at 0.02, beat 2BW at none. Best λ by peak LR: 0.02: λ=1, "
         "0.04: λ=0.5."]
+    fig = plots.plot_lambda_grid(grid.reset_index())
+    assert len(fig.axes) == 1 and len(fig.axes[0].lines) == 4  # a line per LR and its sync level
+    assert [v if math.isfinite(v) else None for v in fig.axes[0].lines[2].get_ydata()] == [3.6, 3.5, None, None,
+                                                                                           None]  # lr 0.04
     shown = study.lambda_block(_runs(rows).assign(command="c", card="card", commit="abc", declared_commit=None,
                                                   dirty=False))
     assert "| muon | 0.04 | 3.100 | 3.600 | 3.500 | — | — | — | 0.5 | 0.5 | 3 |" in shown and "- **muon:**" in shown
