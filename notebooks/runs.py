@@ -444,7 +444,8 @@ def gap_curves(runs: pd.DataFrame, sync: str = "sync") -> pd.DataFrame:
 # ---------------------------------------------------------------------------------------------------------------
 # The study at a real length (long.json: 20 tokens per parameter)
 
-LONG_GROUPS = ("long", "long-tuned", "long-lr", "long-async-lr", "long-lengths", "long-lambda", "long-delay")
+LONG_GROUPS = ("long", "long-tuned", "long-lr", "long-async-lr", "long-lengths", "long-lambda", "long-delay",
+               "long-moe", "long-moe-ns")
 LR_GROUPS = ("long", "long-tuned", "long-lr", "long-async-lr")
 """The groups whose runs sit on long.json's LR axis at its full length."""
 MAIN_GROUPS = ("long", "long-tuned")
@@ -506,25 +507,57 @@ def long_table(runs: pd.DataFrame) -> pd.DataFrame:
     puts best is marked): each variant's final validation loss (mean over seeds, n), the gaps of 2bw and 2bw+ef to
     sync paired by seed with their 95% intervals, and the share of the gap EF recovers."""
     tuned = sync_tuned_lr(runs)
-    rows = []
-    for (opt, lr), part in main_points(runs).groupby(["optimizer", "lr"], sort=True):
-        table = part.pivot_table(index="seed", columns="label", values="final_val", aggfunc="mean")
-        row = {"optimizer": opt, "lr": f"{lr:g}" + (" (sync's best)" if tuned.get(opt) == lr else "")}
-        for label in ("sync", "2bw", "2bw+ef"):
-            row[label] = (f"{table[label].mean():.3f} ({int(table[label].count())})" if label in table else "—")
-        for label in ("2bw", "2bw+ef"):
-            diff = (table[label] - table["sync"]).dropna() if {"sync", label} <= set(table) else pd.Series([])
-            row[f"{label} − sync"] = gap_with_interval(diff.mean(), paired_interval(diff), len(diff)) \
-                if len(diff) else "—"
-        row["recovered by ef"] = "—"
-        if {"sync", "2bw", "2bw+ef"} <= set(table.columns):
-            both = table[["sync", "2bw", "2bw+ef"]].dropna()
-            share = recovered_share(*(both[c].mean() for c in ("sync", "2bw", "2bw+ef")))
-            if math.isfinite(share):
-                row["recovered by ef"] = f"{100 * share:.0f}% (n={len(both)})"
-        rows.append(row)
-    return pd.DataFrame(rows, columns=["optimizer", "lr", "sync", "2bw", "2bw+ef", "2bw − sync", "2bw+ef − sync",
-                                       "recovered by ef"])
+    rows = [{"optimizer": opt, "lr": f"{lr:g}" + (" (sync's best)" if tuned.get(opt) == lr else ""),
+             **variant_cells(part)}
+            for (opt, lr), part in main_points(runs).groupby(["optimizer", "lr"], sort=True)]
+    return pd.DataFrame(rows, columns=["optimizer", "lr", *VARIANT_CELLS])
+
+
+VARIANT_CELLS = ("sync", "2bw", "2bw+ef", "2bw − sync", "2bw+ef − sync", "recovered by ef")
+
+
+def variant_cells(runs: pd.DataFrame) -> dict[str, str]:
+    """One point's sync, 2bw and 2bw+ef as table cells: each final loss (mean over seeds, n), the gaps to sync paired
+    by seed with their 95% intervals, and the share of the gap EF recovers (over the seeds that have all three)."""
+    table = runs.pivot_table(index="seed", columns="label", values="final_val", aggfunc="mean")
+    row = {label: f"{table[label].mean():.3f} ({int(table[label].count())})" if label in table else "—"
+           for label in ("sync", "2bw", "2bw+ef")}
+    for label in ("2bw", "2bw+ef"):
+        diff = (table[label] - table["sync"]).dropna() if {"sync", label} <= set(table) else pd.Series([])
+        row[f"{label} − sync"] = (gap_with_interval(diff.mean(), paired_interval(diff), len(diff)) if len(diff)
+                                  else "—")
+    row["recovered by ef"] = "—"
+    if {"sync", "2bw", "2bw+ef"} <= set(table.columns):
+        both = table[["sync", "2bw", "2bw+ef"]].dropna()
+        share = recovered_share(*(both[c].mean() for c in ("sync", "2bw", "2bw+ef")))
+        if math.isfinite(share):
+            row["recovered by ef"] = f"{100 * share:.0f}% (n={len(both)})"
+    return row
+
+
+MOE_GROUPS = {"long-moe": "one matrix per expert", "long-moe-ns": "gate and up apart"}
+"""The MoE study's groups by how Muon orthogonalises each expert's fused ``gate_up_proj`` (``split_gate_up``)."""
+PAPER_MOE = {"sync": 1.906, "2bw": 1.911, "2bw+ef": 1.906}  # arXiv 2606.30634's 10B MoE, final validation loss
+
+
+def moe_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """The Mixtral study (long_moe.json, Muon) per way of orthogonalising the experts' ``gate_up_proj``: the
+    :func:`variant_cells` of sync, 2bw and 2bw+ef; then the paper's 10B MoE for comparison."""
+    rows = [{"gate_up_proj": mode, **variant_cells(runs[runs["group"] == group])}
+            for group, mode in MOE_GROUPS.items() if (runs["group"] == group).any()]
+    paper = {**{k: f"{v:.3f}" for k, v in PAPER_MOE.items()},
+             "2bw − sync": f"{PAPER_MOE['2bw'] - PAPER_MOE['sync']:+.3f}",
+             "2bw+ef − sync": f"{PAPER_MOE['2bw+ef'] - PAPER_MOE['sync']:+.3f}",
+             "recovered by ef": f"{100 * recovered_share(*PAPER_MOE.values()):.0f}%"}
+    return pd.DataFrame([*rows, {"gate_up_proj": "paper, 10B MoE", **paper}], columns=["gate_up_proj", *VARIANT_CELLS])
+
+
+def moe_block(runs: pd.DataFrame) -> str:
+    """The results page's MoE table (:func:`moe_table`) and what ran."""
+    moe = runs[runs["group"].isin(list(MOE_GROUPS))]
+    if moe.empty:
+        return "Not run yet.\n"
+    return markdown(moe_table(moe), index=False) + "\n" + _ran(moe)
 
 
 def headline_runs(runs: pd.DataFrame) -> pd.DataFrame:
@@ -1106,6 +1139,7 @@ def report(runs: pd.DataFrame, ttl: dict | None = None) -> dict[str, str]:
             long[long["group"].isin(["long-lr", "long-async-lr", "long-tuned"])])
         blocks["long-findings"] = long_findings(long, core)
         blocks["long-lambda"], blocks["long-delay"] = lambda_block(long), delay_block(long)
+        blocks["long-moe"] = moe_block(long)
     paper = pd.DataFrame({"sync": PAPER["sync"], "2bw": PAPER["2bw"], "2bw+ef": PAPER["2bw+ef"],
                           "gap 2bw − sync": PAPER["2bw"] - PAPER["sync"],
                           "recovered by ef": [recovered_share(*PAPER.loc[o, ["sync", "2bw", "2bw+ef"]])

@@ -250,6 +250,21 @@ def test_lambda_grid_and_delay_table_by_hand():
     assert study.delay_block(_runs(rows)) == "Not run yet.\n"
 
 
+def test_moe_table_by_hand():
+    """The Mixtral study's table: per way of orthogonalising the experts' gate_up_proj, sync / 2bw / 2bw+ef with
+    the gaps paired by seed and EF's share, then the paper's 10B MoE."""
+    fused = [("muon", label, k, loss + k / 100, {"group": "long-moe"})
+             for label, loss in (("sync", 3.0), ("2bw", 3.02), ("2bw+ef", 3.01)) for k in (0, 1)]
+    split = [("muon", label, 0, loss, {"group": "long-moe-ns"}) for label, loss in (("sync", 2.99), ("2bw+ef", 3.0))]
+    table = study.moe_table(_runs(fused + split)).set_index("gate_up_proj")
+    assert table.loc["one matrix per expert", "2bw − sync"] == "+0.020 ± 0.000 (n=2)"
+    assert table.loc["one matrix per expert", "recovered by ef"] == "50% (n=2)"
+    assert table.loc["gate and up apart", "sync"] == "2.990 (1)" and table.loc["gate and up apart", "2bw"] == "—"
+    assert table.loc["gate and up apart", "2bw+ef − sync"] == "+0.010 (n=1, no interval)"
+    assert table.loc["paper, 10B MoE"].tolist() == ["1.906", "1.911", "1.906", "+0.005", "+0.000", "100%"]
+    assert study.moe_block(_runs(fused).assign(group="long")) == "Not run yet.\n"
+
+
 def _paired_runs(rows, noise_rows=()) -> pd.DataFrame:
     """Hand-made engine pairs (optimizer, label, seed, emulation loss, engine loss), plus main matrix runs
     (optimizer, label, seed, loss) for the seed noise."""
