@@ -125,11 +125,10 @@ def plot_lambda_grid(grid: pd.DataFrame):
 
     opts = sorted(grid["optimizer"].unique())
     fig, axes = plt.subplots(1, len(opts), figsize=(5 * len(opts), 3.5), squeeze=False)
-    lams = [c for c in grid.columns if c.startswith("λ=") and c != "λ=0 (2bw)"]
+    columns = ["λ=0 (2bw)", *(f"λ={lam:g}" for lam in study.LAMBDAS)]
     for ax, opt in zip(axes[0], opts):
         for _, row in grid[grid["optimizer"] == opt].sort_values("lr").iterrows():
-            xs = [0.0] + [float(c[2:]) for c in lams]
-            line = ax.plot(xs, [row["λ=0 (2bw)"]] + [row[c] for c in lams], marker="o", label=f"lr {row['lr']:g}")[0]
+            line = ax.plot([0.0, *study.LAMBDAS], [row[c] for c in columns], marker="o", label=f"lr {row['lr']:g}")[0]
             ax.axhline(row["sync"], color=line.get_color(), lw=0.8, ls=":")
         ax.set_title(f"{opt} (dotted: sync)", fontsize=9)
         ax.set_xlabel("EF λ (0: plain 2BW)")

@@ -482,8 +482,8 @@ def lr_sweep(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def sync_tuned_lr(runs: pd.DataFrame) -> dict[str, float]:
-    """Each optimizer's best sync peak LR over the full-length LR sweep (``LR_GROUPS``, seeds common to its
-    points), for the optimizers whose sweep has two or more LRs."""
+    """Each optimizer's best sync peak LR over the full-length LR sweep (:func:`lr_sweep`, seed 0), for the
+    optimizers whose sweep has two or more LRs."""
     t = lr_sweep(runs)
     t = t.dropna(subset=["sync"]) if "sync" in t else t
     return {opt: _lr_key(part.loc[part["sync"].idxmin(), "lr"]) for opt, part in t.groupby("optimizer")
@@ -754,18 +754,16 @@ def lambda_grid(runs: pd.DataFrame) -> pd.DataFrame:
     sub = _short_point(runs, "long-lambda")
     rows = []
     for (opt, lr), part in sub.assign(lr=[_lr_key(v) for v in sub["lr"]]).groupby(["optimizer", "lr"], sort=True):
-        ok = part[~part["diverged"].astype(bool)]
-        loss = {label: ok.loc[ok["label"] == label, "final_val"].mean() for label in ("sync", "2bw")}
+        diverged = part["diverged"].astype(bool)
+        loss = {label: part.loc[~diverged & (part["label"] == label), "final_val"].mean() for label in ("sync", "2bw")}
         row = {"optimizer": opt, "lr": lr, "sync": loss["sync"], "λ=0 (2bw)": loss["2bw"]}
-        ef = {lam: ok.loc[(ok["correction"] == "ef") & np.isclose(ok["ef_lambda"].astype(float), lam),
-                          "final_val"].mean() for lam in LAMBDAS}
+        at = {lam: (part["correction"] == "ef") & np.isclose(part["ef_lambda"].astype(float), lam) for lam in LAMBDAS}
+        ef = {lam: part.loc[~diverged & mask, "final_val"].mean() for lam, mask in at.items()}
         row.update({f"λ={lam:g}": v for lam, v in ef.items()})
         ran = {lam: v for lam, v in ef.items() if math.isfinite(v)}
         row["best λ"] = min(ran, key=ran.get) if ran else math.nan
         row["beat 2bw"] = ", ".join(f"{lam:g}" for lam, v in ran.items() if v < loss["2bw"]) or "—"
-        row["diverged"] = ", ".join(f"{lam:g}" for lam in LAMBDAS if (
-            part["diverged"].astype(bool) & (part["correction"] == "ef")
-            & np.isclose(part["ef_lambda"].astype(float), lam)).any()) or "—"
+        row["diverged"] = ", ".join(f"{lam:g}" for lam, mask in at.items() if (diverged & mask).any()) or "—"
         rows.append(row)
     return pd.DataFrame(rows)
 

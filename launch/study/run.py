@@ -203,8 +203,7 @@ def long_lengths(fractions=(1 / 81, 1 / 27, 1 / 9, 1 / 3)) -> dict:
     own point, 81x from the shortest to the longest). Not longer: long.json already takes 6.4 passes over the
     corpus' enwiki shards, and 3x would take 19, mixing the delay with repeated data."""
     steps = load_base("long.json")["ds_async"]["train"]["steps"]
-    return {f"len{round(steps * f)}": {**length(round(steps * f)), "ds_async.eval.every": max(1, round(steps * f) // 10)}
-            for f in fractions}
+    return {f"len{n}": length(n) for n in (round(steps * f) for f in fractions)}
 
 
 def long_lambda(lambdas=(0.5, 1.0, 2.0, 3.0), lr_scales=(0.5, 1.0, 2.0), fraction=1 / 9) -> list[Run]:
@@ -212,15 +211,14 @@ def long_lambda(lambdas=(0.5, 1.0, 2.0, 3.0), lr_scales=(0.5, 1.0, 2.0), fractio
     scales other than x1 (long-lengths holds those): the LR range where each lambda stays stable. At 1/9 of
     long.json's length (2.2 tokens per parameter), where the delay costs most (long-lengths) and a 16-point grid
     per optimizer costs less than two full runs; the full length's EF points are ``long``'s and long-async-lr's."""
-    points = {f"2bw+ef-lambda{lam:g}-lr{x:g}x": lambda opt, lam=lam, x=x: {
-        **VARIANTS["2bw"], **lr_scaled(opt, x), "ds_async.correction": {"type": "ef", "lambda": lam}}
-        for x in lr_scales for lam in lambdas}
-    points.update({f"{v}-lr{x:g}x": lambda opt, v=v, x=x: {**VARIANTS[v], **lr_scaled(opt, x)}
-                   for x in lr_scales if x != 1.0 for v in ("sync", "2bw")})
     runs = []
     for opt in LONG_OPTIMIZERS:
-        runs += long_product("long-lambda", {opt: LONG_OPTIMIZERS[opt]}, {k: f(opt) for k, f in points.items()},
-                             long_lengths((fraction,)), seeds(0))
+        points = {f"2bw+ef-lambda{lam:g}-lr{x:g}x": {**VARIANTS["2bw"], **lr_scaled(opt, x),
+                                                     "ds_async.correction": {"type": "ef", "lambda": lam}}
+                  for x in lr_scales for lam in lambdas}
+        points.update({f"{v}-lr{x:g}x": {**VARIANTS[v], **lr_scaled(opt, x)}
+                       for x in lr_scales if x != 1.0 for v in ("sync", "2bw")})
+        runs += long_product("long-lambda", {opt: LONG_OPTIMIZERS[opt]}, points, long_lengths((fraction,)), seeds(0))
     return runs
 
 
@@ -254,9 +252,8 @@ def long_delay(depths=(3, 5), fraction=1 / 3) -> list[Run]:
 LONG_MOE_MUON = {"muon": {**LONG_OPTIMIZERS["muon"], "optimizer.params.split_gate_up": False}}
 
 
-# Each optimizer's sync-tuned peak-LR scale: the best of long-lr's sweep, which brackets it (AdamW: x0.5 3.025, x1
-# 3.002, x2 3.042; Muon: x0.5 2.986, x1 2.966, x2 2.961, x4 2.968). AdamW's is long.json's own, so ``long`` is its
-# main point; Muon's main point is ``long-tuned``.
+# Each optimizer's sync-tuned peak-LR scale: the best of long-lr's sweep, which brackets it (the results page's LR
+# table and findings). AdamW's is long.json's own, so ``long`` is its main point; Muon's main point is ``long-tuned``.
 TUNED_LR = {"adamw": 1.0, "muon": 2.0}
 SYNC_LR_SCALES = {"adamw": (0.5, 2.0), "muon": (0.5, 2.0, 4.0)}
 ASYNC_LR_SCALES = {"adamw": (0.5, 2.0), "muon": (0.5, 2.0, 4.0)}
