@@ -749,8 +749,9 @@ def _short_point(runs: pd.DataFrame, group: str) -> pd.DataFrame:
 
 def lambda_grid(runs: pd.DataFrame) -> pd.DataFrame:
     """EF strength against peak LR at long-lambda's length (seed 0): per optimizer and LR, the final loss of sync,
-    2bw (lambda 0) and 2bw + EF at each lambda (NaN where a run diverged or is missing), the best lambda and the
-    lambdas that beat plain 2bw there."""
+    2bw (lambda 0) and 2bw + EF at each lambda (NaN where a run diverged or is missing), the best lambda, the
+    lambdas that beat plain 2bw there, those that diverged, and the share of the 2bw − sync gap the best lambda
+    closes."""
     sub = _short_point(runs, "long-lambda")
     rows = []
     for (opt, lr), part in sub.assign(lr=[_lr_key(v) for v in sub["lr"]]).groupby(["optimizer", "lr"], sort=True):
@@ -764,6 +765,8 @@ def lambda_grid(runs: pd.DataFrame) -> pd.DataFrame:
         row["best λ"] = min(ran, key=ran.get) if ran else math.nan
         row["beat 2bw"] = ", ".join(f"{lam:g}" for lam, v in ran.items() if v < loss["2bw"]) or "—"
         row["diverged"] = ", ".join(f"{lam:g}" for lam, mask in at.items() if (diverged & mask).any()) or "—"
+        row["closed at best λ"] = ((loss["2bw"] - ran[row["best λ"]]) / (loss["2bw"] - loss["sync"]) if ran
+                                    else math.nan)
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -771,17 +774,22 @@ def lambda_grid(runs: pd.DataFrame) -> pd.DataFrame:
 def lambda_findings(grid: pd.DataFrame) -> str:
     """Per optimizer and lambda: the peak LRs where 2BW + EF trained without diverging and where it beat plain 2BW,
     and the best lambda at each LR."""
+    def lrs(values) -> str:
+        return ", ".join(f"{x:g}" for x in values)
+
     lines = []
     for opt, part in grid.groupby("optimizer"):
-        each = []
+        each, uniform = [], True
         for lam in LAMBDAS:
             col = f"λ={lam:g}"
             ran = part[np.isfinite(part[col].astype(float))]
             if ran.empty:
                 continue
             better = ran[ran[col] < ran["λ=0 (2bw)"]]
-            each.append(f"λ={lam:g} trained at {', '.join(f'{x:g}' for x in ran['lr'])}, beat 2BW at "
-                        + (", ".join(f"{x:g}" for x in better["lr"]) or "none"))
+            uniform &= len(better) == len(part)
+            each.append(f"λ={lam:g} trained at {lrs(ran['lr'])}, beat 2BW at {lrs(better['lr']) or 'none'}")
+        if each and uniform and len(each) == len(LAMBDAS):  # one sentence says it all
+            each = [f"every λ ({lrs(LAMBDAS)}) trained and beat 2BW at every peak LR ({lrs(part['lr'])})"]
         if each:
             best = ", ".join(f"{x:g}: λ={b:g}" for x, b in zip(part["lr"], part["best λ"]) if math.isfinite(b))
             lines.append(f"- **{opt}:** " + "; ".join(each) + f". Best λ by peak LR: {best}.")
@@ -811,7 +819,8 @@ def lambda_block(runs: pd.DataFrame) -> str:
     if not (runs["group"] == "long-lambda").any():
         return "Not run yet.\n"
     grid = lambda_grid(runs)
-    shown = _fmt(grid, {"lr": "g", "sync": 3, "λ=0 (2bw)": 3, **{f"λ={x:g}": 3 for x in LAMBDAS}, "best λ": "g"})
+    shown = _fmt(grid, {"lr": "g", "sync": 3, "λ=0 (2bw)": 3, **{f"λ={x:g}": 3 for x in LAMBDAS}, "best λ": "g",
+                        "closed at best λ": "%"})
     return (markdown(shown, index=False) + "\n" + lambda_findings(grid) + "\n"
             + _ran(runs[runs["group"] == "long-lambda"]))
 

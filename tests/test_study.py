@@ -229,6 +229,12 @@ def test_lambda_grid_and_delay_table_by_hand():
         "- **muon:** λ=0.5 trained at 0.02, 0.04, beat 2BW at 0.02, 0.04; λ=1 trained at 0.02, beat 2BW at 0.02; "
         "λ=2 trained at 0.02, beat 2BW at 0.02; λ=3 trained at 0.02, beat 2BW at none. Best λ by peak LR: 0.02: λ=1, "
         "0.04: λ=0.5."]
+    assert grid.loc[0.02, "closed at best λ"] == pytest.approx(2 / 3)  # (3.3 - 3.1) / (3.3 - 3.0)
+    assert grid.loc[0.04, "closed at best λ"] == pytest.approx(0.2)  # (3.6 - 3.5) / (3.6 - 3.1)
+    everywhere = grid.reset_index().assign(**{"λ=1": 3.25, "λ=2": 3.2, "λ=3": 3.22})  # every lambda beats 2bw
+    assert study.lambda_findings(everywhere).splitlines() == [
+        "- **muon:** every λ (0.5, 1, 2, 3) trained and beat 2BW at every peak LR (0.02, 0.04). Best λ by peak LR: "
+        "0.02: λ=1, 0.04: λ=0.5."]
     fig = plots.plot_lambda_grid(grid.reset_index())
     assert len(fig.axes) == 1 and len(fig.axes[0].lines) == 4  # a line per LR and its sync level
     assert [v if math.isfinite(v) else None for v in fig.axes[0].lines[2].get_ydata()] == [3.6, 3.5, None, None,
@@ -452,17 +458,19 @@ def test_results_page_shows_what_the_committed_results_give():
     launch/study/results/, and the main table is the study's headline (AdamW and Muon, 3 seeds each)."""
     assert study.main(["report", "--check"]) == 0
     runs = study.load_results()
-    assert len(runs) == 123 and runs["complete"].all() and not runs["diverged"].any()
+    assert len(runs) == 171 and runs["complete"].all() and not runs["diverged"].any()
     assert (runs.groupby("group").size()[["main", "tokens", "lr", "batch", "depth", "ef_lambda", "nesterov"]].sum()
             == 18 + 32)
-    assert runs.groupby("group").size()[["long", "long-lr", "long-lengths"]].tolist() == [10, 5, 32]
+    assert runs.groupby("group").size()[["long", "long-lr", "long-lengths", "long-tuned", "long-async-lr",
+                                         "long-lambda", "long-delay"]].tolist() == [10, 5, 32, 6, 2, 32, 8]
     long = runs[runs["group"] == "long"]
     assert (long["tokens"] / long["parameters"]).round(2).eq(20.0).all() and long["steps"].eq(4712).all()
     table = study.main_table(runs[runs["group"] == "main"], labels=("sync", "2bw", "2bw+ef"))
     assert table.loc["muon", "sync (n)"] == "5.091 ± 0.006 (3)"
     assert table.loc["adamw", "recovered by ef"] == "49% (n=3)"
     sizes = {p.name: p.stat().st_size for p in (ROOT / "launch" / "study" / "results").iterdir()}
-    assert set(sizes) == {"runs.csv", "curves.json", "time_to_loss.json"} and sum(sizes.values()) < 200_000
+    # small enough to commit as the study grows: at most 1.5 kB a run (curves subsampled, losses to 6 digits)
+    assert set(sizes) == {"runs.csv", "curves.json", "time_to_loss.json"} and sum(sizes.values()) < 1_500 * len(runs)
 
 
 def test_results_round_trip(tmp_path):
