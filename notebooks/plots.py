@@ -33,13 +33,14 @@ def _band(ax, x, d, color, label):
 
 
 def plot_curves(runs: pd.DataFrame, labels: tuple[str, ...] = ("sync", "2bw", "2bw+ef", "2bw+nesterov"),
-                ref: dict | None = None):
+                ref: dict | None = None, free: str | None = None):
     """One column per optimizer. Top: validation loss vs training tokens per label (mean over seeds, band ± std).
-    Bottom: each label minus the synchronous run of the same seed (paired). Returns the figure."""
+    Bottom: each label minus the synchronous run of the same seed (paired). The runs drawn sit at ``ref`` on every
+    axis but ``free`` (``"lr_scale"``: each optimizer's runs may be at their own LR). Returns the figure."""
     import matplotlib.pyplot as plt
 
     ref = ref or study.reference(runs)
-    sub = study.at_reference(runs, ref)
+    sub = study.at_reference(runs, ref, free=free)
     sub = sub[sub["label"].isin(labels)]
     loss, diff = study.curves(sub), study.gap_curves(sub)
     optimizers = list(dict.fromkeys(sub["optimizer"])) or ["(no runs)"]

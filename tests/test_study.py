@@ -207,6 +207,21 @@ def test_main_table_at_each_optimizers_sync_tuned_lr():
     assert "muon +0.015 (peak LR 0.04; paper +0.012)" in line
 
 
+def test_full_length_curves_are_the_headline_points():
+    """The notebook's full-length curves are each optimizer's headline point from the committed results: Muon's at
+    its sync-tuned LR with every seed, not long.json's LR."""
+    runs = study.load_results()
+    long = runs[runs["group"].isin(study.LONG_GROUPS)]
+    head = study.headline_runs(long)
+    fig = plots.plot_curves(head, labels=("sync", "2bw", "2bw+ef"), ref=study.reference(long, group="long"),
+                            free="lr_scale")
+    panel = next(ax for ax in fig.axes if ax.get_title() == "muon")
+    sync = head[(head["optimizer"] == "muon") & (head["label"] == "sync")]
+    assert sync["lr"].round(6).eq(0.04).all() and len(sync) == 3
+    line = next(ln for ln in panel.lines if ln.get_label() == "sync (n=3)")
+    assert line.get_ydata()[-1] == pytest.approx(sync["val_loss"].map(lambda v: v[-1]).mean())
+
+
 def test_lambda_grid_and_delay_table_by_hand():
     """long-lambda's grid: per LR, sync and 2bw (x1's from long-lengths at that length), each lambda's loss, the
     best lambda, those beating 2bw and those that diverged; long-delay's variable against constant delay."""
