@@ -772,8 +772,8 @@ def lambda_grid(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def lambda_findings(grid: pd.DataFrame) -> str:
-    """Per optimizer and lambda: the peak LRs where 2BW + EF trained without diverging and where it beat plain 2BW,
-    and the best lambda at each LR."""
+    """Per optimizer and lambda: the peak LRs where 2BW + EF trained without diverging and where it beat plain 2BW
+    (one sentence when every lambda trained and beat it at every LR), and the best lambda at each LR."""
     def lrs(values) -> str:
         return ", ".join(f"{x:g}" for x in values)
 
