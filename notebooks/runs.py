@@ -750,8 +750,8 @@ def _short_point(runs: pd.DataFrame, group: str) -> pd.DataFrame:
 def lambda_grid(runs: pd.DataFrame) -> pd.DataFrame:
     """EF strength against peak LR at long-lambda's length (seed 0): per optimizer and LR, the final loss of sync,
     2bw (lambda 0) and 2bw + EF at each lambda (NaN where a run diverged or is missing), the best lambda, the
-    lambdas that beat plain 2bw there, those that diverged, and the share of the 2bw − sync gap the best lambda
-    closes."""
+    lambdas that beat plain 2bw there (trained where it diverged, or to a lower loss), the runs that diverged
+    (``sync``, ``0`` for plain 2bw, each lambda) and the share of the 2bw − sync gap the best lambda closes."""
     sub = _short_point(runs, "long-lambda")
     rows = []
     for (opt, lr), part in sub.assign(lr=[_lr_key(v) for v in sub["lr"]]).groupby(["optimizer", "lr"], sort=True):
@@ -763,8 +763,10 @@ def lambda_grid(runs: pd.DataFrame) -> pd.DataFrame:
         row.update({f"λ={lam:g}": v for lam, v in ef.items()})
         ran = {lam: v for lam, v in ef.items() if math.isfinite(v)}
         row["best λ"] = min(ran, key=ran.get) if ran else math.nan
-        row["beat 2bw"] = ", ".join(f"{lam:g}" for lam, v in ran.items() if v < loss["2bw"]) or "—"
-        row["diverged"] = ", ".join(f"{lam:g}" for lam, mask in at.items() if (diverged & mask).any()) or "—"
+        lost = {label: bool((diverged & (part["label"] == label)).any()) for label in ("sync", "2bw")}
+        row["beat 2bw"] = ", ".join(f"{lam:g}" for lam, v in ran.items() if lost["2bw"] or v < loss["2bw"]) or "—"
+        row["diverged"] = ", ".join(["sync"] * lost["sync"] + ["0"] * lost["2bw"] + [
+            f"{lam:g}" for lam, mask in at.items() if (diverged & mask).any()]) or "—"
         row["closed at best λ"] = ((loss["2bw"] - ran[row["best λ"]]) / (loss["2bw"] - loss["sync"]) if ran
                                     else math.nan)
         rows.append(row)
@@ -785,7 +787,7 @@ def lambda_findings(grid: pd.DataFrame) -> str:
             ran = part[np.isfinite(part[col].astype(float))]
             if ran.empty:
                 continue
-            better = ran[ran[col] < ran["λ=0 (2bw)"]]
+            better = ran[[f"{lam:g}" in beat.split(", ") for beat in ran["beat 2bw"]]]
             uniform &= len(better) == len(part)
             each.append(f"λ={lam:g} trained at {lrs(ran['lr'])}, beat 2BW at {lrs(better['lr']) or 'none'}")
         if each and uniform and len(each) == len(LAMBDAS):  # one sentence says it all

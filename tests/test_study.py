@@ -246,7 +246,16 @@ def test_lambda_grid_and_delay_table_by_hand():
         "0.04: λ=0.5."]
     assert grid.loc[0.02, "closed at best λ"] == pytest.approx(2 / 3)  # (3.3 - 3.1) / (3.3 - 3.0)
     assert grid.loc[0.04, "closed at best λ"] == pytest.approx(0.2)  # (3.6 - 3.5) / (3.6 - 3.1)
-    everywhere = grid.reset_index().assign(**{"λ=1": 3.25, "λ=2": 3.2, "λ=3": 3.22})  # every lambda beats 2bw
+    high = [("muon", "sync", 0, math.nan, at("long-lambda", 8.0, diverged=True)),
+            ("muon", "2bw", 0, math.nan, at("long-lambda", 8.0, diverged=True)),
+            ("muon", "2bw+ef", 0, 3.9, at("long-lambda", 8.0, 1.0)),
+            ("muon", "2bw+ef λ=3", 0, math.nan, at("long-lambda", 8.0, 3.0, diverged=True))]
+    top = study.lambda_grid(_runs(rows + high)).set_index("lr").loc[0.16]  # where 2bw diverged, EF beat it
+    assert top["beat 2bw"] == "1" and top["diverged"] == "sync, 0, 3" and top["best λ"] == 1.0
+    assert "λ=1 trained at 0.02, 0.16, beat 2BW at 0.02, 0.16" in study.lambda_findings(
+        study.lambda_grid(_runs(rows + high)))
+    everywhere = grid.reset_index().assign(**{"λ=1": 3.25, "λ=2": 3.2, "λ=3": 3.22,  # every lambda beats 2bw
+                                              "beat 2bw": "0.5, 1, 2, 3"})
     assert study.lambda_findings(everywhere).splitlines() == [
         "- **muon:** every λ (0.5, 1, 2, 3) trained and beat 2BW at every peak LR (0.02, 0.04). Best λ by peak LR: "
         "0.02: λ=1, 0.04: λ=0.5."]
@@ -412,15 +421,16 @@ def test_long_lambda_and_long_delay_matrices():
     long = {r.name: r.config() for r in driver.matrix("long")}
     lengths = {r.name: r.config() for r in driver.matrix("long-lengths")}
     lam = {r.name: r.config() for r in driver.matrix("long-lambda")}
-    assert len(lam) == 32 == len(driver.matrix("long-lambda"))
+    assert len(lam) == 56 == len(driver.matrix("long-lambda"))
     assert all(c["ds_async"]["train"]["steps"] == 524 and c["ds_async"]["seed"] == 0 for c in lam.values())
     points = {(c["optimizer"]["type"], c["ds_async"]["correction"]["lambda"],
                c["optimizer"]["params"]["lr"] / long[f"{o}-sync-s0"]["optimizer"]["params"]["lr"])
               for n, c in lam.items() for o in [n.split("-")[0]] if "correction" in c["ds_async"]}
-    assert points == {(t, x, y) for t in ("AdamW", "Muon") for x in (0.5, 1.0, 2.0, 3.0) for y in (0.5, 1.0, 2.0)}
+    assert points == {(t, x, y) for t in ("AdamW", "Muon") for x in (0.5, 1.0, 2.0, 3.0)
+                      for y in (0.5, 1.0, 2.0, 4.0, 8.0)}
     references = {n for n, c in lam.items() if "correction" not in c["ds_async"]}
     assert references == {f"{o}-{v}-lr{x:g}x-len524-s0" for o in ("adamw", "muon") for v in ("sync", "2bw")
-                          for x in (0.5, 2.0)}
+                          for x in (0.5, 2.0, 4.0, 8.0)}
     muon = lam["muon-2bw+ef-lambda3-lr2x-len524-s0"]
     assert muon["optimizer"]["params"]["adam_lr"] == pytest.approx(2 * long["muon-2bw+ef-s0"]["optimizer"]["params"]
                                                                    ["adam_lr"])
