@@ -208,10 +208,10 @@ def long_lengths(fractions=(1 / 81, 1 / 27, 1 / 9, 1 / 3)) -> dict:
 
 def long_lambda(lambdas=(0.5, 1.0, 2.0, 3.0), lr_scales=(0.5, 1.0, 2.0, 4.0, 8.0), fraction=1 / 9) -> list[Run]:
     """2bw + EF at each lambda and peak-LR scale, both optimizers, seed 0, with sync and plain 2bw (lambda 0) at the
-    scales other than x1 (long-lengths holds those): the LR range where each lambda stays stable, so the scales
-    reach past x2, where every lambda up to 3 still trains. At 1/9 of long.json's length (2.2 tokens per
-    parameter), where the delay costs most (long-lengths) and a 28-point grid per optimizer costs about two full
-    runs; the full length's EF points are ``long``'s and long-async-lr's."""
+    scales other than x1 (long-lengths holds those): the LR range where each lambda stays stable, so the scales go
+    up to x8, far enough for a lambda to stop training. At 1/9 of long.json's length (2.2 tokens per parameter),
+    where the delay costs most (long-lengths) and a 28-point grid per optimizer costs about two full runs; the full
+    length's EF points are ``long``'s and long-async-lr's."""
     runs = []
     for opt in LONG_OPTIMIZERS:
         points = {f"2bw+ef-lambda{lam:g}-lr{x:g}x": {**VARIANTS["2bw"], **lr_scaled(opt, x),
@@ -334,9 +334,9 @@ def matrix(name: str) -> list[Run]:
     each async variant at its own best LR.
     ``long-lengths``: sync and 2bw at 1/81, 1/27, 1/9 and 1/3 of that length, seeds 0 and 1 (32).
     ``long-lambda``: at 1/9 of the length, 2bw + EF at lambda 0.5/1/2/3 x peak LR x0.5/x1/x2/x4/x8, with sync and
-    2bw at the scales other than x1 (seed 0; 56). ``long-delay``: at 1/3 of the length and m = 1, PipeDream at p = 3 and 5 against the
-    constant delays of their means (``delay1``, ``delay2``, emulation only) on the same stages, with sync and 2bw at
-    m = 1 (seed 0; 12).
+    2bw at the scales other than x1 (seed 0; 56). ``long-delay``: at 1/3 of the length and m = 1, PipeDream at p = 3
+    and 5 against the constant delays of their means (``delay1``, ``delay2``, emulation only) on the same stages,
+    with sync and 2bw at m = 1 (seed 0; 12).
     ``long-moe``: Muon x {sync, 2bw, 2bw+ef} x seeds {0, 1, 2} on ``long_moe.json`` (a 43.3M Mixtral, 8 experts,
     top-2, 22.6M active; 20 tokens per total parameter; 9). ``long-moe-ns``: how Muon orthogonalises the experts'
     fused ``gate_up_proj``, sync and 2bw+ef at seed 0: one matrix per expert (``long-moe``'s own runs) and its gate
