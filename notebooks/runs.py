@@ -552,12 +552,34 @@ def moe_table(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame([*rows, {"gate_up_proj": "paper, 10B MoE", **paper}], columns=["gate_up_proj", *VARIANT_CELLS])
 
 
+def moe_choice(runs: pd.DataFrame) -> str:
+    """The fused-vs-split choice by the rule docs/DESIGN.md fixed before the runs ("Muon on fused expert matrices"):
+    split unless fused trains better, for sync and for 2bw+ef alike, by more than the spread (max − min) of fused's
+    own seeds; seed 0 of each compared. Undecided while either side lacks those runs or fused has one seed."""
+    fused, split = (runs[(runs["group"] == g) & ~runs["diverged"].astype(bool)] for g in MOE_GROUPS)
+    labels = ("sync", "2bw+ef")
+    loss = {(name, label): part.loc[(part["label"] == label) & (part["seed"] == 0), "final_val"].mean()
+            for name, part in (("fused", fused), ("split", split)) for label in labels}
+    seeds = {label: fused.loc[fused["label"] == label, "final_val"] for label in labels}
+    if not all(math.isfinite(v) for v in loss.values()) or min(len(v) for v in seeds.values()) < 2:
+        return ("- **gate_up_proj:** undecided until both ways have sync and 2BW + EF at seed 0 and fused has 2+ "
+                "seeds.\n")
+    margin = {label: loss[("split", label)] - loss[("fused", label)] for label in labels}
+    spread = {label: seeds[label].max() - seeds[label].min() for label in labels}
+    fused_wins = all(margin[label] > spread[label] for label in labels)
+    said = "; ".join(f"{label} {margin[label]:+.3f} (fused seeds' spread {spread[label]:.3f})" for label in labels)
+    return (f"- **gate_up_proj:** split − fused at seed 0: {said}. By the rule fixed before the runs: "
+            + ("fused (one matrix per expert) stays the default" if fused_wins else
+               "split (gate and up apart) becomes the default") + ".\n")
+
+
 def moe_block(runs: pd.DataFrame) -> str:
-    """The results page's MoE table (:func:`moe_table`) and what ran."""
+    """The results page's MoE table (:func:`moe_table`), the fused-vs-split choice (:func:`moe_choice`) and what
+    ran."""
     moe = runs[runs["group"].isin(list(MOE_GROUPS))]
     if moe.empty:
         return "Not run yet.\n"
-    return markdown(moe_table(moe), index=False) + "\n" + _ran(moe)
+    return markdown(moe_table(moe), index=False) + "\n" + moe_choice(moe) + "\n" + _ran(moe)
 
 
 def headline_runs(runs: pd.DataFrame) -> pd.DataFrame:

@@ -293,6 +293,16 @@ def test_moe_table_by_hand():
     assert table.loc["gate and up apart", "2bw+ef − sync"] == "+0.010 (n=1, no interval)"
     assert table.loc["paper, 10B MoE"].tolist() == ["1.906", "1.911", "1.906", "+0.005", "+0.000", "100%"]
     assert study.moe_block(_runs(fused).assign(group="long")) == "Not run yet.\n"
+    # the choice: split - fused at seed 0 is -0.010 (sync) and -0.010 (2bw+ef), fused's seeds spread 0.010
+    assert study.moe_choice(_runs(fused + split)) == (
+        "- **gate_up_proj:** split − fused at seed 0: sync -0.010 (fused seeds' spread 0.010); 2bw+ef -0.010 (fused "
+        "seeds' spread 0.010). By the rule fixed before the runs: split (gate and up apart) becomes the default.\n")
+    worse = [(o, label, k, loss + 0.05, extra) for o, label, k, loss, extra in split]  # fused better beyond spread
+    assert study.moe_choice(_runs(fused + worse)).endswith("fused (one matrix per expert) stays the default.\n")
+    assert study.moe_choice(_runs(fused + worse[:1])).startswith("- **gate_up_proj:** undecided")
+    assert study.moe_choice(_runs([r for r in fused if r[2] == 0] + split)).startswith("- **gate_up_proj:** undecided")
+    assert "- **gate_up_proj:**" in study.moe_block(_runs(fused + split).assign(
+        command="c", card="card", commit="abc", declared_commit=None, dirty=False))
 
 
 def _paired_runs(rows, noise_rows=()) -> pd.DataFrame:
