@@ -556,7 +556,7 @@ def moe_choice(runs: pd.DataFrame) -> str:
     """The fused-vs-split choice by the rule docs/DESIGN.md fixed before the runs ("Muon on fused expert matrices"):
     split unless fused trains better, for sync and for 2bw+ef alike, by more than the spread (max − min) of fused's
     own seeds; seed 0 of each compared. Undecided while either side lacks those runs or fused has one seed."""
-    fused, split = (runs[(runs["group"] == g) & ~runs["diverged"].astype(bool)] for g in MOE_GROUPS)
+    fused, split = (runs[(runs["group"] == g) & ~runs["diverged"].astype(bool)] for g in MOE_GROUPS)  # that order
     labels = ("sync", "2bw+ef")
     loss = {(name, label): part.loc[(part["label"] == label) & (part["seed"] == 0), "final_val"].mean()
             for name, part in (("fused", fused), ("split", split)) for label in labels}
