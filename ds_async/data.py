@@ -58,11 +58,17 @@ atexit.register(_wait_for_reader_threads)
 
 
 def read_rows(stream):
-    """The rows of a datasets stream, each read noted for the wait at exit (see above)."""
-    for row in stream:
+    """The rows of a datasets stream, each read noted for the wait at exit (see above); closing this closes the
+    stream (``_Documents.close``)."""
+    rows = iter(stream)
+    try:
+        for row in rows:
+            _last_read[0] = time.monotonic()
+            yield row
         _last_read[0] = time.monotonic()
-        yield row
-    _last_read[0] = time.monotonic()
+    finally:
+        if hasattr(rows, "close"):  # datasets' generator: its own cleanup shuts its reader threads down, now
+            rows.close()
 
 
 class DataError(ValueError):
@@ -442,6 +448,12 @@ class _Documents:
             rng = np.random.default_rng(self._seed)
             self._rng = rng if epoch == 0 else np.random.default_rng(int(rng.integers(0, 1 << 63)) - epoch)
 
+    def close(self) -> None:
+        """Stop reading: datasets' iterator shuts its reader threads down now, in this thread. Left to the garbage
+        collector, that shutdown joins threads wherever a collection happens to run: inside threading's bookkeeping
+        of a starting thread it deadlocks that start (a CI run hung so, CPython 3.11)."""
+        self._rows.close()
+
     def next(self):
         """The next document of this rank, or None at the end of the epoch."""
         while True:
@@ -681,6 +693,11 @@ class PackedBatches:
     @property
     def tokens_seen(self) -> int:
         return self._tokens
+
+    def close(self) -> None:
+        """Stop reading the stream and release its reader threads (see ``_Documents.close``); the counters and
+        ``state_dict`` stay readable."""
+        self._docs.close()
 
     @property
     def skipped(self) -> dict[str, int]:

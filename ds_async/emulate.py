@@ -502,7 +502,9 @@ class Emulation:
         cfg = self.cfg
         if not self.held_out:
             for r in range(self.dp):
-                batches = [b for _, b in zip(range(cfg.eval.batches), self._validation_stream(r))]
+                stream = self._validation_stream(r)
+                batches = [b for _, b in zip(range(cfg.eval.batches), stream)]
+                stream.close()
                 if len(batches) < cfg.eval.batches:
                     raise data.DataError(f"{cfg.data.validation}: {len(batches)} validation micro-batches for "
                                          f"replica {r}, ds_async.eval.batches asks for {cfg.eval.batches}")

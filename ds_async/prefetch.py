@@ -197,7 +197,11 @@ class Prefetcher:
             self._left += self._skip
 
     def close(self) -> None:
-        """Stop the reader process (it exits at its next chunk, or is terminated)."""
+        """Stop reading: close the streams read in this process (those with a ``close``), or stop the reader
+        process (it exits at its next chunk, or is terminated)."""
+        for stream in self._streams or ():
+            if hasattr(stream, "close"):
+                stream.close()
         if self._process is None:
             return
         self._stop.set()

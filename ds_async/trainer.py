@@ -607,7 +607,11 @@ class Trainer:
     def validate(self) -> float:
         """Mean validation loss over ``eval.batches`` micro-batches per replica (the pipeline must be drained)."""
         it = self._stream("validation") if self.needs_data else None
-        return self.engine.eval_batch(it, num_micro_batches=self.cfg.eval.batches).item()
+        try:
+            return self.engine.eval_batch(it, num_micro_batches=self.cfg.eval.batches).item()
+        finally:
+            if it is not None:
+                it.close()
 
     def save(self, step: int) -> None:
         from . import checkpoint
@@ -651,4 +655,6 @@ class Trainer:
             "resumed_from": str(self.resume_from) if self.resume_from else None},
             step_time=clock.total_wall / clock.total_steps if clock.total_steps else None)
         self.ds_monitor.close()
+        if self.train_iter is not None:
+            self.train_iter.close()
         return summary if engine.is_reporting_rank else None

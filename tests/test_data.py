@@ -561,3 +561,30 @@ def test_streams_end_without_datasets_shutdown_sleep():
     import ds_async.data  # noqa: F401
 
     assert datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN == 0
+
+
+def test_close_joins_the_reader_threads_now(corpus, tokenizer):
+    """datasets reads the corpus' train shards with a thread pool that a dropped stream leaves to the garbage
+    collector, whose join may then run inside threading's bookkeeping of a starting thread and deadlock there (a CI
+    run hung so). close() shuts the pool down at once, with the collector off as it is between its runs."""
+    import gc
+    import threading
+
+    def pool():
+        return {t for t in threading.enumerate() if t.name.startswith("ThreadPoolExecutor")}
+
+    before = pool()
+    gc.disable()
+    try:
+        batches = PackedBatches(load_text_stream(str(corpus / "enwiki-train-*.parquet"), "train"), tokenizer,
+                                seq_len=32, micro_batch_size=2, seed=0, shuffle_buffer=4)
+        next(batches)
+        assert pool() - before  # the shards are being read by datasets' pool
+        batches.close()
+        for thread in pool() - before:  # told to stop: they end by themselves (never, without close)
+            thread.join(timeout=30)
+        assert not pool() - before
+        assert batches.state_dict()["tokens"] == 64 and batches.skipped == {"empty": 0, "short": 0, "non_utf8": 0,
+                                                                             "not_text": 0}
+    finally:
+        gc.enable()
