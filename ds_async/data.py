@@ -504,8 +504,8 @@ class _Documents:
             if state["source"] is not None and state["shards"] == self._shards:
                 self._source.load_state_dict(json.loads(state["source"]))
                 self._rows = read_rows(iter(self._source))
-            else:
-                self._rows = itertools.islice(self._rows, state["read"], None)
+            else:  # skipped now, so that _rows stays the generator close() closes
+                collections.deque(itertools.islice(self._rows, state["read"]), maxlen=0)
         self.read, self.emitted, self.exhausted = state["read"], state["emitted"], state["exhausted"]
         self._kept = list(state["kept"])
         self._pending = collections.deque(state["pending"])
