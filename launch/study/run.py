@@ -257,7 +257,7 @@ LONG_MOE_MUON = {"muon": {**LONG_OPTIMIZERS["muon"], "optimizer.params.split_gat
 # table and findings). AdamW's is long.json's own, so ``long`` is its main point; Muon's main point is ``long-tuned``.
 TUNED_LR = {"adamw": 1.0, "muon": 2.0}
 SYNC_LR_SCALES = {"adamw": (0.5, 2.0), "muon": (0.5, 2.0, 4.0)}
-ASYNC_LR_SCALES = {"adamw": (0.5, 2.0), "muon": (0.5, 2.0, 4.0)}
+ASYNC_LR_SCALES = SYNC_LR_SCALES  # sync's points: each async variant's best is read against sync at each LR
 
 
 def _long_lr(group: str, variants: tuple[str, ...], scales: dict[str, tuple[float, ...]]) -> list[Run]:
