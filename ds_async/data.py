@@ -69,6 +69,8 @@ def read_rows(stream):
     finally:
         if hasattr(rows, "close"):  # datasets' generator: its own cleanup shuts its reader threads down, now
             rows.close()
+            # arrow's threads wind down after the close returns, as after a read: the exit waits for them too
+            _last_read[0] = time.monotonic()
 
 
 class DataError(ValueError):
