@@ -86,3 +86,29 @@ def test_fused_optimizer_step_is_refused_where_it_does_not_apply(tmp_path):
     with pytest.raises(AssertionError, match="fused_optimizer_step needs"):
         run_job(2, "train", tmp_path, stages=2, steps=1, mbs=MBS, gas=2, seq_len=SEQ, optimizer=ADAMW,
                 schedule="2bw", performance={"fused_optimizer_step": True})  # fp32: no bf16 optimizer
+
+
+def test_4_stage_2bw_gradients_that_wait_for_the_step_survive_the_next_batchs_backwards(tmp_path):
+    """From the third stage of a 4-stage 2BW pipeline on, the next batch's backward passes run between a batch's
+    gradient gather and its optimizer step. Where the gradients wait on the bf16 parameters for the step (clipped
+    as they are handed over, or read by the fused step), DeepSpeed's per-backward zeroing of those parameters'
+    gradients must not reach them: both leave every stage's fp32 master, bf16 weights and losses bit-equal to
+    handing the gradients over at the batch boundary, where nothing waits."""
+    from ds_async.pipe import schedule, version_rule
+
+    for stage in (2, 3):  # the premise: a backward between the batch's ReduceGrads and its OptimizerStep
+        steps = [type(c).__name__ for cmds in schedule.FlushFreeSchedule(4, 4, stage, version_rule.get("2bw"),
+                                                                       first_batch=0, end_batch=2).steps()
+                 for c in cmds]
+        reduce = steps.index("ReduceGrads")
+        assert "BackwardPass" in steps[reduce:steps.index("OptimizerStep", reduce)]
+    kw = dict(stages=4, steps=3, mbs=MBS, gas=4, seq_len=SEQ, optimizer=ADAMW, clip=1e-3, schedule="2bw",
+              bf16={"enabled": True})
+    boundary = run_job(4, "train", tmp_path / "boundary", clip_at_hand_over=False, **kw)
+    for name, extra in (("at_hand_over", {}), ("fused", {"performance": {"fused_optimizer_step": True}})):
+        got = run_job(4, "train", tmp_path / name, **extra, **kw)
+        torch.testing.assert_close(got["losses"], boundary["losses"], rtol=0, atol=0)
+        assert_params_close(stage_params(tmp_path / name, 4), stage_params(tmp_path / "boundary", 4), rel=0)
+        for s in range(4):
+            have, want = (torch.load(tmp_path / d / f"master_stage{s}.pt") for d in (name, "boundary"))
+            torch.testing.assert_close(have, want, rtol=0, atol=0)

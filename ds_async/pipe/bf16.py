@@ -114,7 +114,18 @@ class PrecomputedNormBF16Optimizer(BF16_Optimizer):
     def zero_grad(self, set_to_none=True):
         """The bf16 gradients only; the fp32 ones are overwritten by the next hand-over (DeepSpeed's engine calls
         this after every step, which would zero the fp32 buffers a second time)."""
-        self.clear_lp_grads(set_to_none)
+        BF16_Optimizer.clear_lp_grads(self, set_to_none)
+
+    # The bf16 parameters' gradients are the engine's under a flush-free schedule: the version slots collect every
+    # backward's gradients, a finished batch's are gathered onto the parameters at its boundary, and there they may
+    # wait for the step while the next batch's backward passes run (from the third stage of a 4-stage 2BW pipeline
+    # on). DeepSpeed's bookkeeping around each backward would zero them before it (``clear_lp_grads``) and add them
+    # to the fp32 buffers after it (``update_hp_grads``): the step would read zeros. Here both leave them alone.
+    def clear_lp_grads(self, set_to_none=False):
+        pass
+
+    def update_hp_grads(self, clear_lp_grads=False):
+        pass
 
 
 @contextmanager
