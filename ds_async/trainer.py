@@ -235,10 +235,10 @@ class Trainer:
         self._build_engine()
         self._build_data()
         self._check_sources()
-        self.seconds_before = 0.0  # the training clock of the processes this run continues (see _restore)
-        self.start = self._restore() if self.resume_from is not None else 0
+        carried = self._restore() if self.resume_from is not None else {}
+        self.start = self.engine.global_steps  # 0, or the step of the checkpoint it resumed from
         self.last_saved = self.start if self.resume_from is not None else None
-        self._start_logging()
+        self._start_logging(carried)
 
     def _locate_run(self, resume: str | None) -> None:
         from deepspeed import comm as dist
@@ -400,7 +400,8 @@ class Trainer:
                 self.data_error = e
         self.fingerprint = tokenizer_fingerprint(self.tok)
 
-    def _restore(self) -> int:
+    def _restore(self) -> dict:
+        """Load the checkpoint; returns the trainer state this rank saved with it (its logger's clock and curves)."""
         from . import checkpoint
 
         check_optimizer_type(checkpoint.read_manifest(self.resume_from), self.ds_config, self.resume_from)
@@ -408,7 +409,6 @@ class Trainer:
                                    check={"tokenizer": self.fingerprint})
         if self.train_iter is not None:
             self.train_iter.load_state_dict(restored["data"])
-        self.seconds_before = float(restored["extra"].get("seconds", 0.0))  # none in a checkpoint saved without it
         if self.rank == 0:
             print(f"ds_async: resumed from {self.resume_from} (step {self.engine.global_steps})", flush=True)
             saved = restored["manifest"].get("ds_async", {})
@@ -420,11 +420,12 @@ class Trainer:
                 print(f"ds_async: warning: changed since the checkpoint: {', '.join(changed)}; the saved position "
                       "in the training stream refers to the old data, so the run does not continue as it would have",
                       flush=True)
-        return self.engine.global_steps
+        return restored["extra"]
 
-    def _start_logging(self) -> None:
+    def _start_logging(self, carried: dict) -> None:
         """The run's logs (:mod:`ds_async.metrics`) and what they measure (:mod:`ds_async.telemetry`): every rank
-        times its steps and passes (idle per stage); the reporting rank reads the gradient norm and the rates."""
+        times its steps and passes (idle per stage); the reporting rank reads the gradient norm and the rates.
+        ``carried``: the logger state a resumed run's checkpoint saved (training clock, curves so far)."""
         import torch.distributed as tdist
 
         from . import metrics, telemetry
@@ -448,7 +449,8 @@ class Trainer:
                                      flops_per_step=model_flops_per_token(self.hf_config, cfg.data.seq_len)
                                      * self.tokens_per_step,
                                      peak_flops=None if peak is None else peak * self.world, monitor=self.ds_monitor,
-                                     seconds_before=self.seconds_before)
+                                     seconds_before=float(carried.get("seconds", 0.0)))
+        self.log.history.update(carried.get("history", {}))
         self.log.manifest(config_file=str(self.config_path), ds_async=cfgmod.resolved(cfg), deepspeed=self.ds_config,
                           card=metrics.card_name(engine.device), world_size=self.world,
                           pipeline_stages=cfg.pipeline_stages, data_parallel=engine.grid.data_parallel_size,
@@ -621,7 +623,7 @@ class Trainer:
         checkpoint.save(self.engine, self.ckpt_root, hf_config=self.hf_config, tokenizer=self.tok,
                         keep=self.cfg.checkpoint.keep, group=self.group,
                         data_state=self.train_iter.state_dict() if self.train_iter is not None else None,
-                        extra={"seconds": self.log.elapsed()},
+                        extra={"seconds": self.log.elapsed(), "history": self.log.history},
                         meta={"tokenizer": self.fingerprint, "ds_async": cfgmod.resolved(self.cfg),
                               "optimizer": {"type": optimizer_type(self.ds_config)}})
         self.last_saved = step

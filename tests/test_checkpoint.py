@@ -208,6 +208,10 @@ def test_sigkill_and_resume_equals_uninterrupted(work, references):
         name = f"killed-{case}"
         summary = results[name][1]["summary"]  # the reporting rank (last stage)
         assert summary["resumed_from"].endswith("step_00000004"), summary
+        # The curves go on from the checkpoint: steps 1-4 as the first process logged them, then the resumed ones.
+        curves, reference = (json.loads((work / "runs" / run / "summary.json").read_text())["history"]
+                             for run in (name, f"ref-{case}"))
+        assert curves["train"] == reference["train"], case
         got = final_state(checkpoint.step_dir(ckpt_root(work, name), STEPS))
         want = final_state(references[f"ref-{case}"])
         assert_bit_equal(got, want, case)
