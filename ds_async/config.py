@@ -358,6 +358,7 @@ def parse(section: dict) -> DsAsyncConfig:
         if value is not None and value < 1:
             raise ConfigError(f"{key}: must be >= 1, got {value}")
     for key, value in (("ds_async.checkpoint.every", cfg.checkpoint.every), ("ds_async.eval.every", cfg.eval.every),
+                       ("ds_async.data.shuffle_buffer", cfg.data.shuffle_buffer),
                        ("ds_async.logging.optimizer_every", cfg.logging.optimizer_every),
                        ("ds_async.checkpoint.keep", cfg.checkpoint.keep),
                        ("ds_async.performance.loss_chunk", cfg.performance.loss_chunk),

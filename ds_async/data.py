@@ -519,7 +519,7 @@ def _classify(row, text_field: str, min_chars: int, held_out: frozenset[bytes]) 
     """A row as its text, or the index in ``_REASONS`` of why it is skipped."""
     value = row.get(text_field)
     text, reason = usable_text(value, min_chars)
-    if reason is None and held_out and text_digest(value) in held_out:
+    if reason is None and held_out and text_digest(text) in held_out:
         reason = HELD_OUT
     return text if reason is None else _REASONS.index(reason)
 
@@ -753,7 +753,9 @@ def open_batches(data: DataConfig, role: str, tokenizer, micro_batch_size: int, 
     stream = load_text_stream(source, source.split, data.text_field, key=key)
     exclude = None
     if held_out:
-        texts = [t for t in _first_texts(stream, held_out, data.text_field, key) if isinstance(t, str)]
+        # As training reads them (UTF-8 bytes decoded), so that the digests match; unusable ones are read by neither.
+        texts = [text for text, _ in (usable_text(t, 0) for t in _first_texts(stream, held_out, data.text_field, key))
+                 if text is not None]
         if role == "validation":
             stream = datasets.Dataset.from_dict({data.text_field: texts}).to_iterable_dataset()
         else:

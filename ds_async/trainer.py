@@ -182,7 +182,7 @@ def check_optimizer_type(manifest: dict, ds_config: dict, folder) -> None:
 
 def default_run_name(cfg: DsAsyncConfig, ds_config: dict) -> str:
     """The run folder's name without ``logging.run_name``: schedule, optimizer type and the start time."""
-    return f"{cfg.schedule}-{ds_config.get('optimizer', {}).get('type', 'none')}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return f"{cfg.schedule}-{optimizer_type(ds_config) or 'none'}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def steps_for(cfg: DsAsyncConfig, tokens_per_step: int) -> int:
@@ -237,6 +237,11 @@ class Trainer:
         self._check_sources()
         carried = self._restore() if self.resume_from is not None else {}
         self.start = self.engine.global_steps  # 0, or the step of the checkpoint it resumed from
+        if self.start >= self.total_steps:
+            bound = (f"--max-steps {self.max_steps}" if self.max_steps is not None and self.max_steps < self.start
+                     else f"the run's {self.total_steps} steps")
+            raise ConfigError(f"--resume: {self.resume_from} is at step {self.start}, and {bound} end there or "
+                              "before: nothing is left to train")
         self.last_saved = self.start if self.resume_from is not None else None
         self._start_logging(carried)
 

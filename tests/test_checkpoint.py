@@ -198,11 +198,16 @@ def test_sigkill_and_resume_equals_uninterrupted(work, references):
     shutil.copytree(checkpoint.step_dir(ckpt_root(work, "killed-1f1b-adamw"), 4), corrupt / "step_00000004")
     victim = corrupt / "step_00000004" / "state-stage01-dp000.pt"
     victim.write_bytes(victim.read_bytes()[:-10])
+    # A finished run has nothing left to train: refused, naming the checkpoint, rather than saved again.
+    finished = {"name": "finished", "config": str(work / "ref-1f1b-adamw.json"), "resume": "latest"}
     results = launch(work, "resumes", [{"name": "corrupt", "config": resumes[0]["config"],
-                                        "resume": str(corrupt)}] + resumes)
+                                        "resume": str(corrupt)}, finished] + resumes)
 
     for rank in results["corrupt"]:
         assert rank["error"].startswith("CheckpointError") and str(victim) in rank["error"], rank
+    for rank in results["finished"]:
+        assert rank["error"] == (f"ConfigError: --resume: {references['ref-1f1b-adamw']} is at step {STEPS}, and "
+                                 f"the run's {STEPS} steps end there or before: nothing is left to train"), rank
     assert not partial.exists(), "the next save removes leftovers of interrupted saves"
     for case in CASES:
         name = f"killed-{case}"
@@ -772,6 +777,7 @@ def test_resume_path_takes_a_run_folder_and_refuses_one_without_checkpoints(tmp_
     ({"train": {"steps": 3}, "eval": {"every": -1}}, "ds_async.eval.every: must be >= 0, got -1"),
     ({"train": {"steps": 3}, "eval": {"batches": 0}}, "ds_async.eval.batches: must be >= 1, got 0"),
     ({"train": {"steps": 3}, "logging": {"every": 0}}, "ds_async.logging.every: must be >= 1, got 0"),
+    ({"train": {"steps": 3}, "data": {"shuffle_buffer": -5}}, "ds_async.data.shuffle_buffer: must be >= 0, got -5"),
 ])
 def test_nonsense_run_lengths_and_cadences_are_refused(section, message):
     from ds_async.config import ConfigError, parse

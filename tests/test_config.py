@@ -164,3 +164,12 @@ def test_seq_len_longer_than_the_model_is_named():
     with pytest.raises(ConfigError, match=r"ds_async.data.seq_len: 128 is longer than the model's "
                                           r"max_position_embeddings \(64\)"):
         check_seq_len(cfg, model_config(cfg))
+
+
+def test_default_run_name_without_an_optimizer_block():
+    from ds_async.trainer import default_run_name
+
+    cfg = config.parse({"model": {"config": {"vocab_size": 64}}, "train": {"steps": 1}})
+    for ds_config in ({}, {"optimizer": None}, {"optimizer": {"type": "Muon"}}):
+        name = default_run_name(cfg, ds_config)
+        assert name.startswith(f"1f1b-{'Muon' if ds_config.get('optimizer') else 'none'}-"), name

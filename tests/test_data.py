@@ -473,12 +473,20 @@ def test_hf_paths_go_to_datasets_unchanged_and_fail_in_one_line():
 
 
 @pytest.mark.parametrize("dp_world_size", [1, 2])
-def test_validation_held_out_of_a_train_only_dataset(tmp_path, tokenizer, lee_texts, dp_world_size):
+@pytest.mark.parametrize("stored", ["jsonl", "parquet-bytes"])
+def test_validation_held_out_of_a_train_only_dataset(tmp_path, tokenizer, lee_texts, dp_world_size, stored):
+    """``validation.from_train``: the first documents in file order are the validation set and never trained on,
+    whether the text column holds strings or UTF-8 bytes."""
     texts = [t[:100] for t in lee_texts[:24]]
     for i in range(2):
-        write_docs(tmp_path / f"part{i}.jsonl", texts[i * 12 : (i + 1) * 12])
-    cfg = DataConfig(train=str(tmp_path / "*.jsonl"), validation=DataSource(from_train=5), shuffle_buffer=6,
-                     seq_len=16)
+        part = texts[i * 12 : (i + 1) * 12]
+        if stored == "jsonl":
+            write_docs(tmp_path / f"part{i}.jsonl", part)
+        else:
+            pq.write_table(pa.table({"text": pa.array([t.encode() for t in part], pa.binary())}),
+                           tmp_path / f"part{i}.parquet")
+    cfg = DataConfig(train=str(tmp_path / f"*.{stored.split('-')[0]}"), validation=DataSource(from_train=5),
+                     shuffle_buffer=6, seq_len=16)
     held = set(texts[:5])  # the first documents in file order
 
     validation = [texts_of(open_batches(cfg, "validation", tokenizer, 1, dp_rank=r, dp_world_size=dp_world_size),
