@@ -147,12 +147,14 @@ def test_bf16_muon_ef_equals_emulation(tmp_path, schedule):
     assert torch.equal(torch.cat([torch.load(tmp_path / f"master_stage{s}.pt") for s in range(2)]), masters)
 
 
-def test_bf16_muon_ef_fused_step_equals_the_unfused_step(tmp_path):
+@pytest.mark.parametrize("drop_grad_at", [None, 2], ids=["every-grad", "one-grad-missing-in-batch-2"])
+def test_bf16_muon_ef_fused_step_equals_the_unfused_step(tmp_path, drop_grad_at):
     """``performance.fused_optimizer_step`` with bf16 Muon + EF: the step in a few passes per tensor
     (:func:`ds_async.optim.muon_pass.hybrid_muon_step_`), writing the new weight version itself, leaves the masters,
-    the bf16 weights and every loss bit-equal to MasterWeights' unfused step (CPU: both eager)."""
+    the bf16 weights and every loss bit-equal to MasterWeights' unfused step (CPU: both eager), also where a
+    parameter gets no gradient in a batch (not stepped, yet written into the new version's slot)."""
     kw = dict(stages=2, steps=STEPS, mbs=MBS, gas=4, seq_len=SEQ, schedule="2bw", optimizer=MUON, correction=EF,
-              bf16={"enabled": True})
+              bf16={"enabled": True}, drop_grad_at=drop_grad_at)
     fused = run_job(2, "train", tmp_path / "fused", performance={"fused_optimizer_step": True}, **kw)
     plain = run_job(2, "train", tmp_path / "plain", **kw)
     torch.testing.assert_close(fused["losses"], plain["losses"], rtol=0, atol=0)

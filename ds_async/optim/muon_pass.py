@@ -230,6 +230,13 @@ def hybrid_muon_step_(optimizer, grads: Sequence[Tensor | None], grad_scale: Ten
                 sums = _adamw_group(optimizer, group, params, group_grads, states, group_outs, grad_scale,
                                     grad_dtype, lam)
             _record(optimizer, optimizer.group_name(i), params, *sums)
+        # A parameter without a gradient is not stepped, but every out receives it all the same: a version slot
+        # being refilled still holds an older version of it.
+        unchanged = [group["params"][j].detach() for j in range(len(group["params"])) if grads[start + j] is None]
+        if unchanged:
+            for o in outs:
+                torch._foreach_copy_([o[start + j] for j in range(len(group["params"])) if grads[start + j] is None],
+                                     unchanged)
         start += len(group["params"])
 
 
