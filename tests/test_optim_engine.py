@@ -178,3 +178,11 @@ def test_2bw_muon_ef_replicas_equal_emulation(tmp_path, stages, zero, bf16):
                                bf16=bf16)
     torch.testing.assert_close(got["losses"], losses, rtol=1e-6, atol=0)
     assert_params_close(stage_params(tmp_path, stages), want, rel=0)
+
+
+def test_fused_step_refuses_a_correction_it_does_not_implement():
+    """Refused at setup, naming the key, rather than at the first step after the model is built and compiled."""
+    with pytest.raises(OptimizerSetupError, match="fused_optimizer_step: implemented for the 'ef' correction or "
+                                                  "none, not NesterovLookahead"):
+        client_optimizer(_Tiny(), {"optimizer": MUON, "bf16": {"enabled": True}}, {"type": "nesterov"}, None, 1,
+                         fused=True)

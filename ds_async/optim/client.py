@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from . import build_optimizer, needs_client_optimizer
+from .corrections import ErrorFeedback
 from .master import MasterWeights
 from .ns_split import orthogonalise_split
 from .sharded import ShardedOptimizer
@@ -177,6 +178,10 @@ def client_optimizer(module: nn.Module, ds_config: dict, correction, dp_group, d
         # DeepSpeed all-reduces gradients in bf16 under its bf16 mode; keep that (it sees fp32 from here on).
         config.setdefault("communication_data_type", "bf16")
         optimizer = _build(block, module, correction, _newton_schulz(kind, stage, dp_group, dp_world))
+        if fused and optimizer.correction is not None and not isinstance(optimizer.correction, ErrorFeedback):
+            raise OptimizerSetupError(f"ds_async.performance.fused_optimizer_step: implemented for the 'ef' "
+                                      f"correction or none, not {type(optimizer.correction).__name__}; set it to "
+                                      "false to use this correction")
         if stage == 1:
             config["zero_optimization"] = {**zero, "stage": 0}
             if dp_world > 1:

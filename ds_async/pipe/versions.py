@@ -79,8 +79,9 @@ class WeightVersions:
     def distance_sq(self, version: int) -> torch.Tensor:
         """``||W(version) - master||^2`` over this stage: how stale the weights a gradient was computed on are."""
         slot = self.slots[self._slot(version)]
-        diffs = [(s.detach() - master.detach()).float() for s, (_, _, master) in zip(slot, self.entries)]
-        return torch.stack([torch.linalg.vector_norm(d).square() for d in diffs]).sum()
+        # One tensor's difference at a time: all of them at once would hold an fp32 copy of the stage.
+        return torch.stack([torch.linalg.vector_norm((s.detach() - master.detach()).float()).square()
+                            for s, (_, _, master) in zip(slot, self.entries)]).sum()
 
     def publish(self, version: int, needed_from: int) -> None:
         """Copy the master (now ``W(version)``) into a slot that neither an in-flight micro-batch nor a future
