@@ -472,14 +472,20 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------------- the loop
     def run(self) -> dict | None:
-        for step in range(self.start + 1, self.total_steps + 1):
-            self.train_step(step)
-            self._log_gathered(step)
-            if step != self.total_steps and self.cadence.evaluates(step):
-                self.log.validation(step, self.validate())
-            if step != self.total_steps and self.cadence.saves(step):
-                self.save(step)
-        return self.close()
+        from .nonfinite import NonFiniteLoss, NonFiniteWeights
+
+        try:
+            for step in range(self.start + 1, self.total_steps + 1):
+                self.train_step(step)
+                self._log_gathered(step)
+                if step != self.total_steps and self.cadence.evaluates(step):
+                    self.log.validation(step, self.validate())
+                if step != self.total_steps and self.cadence.saves(step):
+                    self.save(step)
+            return self.close()
+        except (NonFiniteLoss, NonFiniteWeights) as e:  # every rank stops: the check is collective
+            self._close_stopped(f"{type(e).__name__}: {e}")
+            raise
 
     def train_step(self, step: int) -> None:
         """Run batch ``step - 1``; report the losses that have reached the host."""
@@ -632,6 +638,21 @@ class Trainer:
                         meta={"tokenizer": self.fingerprint, "ds_async": cfgmod.resolved(self.cfg),
                               "optimizer": {"type": optimizer_type(self.ds_config)}})
         self.last_saved = step
+
+    def _close_stopped(self, reason: str) -> None:
+        """A run stopped by a non-finite loss or weights: ``summary.json`` of the steps logged, ``stopped`` saying
+        why (a diverged run is a result, as the emulation records it), without the final evaluation, save or the
+        collectives of :meth:`close`."""
+        from . import checkpoint
+
+        train = self.log.history["train"]
+        self.log.close(train[-1][0] if train else self.start, plot=self.cfg.logging.plot, extra={
+            "checkpoint": str(checkpoint.step_dir(self.ckpt_root, self.last_saved))
+            if self.last_saved is not None else None,
+            "resumed_from": str(self.resume_from) if self.resume_from else None, "stopped": reason})
+        self.ds_monitor.close()
+        if self.train_iter is not None:
+            self.train_iter.close()
 
     def close(self) -> dict | None:
         """The final evaluation and save, and the run summary (on the reporting rank)."""

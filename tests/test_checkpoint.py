@@ -302,6 +302,10 @@ def test_nonfinite_loss_stop_and_skip(work):
             assert str(checkpoint.step_dir(root, 2)) in rank["error"]
         assert [s for s, _ in checkpoint.complete_checkpoints(root)] == [2]
         folder = checkpoint.step_dir(root, 2)
+        # The run's summary covers the steps it logged and says why it stopped (a diverged run is a result).
+        summary = json.loads((work / "runs" / name / "summary.json").read_text())
+        assert summary["stopped"] == results[name][1]["error"] and summary["checkpoint"] == str(folder), summary
+        assert 0 < summary["steps"] <= step + 1 and summary["history"]["train"][-1][0] == summary["steps"]
         checkpoint.verify(folder, checkpoint.read_manifest(folder)["files"])  # intact
 
 
