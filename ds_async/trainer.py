@@ -180,6 +180,16 @@ def check_optimizer_type(manifest: dict, ds_config: dict, folder) -> None:
                           "new run from its weights (ds_async.model.path after python -m ds_async.export)")
 
 
+def stream_recipe(section: dict) -> dict:
+    """What decides the training stream's documents and their order, from a resolved ``ds_async`` section: a saved
+    position in the stream refers to these."""
+    data = section.get("data") or {}
+    validation = data.get("validation")
+    return {**{f"data.{k}": data.get(k) for k in ("train", "text_field", "seq_len", "shuffle_buffer", "min_chars")},
+            "data.validation.from_train": validation.get("from_train") if isinstance(validation, dict) else None,
+            "seed": section.get("seed")}
+
+
 def default_run_name(cfg: DsAsyncConfig, ds_config: dict) -> str:
     """The run folder's name without ``logging.run_name``: schedule, optimizer type and the start time."""
     return f"{cfg.schedule}-{optimizer_type(ds_config) or 'none'}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -416,11 +426,9 @@ class Trainer:
             self.train_iter.load_state_dict(restored["data"])
         if self.rank == 0:
             print(f"ds_async: resumed from {self.resume_from} (step {self.engine.global_steps})", flush=True)
-            saved = restored["manifest"].get("ds_async", {})
-            now = cfgmod.resolved(self.cfg)
-            changed = [f"data.{k}" for k in ("train", "text_field", "seq_len", "shuffle_buffer", "min_chars")
-                       if saved.get("data", {}).get(k) != now["data"][k]] + \
-                      (["seed"] if saved.get("seed") != now["seed"] else [])
+            saved = stream_recipe(restored["manifest"].get("ds_async", {}))
+            now = stream_recipe(cfgmod.resolved(self.cfg))
+            changed = [k for k in now if saved.get(k) != now[k]]
             if changed:
                 print(f"ds_async: warning: changed since the checkpoint: {', '.join(changed)}; the saved position "
                       "in the training stream refers to the old data, so the run does not continue as it would have",

@@ -726,6 +726,16 @@ def test_incomplete_step_folder_is_moved_aside_by_the_next_save(tmp_path, capsys
     assert f"ds_async: warning: {junk} had no checkpoint.json" in capsys.readouterr().out
 
 
+def test_a_lock_file_that_cannot_be_opened_names_it_and_the_key(tmp_path):
+    """(Root may open any file: a folder where the lock file belongs stands in for one of another user.)"""
+    from ds_async.checkpoint import folder
+
+    (tmp_path / folder.LOCK).mkdir()
+    with pytest.raises(CheckpointError, match=f"{tmp_path / folder.LOCK}: cannot open the checkpoint folder's lock "
+                                              r"file \(Is a directory\); .*\(ds_async.checkpoint.dir\)"):
+        folder.lock(tmp_path)
+
+
 def test_checkpoint_folder_lock_refuses_a_second_holder_until_it_dies(tmp_path):
     from ds_async.checkpoint import folder
 

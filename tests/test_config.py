@@ -173,3 +173,25 @@ def test_default_run_name_without_an_optimizer_block():
     for ds_config in ({}, {"optimizer": None}, {"optimizer": {"type": "Muon"}}):
         name = default_run_name(cfg, ds_config)
         assert name.startswith(f"1f1b-{'Muon' if ds_config.get('optimizer') else 'none'}-"), name
+
+
+def test_the_stream_recipe_a_resume_compares_names_what_moves_the_saved_position():
+    from ds_async.trainer import stream_recipe
+
+    def recipe(**over):
+        section = {"model": {"config": {"vocab_size": 64}}, "train": {"steps": 1},
+                   "data": {"train": "x", "validation": {"from_train": 5}}}
+        for key, value in over.items():
+            *path, last = key.split("__")
+            node = section
+            for k in path:
+                node = node.setdefault(k, {})
+            node[last] = value
+        return stream_recipe(config.resolved(config.parse(section)))
+
+    base = recipe()
+    assert base["data.validation.from_train"] == 5 and base["data.train"] == "x"
+    for key, value in (("data__validation", {"from_train": 6}), ("data__seq_len", 64), ("seed", 3),
+                       ("data__shuffle_buffer", 10)):
+        assert recipe(**{key: value}) != base, key
+    assert recipe(eval={"every": 7}, data__validation={"from_train": 5}) == base  # evaluation does not move it

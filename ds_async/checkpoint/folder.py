@@ -135,7 +135,11 @@ def lock(root: str | os.PathLike) -> None:
     key = os.path.realpath(root)
     if key in _held:
         return
-    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # e.g. a shared folder whose lock file another user created
+        raise CheckpointError(f"{root / LOCK}: cannot open the checkpoint folder's lock file ({e.strerror or e}); "
+                              "give this job a folder it can write (ds_async.checkpoint.dir)") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
