@@ -453,7 +453,7 @@ class _Documents:
     def close(self) -> None:
         """Stop reading: datasets' iterator shuts its reader threads down now, in this thread. Left to the garbage
         collector, that shutdown joins threads wherever a collection happens to run: inside threading's bookkeeping
-        of a starting thread it deadlocks that start (a CI run hung so, CPython 3.11)."""
+        of a starting thread it deadlocks that start (CPython 3.11)."""
         self._rows.close()
 
     def next(self):

@@ -304,15 +304,15 @@ def muon_param_groups(model: torch.nn.Module, lr: float = 0.02, momentum: float 
     hyper-parameters, ``embedding``, ``head`` and ``vector`` with AdamW's (``adam_*``).
 
     ``split_gate_up``: how a fused ``[gate; up]`` matrix (:func:`ds_async.optim.roles.fused_gate_up`: Mixtral's
-    expert ``gate_up_proj``, ``[E, 2I, H]``) is orthogonalised. ``False`` (default, the behaviour before the option):
-    as one ``2I x H`` matrix per expert, in the ``matrix`` group. ``True``: its gate and up halves as two ``I x H``
+    expert ``gate_up_proj``, ``[E, 2I, H]``) is orthogonalised. ``False`` (default): as one ``2I x H`` matrix per
+    expert, in the ``matrix`` group. ``True``: its gate and up halves as two ``I x H``
     matrices each, with the lr adjusted for ``I x H``, exactly as the dense LLaMA path orthogonalises its separate
     ``gate_proj`` and ``up_proj``; these stacks then form a Muon group of their own, ``gate_up`` (right after
     ``matrix``, ``row_blocks=2``, the same hyper-parameters). The halves are two linear maps (the gate's goes
     through SiLU, the up's multiplies it), so splitting makes the update independent of how transformers stores
-    them; the default stays fused because it is what earlier runs and checkpoints used (their optimizer state has
-    no ``gate_up`` group) until the study (issue 21) has compared the two. Models without fused matrices get the
-    same groups either way. See docs/DESIGN.md, "Muon on fused expert matrices"."""
+    them. The default is the layout every existing Mixtral checkpoint's optimizer state has (no ``gate_up``
+    group) until the comparison docs/DESIGN.md states ("Muon on fused expert matrices") decides otherwise.
+    Models without fused matrices get the same groups either way."""
     from .roles import fused_gate_up, role_groups
 
     if not isinstance(split_gate_up, bool):
