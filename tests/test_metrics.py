@@ -177,8 +177,9 @@ def test_deepspeed_csv_monitor_gets_the_scalars(work, schedule):
 
 # ---------------------------------------------------------------------------------------------- in-process
 def test_engine_run_resumed_from_a_checkpoint_continues_the_clock(work, tmp_path):
-    """Through launch/train.py's trainer: a 2bw run of 4 steps saves its clock with its checkpoint, and the run of 8
-    resumed from it evaluates at step 8 on a clock that goes on from there."""
+    """Through launch/train.py's trainer: a 2bw run of 4 steps saves its clock and curves with its checkpoint, and
+    the run of 8 resumed from it keeps the evaluation at step 4 and evaluates at step 8 on a clock that goes on
+    from there."""
     from ds_async import checkpoint
 
     runs = []
@@ -198,9 +199,10 @@ def test_engine_run_resumed_from_a_checkpoint_continues_the_clock(work, tmp_path
     saved = checkpoint.load_file(checkpoint.step_dir(tmp_path / "ckpt", 4) / "state-stage01-dp000.pt")["extra"]
     clock = {steps: json.loads((tmp_path / "runs" / f"clock{steps}" / "summary.json").read_text())["history"]
              ["validation_seconds"] for steps in (4, 8)}
-    assert [s for s, _ in clock[4]] == [4] and [s for s, _ in clock[8]] == [8]
+    assert [s for s, _ in clock[4]] == [4] and [s for s, _ in clock[8]] == [4, 8]
+    assert clock[8][0] == clock[4][0]  # the resumed run's curve goes on from the checkpoint's
     assert second["summary"]["resumed_from"]
-    assert 0 < clock[4][0][1] <= round(saved["seconds"], 3) < clock[8][0][1]  # the history keeps milliseconds
+    assert 0 < clock[4][0][1] <= round(saved["seconds"], 3) < clock[8][1][1]  # the history keeps milliseconds
 
 
 def test_validation_clock_continues_a_resumed_run(tmp_path, monkeypatch):
