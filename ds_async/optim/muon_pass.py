@@ -241,13 +241,9 @@ def hybrid_muon_step_(optimizer, grads: Sequence[Tensor | None], grad_scale: Ten
 
 
 def _record(optimizer, name: str, params: list[Tensor], applied_sq: Tensor, base_sq: Tensor | None) -> None:
-    """The step's statistics under the keys ``UpdateOptimizer._apply`` keeps (with EF the buffer is the new base
+    """The step's statistics, as ``UpdateOptimizer._apply`` records them (with EF the buffer is the new base
     update, so its squared norm is the base update's)."""
-    optimizer.add_sum(f"update_sq/{name}", applied_sq)
-    optimizer.add_sum(f"numel/{name}", sum(p.numel() for p in params))
-    if optimizer.correction is not None:
-        optimizer.add_sum(f"base_update_sq/{name}", base_sq)
-        optimizer.add_sum(f"{optimizer.correction.name}_buffer_sq", base_sq)
+    optimizer.record(name, sum(p.numel() for p in params), applied_sq, base_sq, base_sq)
 
 
 def _prev_updates(optimizer, params: list[Tensor], states: list[dict]) -> list[Tensor]:

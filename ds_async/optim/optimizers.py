@@ -72,10 +72,16 @@ class UpdateOptimizer(torch.optim.Optimizer):
         self._sums = {}
         self.last_lrs = {self.group_name(i): float(g["lr"]) for i, g in enumerate(self.param_groups)}
 
-    def add_sum(self, key: str, value: Tensor | int) -> None:
-        """Add ``value`` (a 0-dim tensor or an element count) to this step's sum ``key`` (a key of
-        :meth:`stat_sums`)."""
-        self._sums[key] = self._sums[key] + value if key in self._sums else value
+    def record(self, name: str, numel: int, update_sq: Tensor, base_update_sq: Tensor | None = None,
+               buffer_sq: Tensor | None = None) -> None:
+        """Add a chunk of group ``name``'s step to this step's sums (:meth:`stat_sums`): its element count, the
+        squared norm of the update applied and, with a correction, of the update before it and of the correction's
+        buffer."""
+        sums = {f"update_sq/{name}": update_sq, f"numel/{name}": numel}
+        if self.correction is not None:
+            sums |= {f"base_update_sq/{name}": base_update_sq, f"{self.correction.name}_buffer_sq": buffer_sq}
+        for key, value in sums.items():
+            self._sums[key] = self._sums[key] + value if key in self._sums else value
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
@@ -105,21 +111,15 @@ class UpdateOptimizer(torch.optim.Optimizer):
         """
         xs = [p.detach() for p in params]
         us = torch._foreach_sub(xs, news)
+        base_sq = buffer_sq = None
         if self.correction is not None:
-            self._accumulate(f"base_update_sq/{name}", us)
+            base_sq = _sum_sq(us)
             extras = self.correction(us, states)
-            self._accumulate(f"{self.correction.name}_buffer_sq", [self.correction.buffer(s) for s in states])
+            buffer_sq = _sum_sq([self.correction.buffer(s) for s in states])
             torch._foreach_sub_(news, extras)
             torch._foreach_add_(us, extras)
-        self._accumulate(f"update_sq/{name}", us)
-        self.add_sum(f"numel/{name}", sum(u.numel() for u in us))
+        self.record(name, sum(u.numel() for u in us), _sum_sq(us), base_sq, buffer_sq)
         torch._foreach_copy_(xs, news)
-
-    def _accumulate(self, key: str, tensors: list[Tensor]) -> None:
-        # Norm kernels read each tensor once and allocate nothing parameter-sized; at least fp32 (they refuse to
-        # narrow).
-        wide = torch.promote_types(tensors[0].dtype, torch.float32)
-        self.add_sum(key, torch.stack(torch._foreach_norm(tensors, 2, dtype=wide)).square().sum())
 
     def stat_sums(self) -> dict[str, Tensor | int]:
         """The last step's raw sums (squares of updates and buffers, element counts), not yet synchronised, with
@@ -135,6 +135,13 @@ class UpdateOptimizer(torch.optim.Optimizer):
         (before the correction), ``<correction>_buffer_norm``, ``lr/<group>``. Synchronises with the device."""
         sums = self.stat_sums()
         return finish_stats(list(sums), stack_sums(sums), self.last_lrs)
+
+
+def _sum_sq(tensors: list[Tensor]) -> Tensor:
+    """The tensors' total sum of squares. Norm kernels read each tensor once and allocate nothing parameter-sized;
+    at least fp32 (they refuse to narrow)."""
+    wide = torch.promote_types(tensors[0].dtype, torch.float32)
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=wide)).square().sum()
 
 
 def stack_sums(sums: dict[str, Tensor | int]) -> Tensor:
