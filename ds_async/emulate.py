@@ -150,7 +150,6 @@ class DelayedTrainer:
         self.history: list[list[torch.Tensor]] = []  # history[k] = all parameters at W(step - k), newest first
         self.step_count = 0
         self.loaded = [0] * stages  # the version each stage's parameters hold now
-        self.last_grad_norm: torch.Tensor | None = None
         self._compiled = None
         if compile:
             self._compiled = torch.compile(lambda inputs, labels: self.loss_fn(self.forward(inputs), labels))
@@ -214,11 +213,12 @@ class DelayedTrainer:
         """One optimizer step over ``m x data_parallel`` micro-batches; returns their mean loss, averaged as the
         engine averages it: each replica's micro-batch losses summed in the loss dtype and divided by ``m``, then
         the replicas' means summed and divided by ``data_parallel``."""
-        return self.step_batch(micro_batches).item()
+        return self.step_batch(micro_batches)[0].item()
 
-    def step_batch(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """:meth:`train_batch` without waiting for the device: the mean loss as a 0-dim tensor where it was
-        computed; the gradient norm (with clipping) is left in :attr:`last_grad_norm` the same way."""
+    def step_batch(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`train_batch` without waiting for the device: the mean loss and, with clipping, the gradient norm,
+        as 0-dim tensors where they were computed (``None``: no clipping, no norm)."""
         self._snapshot()
         replica_losses, total, count, replicas = [], None, 0, []
         for k, (inputs, labels) in enumerate(micro_batches):
@@ -242,12 +242,12 @@ class DelayedTrainer:
                     q.grad = sum(grads[1:], grads[0])
                     q.grad.mul_(1.0 / self.dp)
         self._restore_newest()
-        scale = None
+        scale = norm = None
         if self.clip:
             # Per-stage partial sums added in stage order, as the engine adds the norms it gathers over the pipeline.
             per_stage = [[q.grad for q in group if q.grad is not None] for group in self.stage_params]
             sq = sum_in_stage_order([squared_norm(g) for g in per_stage])
-            self.last_grad_norm = sq.sqrt()
+            norm = sq.sqrt()
             if isinstance(self.optimizer, MasterWeights):
                 scale = clip_coefficient(sq, self.clip)[1]  # applied as the step reads the bf16 gradients
             else:
@@ -262,7 +262,7 @@ class DelayedTrainer:
         self.step_count += 1
         self.loaded = [self.step_count] * self.p
         mean = sum(replica_losses[1:], replica_losses[0])
-        return mean / self.dp if self.dp > 1 else mean
+        return (mean / self.dp if self.dp > 1 else mean), norm
 
     def _take_grads(self) -> list[torch.Tensor | None]:
         grads = [q.grad for q in self._params()]
@@ -610,8 +610,7 @@ class Emulation:
 
         try:
             for step in range(self.done + 1, self.total_steps + 1):
-                loss = self.trainer.step_batch(self.batches.next_step())
-                norm = self.trainer.last_grad_norm
+                loss, norm = self.trainer.step_batch(self.batches.next_step())
                 self.pending.append((step, HostValue(loss), self.optimizer.param_groups[0]["lr"],
                                      None if norm is None else HostValue(norm)))
                 self.report()
@@ -623,9 +622,7 @@ class Emulation:
                     self.report(upto_all=True)
                     self.save(step)
                     if out_of_time:
-                        self.log.writer.close()
-                        if self.log.bar is not None:
-                            self.log.bar.close()
+                        self.log.suspend()
                         raise Stopped(step, self.state_file)
             self.report(upto_all=True)
         finally:

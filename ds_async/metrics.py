@@ -255,6 +255,14 @@ class RunLogger:
             f"s{s} idle {_fmt(f.get('idle_fraction'), '.1%')} peak mem {_fmt(f.get('peak_memory_gib'), '.2f')} GiB"
             for s, f in sorted(per_stage.items())))
 
+    def suspend(self) -> None:
+        """Close the tensorboard writer and the progress bar without a summary: the run stops here, to be resumed
+        by another process."""
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+
     def close(self, steps: int, plot: bool = True, extra: dict | None = None, step_time=HOST_CLOCK) -> dict:
         """Print the summary line, write ``summary.json`` and ``loss.png``; returns the summary (``extra`` added).
         ``step_time``: the mean step time over the run after the warm-up, as the caller measured it (default: this

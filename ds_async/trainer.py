@@ -243,8 +243,7 @@ class Trainer:
         self.weights_ok_at, self.end_checked = None, False  # see _check_weights, _stop_if_nonfinite
         self._locate_run(resume)
         self._build_engine()
-        self._build_data()
-        self._check_sources()
+        self._check_sources(self._build_data())
         carried = self._restore() if self.resume_from is not None else {}
         self.start = self.engine.global_steps  # 0, or the step of the checkpoint it resumed from
         if self.start >= self.total_steps:
@@ -306,8 +305,8 @@ class Trainer:
                 "(--run-name) or ds_async.checkpoint.dir; to start over, move that folder away first")
         return found
 
-    def _check_sources(self) -> None:
-        """On the ranks that read data, buffer the training stream's first micro-batch (kept for the first step) and
+    def _check_sources(self, error: Exception | None) -> None:
+        """Raise ``error`` (this rank's failure to open its training stream) or, on the ranks that read data, buffer the training stream's first micro-batch (kept for the first step) and
         read the ``eval.batches`` micro-batches an evaluation reads, so that data that cannot be opened or read, holds
         no usable text (an empty source, a wrong ``data.text_field``, nothing but non-UTF-8 lines) or too little for
         an evaluation stops the job at start rather than at the first evaluation or mid-run. Every rank raises the first failing
@@ -317,7 +316,7 @@ class Trainer:
         from .checkpoint import folder
         from .checkpoint.state import rng_state, set_rng_state
 
-        error, counts = self.data_error, {}
+        counts = {}
         if error is None and self.needs_data:
             saved = rng_state()
             for key, role in (("ds_async.data.train", "train"), ("ds_async.data.validation", "validation")):
@@ -331,8 +330,11 @@ class Trainer:
                         batches.peek()
                     else:  # everything an evaluation reads
                         batches = self._stream("validation")
-                        for read in range(self.cfg.eval.batches):
-                            next(batches)
+                        try:
+                            for read in range(self.cfg.eval.batches):
+                                next(batches)
+                        finally:
+                            batches.close()
                     counts[key] = (batches.documents, batches.skipped["non_utf8"], data.describe(source))
                 except StopIteration:
                     error = data.DataError(
@@ -401,19 +403,20 @@ class Trainer:
         return data.open_batches(cfg.data, role, self.tok, self.mbs, dp_rank=engine.grid.data_parallel_id,
                                  dp_world_size=engine.grid.data_parallel_size, seed=cfg.seed)
 
-    def _build_data(self) -> None:
-        """Open the training stream on the ranks that read data; an error is kept for :meth:`_check_sources`, which
-        raises it on every rank."""
+    def _build_data(self) -> Exception | None:
+        """Open the training stream on the ranks that read data; returns the error that stopped it, for
+        :meth:`_check_sources` to raise on every rank."""
         from .data import DataError
 
         self.needs_data = self.engine.is_first_stage() or self.engine.is_last_stage()
-        self.train_iter, self.data_error = None, None
+        self.train_iter, error = None, None
         if self.needs_data:
             try:
                 self.train_iter = self._stream("train")
             except (ConfigError, DataError, FileNotFoundError) as e:
-                self.data_error = e
+                error = e
         self.fingerprint = tokenizer_fingerprint(self.tok)
+        return error
 
     def _restore(self) -> dict:
         """Load the checkpoint; returns the trainer state this rank saved with it (its logger's clock and curves)."""

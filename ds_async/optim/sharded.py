@@ -60,10 +60,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
 
-    def owned(self) -> list[Tensor]:
-        """The parameters whose state lives on this rank."""
-        return [p for p in self._params if self.owner[p] == self.rank]
-
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
