@@ -186,3 +186,15 @@ def test_fused_step_refuses_a_correction_it_does_not_implement():
                                                   "none, not NesterovLookahead"):
         client_optimizer(_Tiny(), {"optimizer": MUON, "bf16": {"enabled": True}}, {"type": "nesterov"}, None, 1,
                          fused=True)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["class-step", "fused-step"])
+def test_4_stage_bf16_muon_ef_equals_emulation(tmp_path, fused):
+    """The paper's recipe as the shipped 4-GPU configs run it (bf16 Muon + EF under 2BW, 4 stages, one replica),
+    where stages 2 and 3 run the next batch's backward passes while a batch's gradients wait for its step: bit-equal
+    to the emulation, with the class step and the fused one."""
+    got = run_job(4, "train", tmp_path, stages=4, steps=6, mbs=MBS, gas=4, seq_len=SEQ, schedule="2bw",
+                  optimizer=MUON, correction=EF, bf16={"enabled": True}, performance={"fused_optimizer_step": fused})
+    losses, want = emulate_run("2bw", 4, 6, 4, 1, MUON, seq_len=SEQ, mbs=MBS, correction=EF, bf16=True)
+    torch.testing.assert_close(got["losses"], losses, rtol=1e-6, atol=0)
+    assert_params_close(stage_params(tmp_path, 4), want, rel=0)
