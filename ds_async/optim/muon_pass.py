@@ -232,11 +232,11 @@ def hybrid_muon_step_(optimizer, grads: Sequence[Tensor | None], grad_scale: Ten
             _record(optimizer, optimizer.group_name(i), params, *sums)
         # A parameter without a gradient is not stepped, but every out receives it all the same: a version slot
         # being refilled still holds an older version of it.
-        unchanged = [group["params"][j].detach() for j in range(len(group["params"])) if grads[start + j] is None]
-        if unchanged:
+        missing = [j for j in range(len(group["params"])) if grads[start + j] is None]
+        if missing:
+            masters = [group["params"][j].detach() for j in missing]
             for o in outs:
-                torch._foreach_copy_([o[start + j] for j in range(len(group["params"])) if grads[start + j] is None],
-                                     unchanged)
+                torch._foreach_copy_([o[start + j] for j in missing], masters)
         start += len(group["params"])
 
 
