@@ -306,11 +306,12 @@ class Trainer:
         return found
 
     def _check_sources(self, error: Exception | None) -> None:
-        """Raise ``error`` (this rank's failure to open its training stream) or, on the ranks that read data, buffer the training stream's first micro-batch (kept for the first step) and
-        read the ``eval.batches`` micro-batches an evaluation reads, so that data that cannot be opened or read, holds
-        no usable text (an empty source, a wrong ``data.text_field``, nothing but non-UTF-8 lines) or too little for
-        an evaluation stops the job at start rather than at the first evaluation or mid-run. Every rank raises the first failing
-        rank's error. Of the documents read, half or more not UTF-8 is refused, a tenth gets a warning line
+        """``error``: this rank's failure to open its training stream, if any. Without one, on the ranks that read
+        data, buffer the training stream's first micro-batch (kept for the first step) and read the ``eval.batches``
+        micro-batches an evaluation reads, so that data that cannot be opened or read, holds no usable text (an empty
+        source, a wrong ``data.text_field``, nothing but non-UTF-8 lines) or too little for an evaluation stops the
+        job at start rather than at the first evaluation or mid-run. Every rank raises the first failing rank's
+        error. Of the documents read, half or more not UTF-8 is refused, a tenth gets a warning line
         (:func:`ds_async.data.check_encoding`). The RNG states are left as they were."""
         from . import data
         from .checkpoint import folder
