@@ -407,6 +407,17 @@ def parse_correction(raw: dict, prefix: str = "ds_async.correction") -> Correcti
     return cfg
 
 
+GRADIENT_CLIPPING_DEFAULT = 1.0
+"""DeepSpeed's ``gradient_clipping`` when the JSON has none (``deepspeed.runtime.constants``)."""
+
+
+def gradient_clipping(ds_config: dict) -> float:
+    """The gradient-norm clip the DeepSpeed engine applies for ``ds_config`` (0: none), for the code that must agree
+    with it without an engine (the emulation, the memory planner)."""
+    value = ds_config.get("gradient_clipping")
+    return GRADIENT_CLIPPING_DEFAULT if value is None else float(value)
+
+
 def check_batch(ds_config: dict, cfg: DsAsyncConfig, world_size: int) -> tuple[int, int, int]:
     """Resolve (train_batch_size, micro_batch, grad_accum) the way DeepSpeed would, or say which key is wrong.
 

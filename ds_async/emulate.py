@@ -439,7 +439,7 @@ class Emulation:
 
     def _build(self) -> None:
         """Run folder, tokenizer, model, optimizer (bf16: with fp32 masters), LR scheduler and the trainer."""
-        from .config import ConfigError
+        from .config import ConfigError, gradient_clipping
         from .nonfinite import SkipNonFinite
         from .optim import Muon, build_optimizer
         from .trainer import check_seq_len, check_vocab, default_run_name, resolve_tokenizer
@@ -467,7 +467,7 @@ class Emulation:
         run_layers = _autocast(layers, dev) if self.precision == "autocast" else list(layers)
         self.trainer = DelayedTrainer(run_layers, stage_of_layers(self.bounds), loss_fn, self.stepped, cfg.schedule,
                                       self.gas, cfg.pipeline_stages, data_parallel=self.dp,
-                                      clip=float(ds_config.get("gradient_clipping", 0.0)),
+                                      clip=gradient_clipping(ds_config),
                                       after_step=self._after_step, compile=cfg.performance.compile)
 
     def _after_step(self) -> None:

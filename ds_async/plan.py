@@ -156,7 +156,7 @@ class Job:
 
 def job_of(ds_config: dict, cfg, world: int):
     """The :class:`Job` of a parsed config at world size ``world``; raises ``ConfigError`` naming the key."""
-    from .config import ConfigError, check_batch, recomputed_layers
+    from .config import ConfigError, check_batch, gradient_clipping, recomputed_layers
     from .optim import needs_client_optimizer
 
     from .pipe.version_rule import get
@@ -196,7 +196,7 @@ def job_of(ds_config: dict, cfg, world: int):
                recompute=tuple(recomputed_layers(cfg.performance, cfg.pipeline_stages))
                if cfg.performance.activation_checkpoint_layers else (),
                loss_chunk=cfg.performance.loss_chunk, compiled=bool(cfg.performance.compile),
-               clip=float(ds_config.get("gradient_clipping") or 0.0))
+               clip=gradient_clipping(ds_config))
 
 
 # ---------------------------------------------------------------------------------------------------- layers

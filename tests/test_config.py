@@ -195,3 +195,13 @@ def test_the_stream_recipe_a_resume_compares_names_what_moves_the_saved_position
                        ("data__shuffle_buffer", 10)):
         assert recipe(**{key: value}) != base, key
     assert recipe(eval={"every": 7}, data__validation={"from_train": 5}) == base  # evaluation does not move it
+
+
+def test_gradient_clipping_defaults_to_deepspeeds():
+    """The emulation and the planner read the clip the engine applies: DeepSpeed's default without the key."""
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    assert config.GRADIENT_CLIPPING_DEFAULT == GRADIENT_CLIPPING_DEFAULT
+    assert config.gradient_clipping({}) == GRADIENT_CLIPPING_DEFAULT
+    assert config.gradient_clipping({"gradient_clipping": 0}) == 0.0
+    assert config.gradient_clipping({"gradient_clipping": 0.5}) == 0.5

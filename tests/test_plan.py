@@ -648,3 +648,22 @@ def test_cli_table_json_and_errors(tmp_path, capsys):
 
 if __name__ == "__main__":
     engine_job(sys.argv[1], sys.argv[2])
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_parameter_partition_counts_each_layer_on_the_meta_device(tmp_path, family):
+    """``partition.method: parameters`` counts each layer's trainable parameters from a meta build without its
+    weights: the real layers' counts, without reading ``model.path`` (absent here, so building for real, as
+    DeepSpeed's own count does on every rank, fails) or initialising any weight."""
+    from ds_async import config as cfgmod
+    from ds_async.models import FAMILIES, model_config, trainable_counts
+
+    section = {"model": {"family": family, "config": TINY if family == "llama" else {**TINY, **MOE}},
+               "train": {"steps": 1}}
+    hf = model_config(cfgmod.parse(section))
+    reading = FAMILIES[family].layer_specs(hf, seed=0, hf_dir=str(tmp_path / "absent"))
+    with pytest.raises(FileNotFoundError, match="absent: no model.safetensors"):
+        reading[0].build()
+    real = [sum(p.numel() for p in spec.build().parameters() if p.requires_grad)
+            for spec in FAMILIES[family].layer_specs(hf, seed=0)]
+    assert trainable_counts(reading) == real and len(real) == TINY["num_hidden_layers"] + 2

@@ -13,6 +13,18 @@ FAMILIES = {"llama": llama, "mixtral": mixtral}
 ``loss_fn(config)``."""
 
 
+def trainable_counts(specs: list) -> list[int]:
+    """Each layer's trainable parameter count, for ``partition.method: parameters``: every layer built on the meta
+    device without its weights. DeepSpeed's own count builds each layer for real on every rank (initialised, or read
+    from ``model.path``), a whole model's initialisation or read per rank at start only to count it."""
+    counts = []
+    for spec in specs:
+        with torch.device("meta"):
+            layer = spec.typename(*spec.module_args, **{**spec.module_kwargs, "hf_dir": None})
+        counts.append(sum(p.numel() for p in layer.parameters() if p.requires_grad))
+    return counts
+
+
 class StagedPipelineModule(PipelineModule):
     """``PipelineModule`` that also accepts an explicit list of stage boundaries."""
 
@@ -36,6 +48,9 @@ class StagedPipelineModule(PipelineModule):
         check_recompute(counts, [sum(1 for spec in self._layer_specs[a:b] if _recomputable(spec))
                                  for a, b in zip(self.parts, self.parts[1:])])
         self.recompute_layers = counts[self.stage_id]
+
+    def _count_layer_params(self) -> list[int]:
+        return trainable_counts(self._layer_specs)
 
     def compile_stage(self, **compile_kwargs) -> None:
         """Run this stage's layers as one compiled region (``performance.compile_scope = "stage"``)."""
