@@ -354,3 +354,16 @@ def test_corrupt_tokenizer_is_refused_naming_the_file(run, tmp_path, capsys):
     file.unlink()
     assert f"{file}: missing" in _export_cli([str(folder), str(tmp_path / "out")], capsys)
     assert not (tmp_path / "out").exists()
+
+
+def test_seeded_init_zeroes_the_padding_row_as_hf_does():
+    """With a ``pad_token_id`` the embedding's padding row starts at zero (HF's ``_init_weights``), the rest
+    normal."""
+    from ds_async import config as cfgmod
+    from ds_async.models import FAMILIES, model_config
+
+    hf = model_config(cfgmod.parse({"model": {"config": {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+                                                         "num_hidden_layers": 1, "num_attention_heads": 2,
+                                                         "pad_token_id": 3}}, "train": {"steps": 1}}))
+    weight = FAMILIES["llama"].layer_specs(hf, seed=0)[0].build().embed_tokens.weight
+    assert not weight[3].any() and bool((weight.norm(dim=1) > 0).sum() == 63)

@@ -30,7 +30,8 @@ def _is_norm(module: nn.Module) -> bool:
 
 def _seeded_init(module: nn.Module, std: float, seed: int) -> None:
     """HF's init from a private generator: ones for norms, zeros for biases, normal(0, std) for every other
-    parameter (Linear and Embedding weights; an MoE layer's router and stacked expert tensors), in module order."""
+    parameter (Linear and Embedding weights; an MoE layer's router and stacked expert tensors), in module order, and
+    an embedding's padding row (``pad_token_id``) zero."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for sub in module.modules():
@@ -41,6 +42,8 @@ def _seeded_init(module: nn.Module, std: float, seed: int) -> None:
                     p.zero_()
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
+            if isinstance(sub, nn.Embedding) and sub.padding_idx is not None:
+                sub.weight[sub.padding_idx].zero_()
 
 
 class _PipeLayer(nn.Module):
