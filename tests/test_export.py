@@ -367,3 +367,38 @@ def test_seeded_init_zeroes_the_padding_row_as_hf_does():
                                                          "pad_token_id": 3}}, "train": {"steps": 1}}))
     weight = FAMILIES["llama"].layer_specs(hf, seed=0)[0].build().embed_tokens.weight
     assert not weight[3].any() and bool((weight.norm(dim=1) > 0).sum() == 63)
+
+
+def test_a_model_path_checkpoint_that_does_not_fit_names_the_key(tmp_path):
+    """A tensor missing from ``model.path``, or one whose shape its ``config.json`` does not describe: a ConfigError
+    naming ``ds_async.model.path`` and the tensor, not a KeyError or a load_state_dict traceback."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ds_async import config as cfgmod
+    from ds_async.models import FAMILIES, model_config
+
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 tie_word_embeddings=False)
+    LlamaForCausalLM(LlamaConfig(**small)).save_pretrained(tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+
+    def build(**change):
+        folder = tmp_path / "_".join(change)
+        shutil.copytree(tmp_path / "hf", folder)
+        if "missing" in change:
+            save_file({k: v for k, v in tensors.items() if k != change["missing"]}, folder / "model.safetensors",
+                      metadata={"format": "pt"})
+        else:
+            raw = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps({**raw, **change}))
+        cfg = cfgmod.parse({"model": {"path": str(folder)}, "train": {"steps": 1}})
+        for spec in FAMILIES["llama"].layer_specs(model_config(cfg), hf_dir=str(folder)):
+            spec.build()
+
+    with pytest.raises(cfgmod.ConfigError, match=r"ds_async.model.path: .*missing: the checkpoint has no tensor\(s\) "
+                                                 r"\['model.norm.weight'\]"):
+        build(missing="model.norm.weight")
+    with pytest.raises(cfgmod.ConfigError, match=r"ds_async.model.path: tensor shapes do not match .*"
+                                                 r"mlp.gate_proj.weight \(32, 16\) \(config.json: \(48, 16\)\)"):
+        build(intermediate_size=48)

@@ -19,6 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..config import ConfigError
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -39,7 +41,9 @@ def read_tensors(hf_dir: str | os.PathLike, names: list[str]) -> dict[str, torch
     weight_map = _weight_map(hf_dir)
     missing = [n for n in names if n not in weight_map]
     if missing:
-        raise KeyError(f"{hf_dir}: checkpoint has no tensor(s) {missing[:5]}")
+        raise ConfigError(f"ds_async.model.path: {hf_dir}: the checkpoint has no tensor(s) {missing[:5]}"
+                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+                          + " (a checkpoint of another model family or layout?)")
     by_file = defaultdict(list)
     for n in names:
         by_file[weight_map[n]].append(n)
@@ -58,8 +62,13 @@ def checkpoint_names(hf_dir: str | os.PathLike) -> set[str]:
 
 def assign(module: torch.nn.Module, local: dict[str, torch.Tensor]) -> None:
     """Load a complete state dict into ``module`` (possibly built on the meta device), in its own dtypes."""
-    dtypes = {k: t.dtype for k, t in module.state_dict().items()}
-    module.load_state_dict({k: t.to(dtypes[k]) for k, t in local.items()}, strict=True, assign=True)
+    state = module.state_dict()
+    wrong = [f"{k} {tuple(t.shape)} (config.json: {tuple(state[k].shape)})" for k, t in local.items()
+             if k in state and t.shape != state[k].shape]
+    if wrong:
+        raise ConfigError(f"ds_async.model.path: tensor shapes do not match the model its config describes: "
+                          f"{', '.join(wrong[:3])}")
+    module.load_state_dict({k: t.to(state[k].dtype) for k, t in local.items()}, strict=True, assign=True)
 
 
 def load_into(module: torch.nn.Module, hf_dir: str, names: dict[str, str]) -> None:
