@@ -205,3 +205,16 @@ def test_gradient_clipping_defaults_to_deepspeeds():
     assert config.gradient_clipping({}) == GRADIENT_CLIPPING_DEFAULT
     assert config.gradient_clipping({"gradient_clipping": 0}) == 0.0
     assert config.gradient_clipping({"gradient_clipping": 0.5}) == 0.5
+
+
+@pytest.mark.parametrize("extra, error", [({"rope_scaling": {"rope_type": "bogus", "factor": 2.0}}, "KeyError: 'bogus'"),
+                                          ({"rope_theta": "abc"}, "TypeError: unsupported operand")])
+def test_rotary_settings_that_cannot_be_built_are_refused_at_start(extra, error):
+    """HF checks them only when a stage builds its rotary embedding, with an error that names no key."""
+    from ds_async.models import model_config
+
+    section = {"model": {"config": {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+                                    "num_hidden_layers": 1, "num_attention_heads": 2, **extra}}, "train": {"steps": 1}}
+    with pytest.raises(ConfigError, match=r"^ds_async.model.config.rope_\*: the rotary embedding cannot be built "
+                                          rf"from rope_theta / rope_scaling \({error}"):
+        model_config(config.parse(section))

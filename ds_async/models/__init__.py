@@ -159,6 +159,13 @@ def model_config(cfg: DsAsyncConfig, tokenizer=None):
         if hf.sliding_window is not None:
             raise ConfigError(f"{prefix}sliding_window: {hf.sliding_window} is not supported: stages run full "
                               "causal attention; set it to null (the same model for sequences within the window)")
+    decoder = mixtral.MoeDecoderLayerPipe if cfg.model.family == "mixtral" else llama.DecoderLayerPipe
+    try:  # HF checks the rotary settings only when the embedding is built, on the stages, without naming a key
+        with torch.device("meta"):
+            decoder.rotary_cls(hf)
+    except Exception as e:  # noqa: BLE001 - a KeyError for an unknown rope type, a TypeError for a string theta
+        raise ConfigError(f"{prefix}rope_*: the rotary embedding cannot be built from rope_theta / rope_scaling "
+                          f"({hub.one_line(e)})") from None
     layers = hf.num_hidden_layers + 2  # embedding, decoder layers, head
     if cfg.pipeline_stages > layers:
         raise ConfigError(f"ds_async.pipeline_stages: {cfg.pipeline_stages} stages for {layers} layers (embedding + "
