@@ -207,8 +207,10 @@ def test_gradient_clipping_defaults_to_deepspeeds():
     assert config.gradient_clipping({"gradient_clipping": 0.5}) == 0.5
 
 
-@pytest.mark.parametrize("extra, error", [({"rope_scaling": {"rope_type": "bogus", "factor": 2.0}}, "KeyError: 'bogus'"),
-                                          ({"rope_theta": "abc"}, "TypeError: unsupported operand")])
+@pytest.mark.parametrize("extra, error", [
+    ({"rope_scaling": {"rope_type": "bogus", "factor": 2.0}}, "KeyError: 'bogus'"),
+    ({"rope_theta": "abc"}, "TypeError: unsupported operand"),
+])
 def test_rotary_settings_that_cannot_be_built_are_refused_at_start(extra, error):
     """HF checks them only when a stage builds its rotary embedding, with an error that names no key."""
     from ds_async.models import model_config
