@@ -65,7 +65,7 @@ class LossMonitor:
         self.group, self.lag = group, lag
         self.pending: list[tuple[int, torch.Tensor, object]] = []
 
-    def submit(self, step: int, loss: torch.Tensor | None) -> None:
+    def submit(self, step: int, loss: torch.Tensor | float | None) -> None:
         flags = torch.zeros(2)
         if loss is not None:
             value = float(loss)

@@ -91,8 +91,8 @@ largest stage's training FLOPs (``ds_async.flops.layer_flops_per_token``, the he
 
 Against the GPU: the 902M LLaMA benchmark's measured peaks (``torch.cuda.max_memory_allocated()`` per stage, 4x H100
 and 4x H200; ``launch/bench/results/``, every configuration in ``tests/test_plan.py``'s ``MEASURED_GPU_PEAKS``), the
-planner without the context is within 10% on every stage of every row (largest error 8.5% below, s17c#1 stage 1;
-before the compiled model and the max over time it was 7-38% above). The table: ``docs/DESIGN.md``, "Will it fit?".
+planner without the context is within 10% on every stage of every row (largest error 8.5% below, s17c#1 stage 1).
+The table: ``docs/DESIGN.md``, "Will it fit?".
 """
 from __future__ import annotations
 
