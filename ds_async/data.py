@@ -65,12 +65,11 @@ def read_rows(stream):
         for row in rows:
             _last_read[0] = time.monotonic()
             yield row
-        _last_read[0] = time.monotonic()
     finally:
         if hasattr(rows, "close"):  # datasets' generator: its own cleanup shuts its reader threads down, now
             rows.close()
-            # arrow's threads wind down after the close returns, as after a read: the exit waits for them too
-            _last_read[0] = time.monotonic()
+        # arrow's threads wind down after the stream ends or is closed, as after a read: the exit waits for them too
+        _last_read[0] = time.monotonic()
 
 
 class DataError(ValueError):

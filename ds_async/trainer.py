@@ -651,17 +651,21 @@ class Trainer:
                               "optimizer": {"type": optimizer_type(self.ds_config)}})
         self.last_saved = step
 
+    def _checkpoints_named(self) -> dict:
+        """The summary's ``checkpoint`` (the newest this run saved) and ``resumed_from``."""
+        from . import checkpoint
+
+        return {"checkpoint": str(checkpoint.step_dir(self.ckpt_root, self.last_saved))
+                if self.last_saved is not None else None,
+                "resumed_from": str(self.resume_from) if self.resume_from else None}
+
     def _close_stopped(self, reason: str) -> None:
         """A run stopped by a non-finite loss or weights: ``summary.json`` of the steps logged, ``stopped`` saying
         why (a diverged run is a result, as the emulation records it), without the final evaluation, save or the
         collectives of :meth:`close`."""
-        from . import checkpoint
-
         train = self.log.history["train"]
-        self.log.close(train[-1][0] if train else self.start, plot=self.cfg.logging.plot, extra={
-            "checkpoint": str(checkpoint.step_dir(self.ckpt_root, self.last_saved))
-            if self.last_saved is not None else None,
-            "resumed_from": str(self.resume_from) if self.resume_from else None, "stopped": reason})
+        self.log.close(train[-1][0] if train else self.start, plot=self.cfg.logging.plot,
+                       extra={**self._checkpoints_named(), "stopped": reason})
         self.ds_monitor.close()
         if self.train_iter is not None:
             self.train_iter.close()
@@ -671,7 +675,7 @@ class Trainer:
         import torch.distributed as tdist
         from deepspeed import comm as dist
 
-        from . import checkpoint, data
+        from . import data
 
         total, engine = self.total_steps, self.engine
         self._stop_if_nonfinite(upto=total)
@@ -689,10 +693,7 @@ class Trainer:
         clock = self.clock
         summary = self.log.close(total, plot=self.cfg.logging.plot, extra={
             "stages": {f"stage{s}": figures for s, figures in run.items()},
-            "skipped_docs": skipped_docs, "skipped_steps": int(engine.skipped_steps),
-            "checkpoint": str(checkpoint.step_dir(self.ckpt_root, self.last_saved))
-            if self.last_saved is not None else None,
-            "resumed_from": str(self.resume_from) if self.resume_from else None},
+            "skipped_docs": skipped_docs, "skipped_steps": int(engine.skipped_steps), **self._checkpoints_named()},
             step_time=clock.total_wall / clock.total_steps if clock.total_steps else None)
         self.ds_monitor.close()
         if self.train_iter is not None:
