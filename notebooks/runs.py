@@ -73,7 +73,10 @@ def label_of(schedule: str, stages: int, correction: str, ef_lambda: float) -> s
 
 
 def model_key(hf: dict) -> str:
-    return f"h{hf['hidden_size']}-L{hf['num_hidden_layers']}-v{hf['vocab_size']}"
+    """The model's shape in a few characters; a Mixtral's also names its experts (``e8k2``: 8 experts, top-2)."""
+    key = f"h{hf['hidden_size']}-L{hf['num_hidden_layers']}-v{hf['vocab_size']}"
+    return key + (f"-e{hf['num_local_experts']}k{hf['num_experts_per_tok']}" if hf.get("model_type") == "mixtral"
+                  else "")
 
 
 def llama_parameters(hf: dict) -> int:
@@ -82,6 +85,19 @@ def llama_parameters(hf: dict) -> int:
     head_dim = hf.get("head_dim") or h // hf["num_attention_heads"]
     q, kv = hf["num_attention_heads"] * head_dim, hf["num_key_value_heads"] * head_dim
     return 2 * v * h + layers * (2 * h * q + 2 * h * kv + 3 * h * f + 2 * h) + h
+
+
+def model_parameters(hf: dict) -> int | None:
+    """Parameters of an untied HF LLaMA or Mixtral config (a Mixtral's every expert and router counted, as its
+    ``num_parameters()``); None for another family."""
+    if hf.get("model_type") == "llama":
+        return llama_parameters(hf)
+    if hf.get("model_type") != "mixtral":
+        return None
+    h, layers, experts = hf["hidden_size"], hf["num_hidden_layers"], hf["num_local_experts"]
+    dense_ffn = 3 * h * hf["intermediate_size"]
+    moe_ffn = experts * dense_ffn + h * experts  # the experts and the router
+    return llama_parameters(hf) + layers * (moe_ffn - dense_ffn)
 
 
 def config_key(ds_async: dict, deepspeed: dict) -> str:
@@ -123,7 +139,7 @@ def read_run(folder: str | Path) -> dict:
         "optimizer": optimizer.get("type", "none").lower(), "schedule": ds["schedule"],
         "stages": ds["pipeline_stages"], "correction": corr["type"], "ef_lambda": ef_lambda,
         "label": label_of(ds["schedule"], ds["pipeline_stages"], corr["type"], ef_lambda),
-        "model": model_key(hf), "parameters": llama_parameters(hf) if hf.get("model_type") == "llama" else None,
+        "model": model_key(hf), "parameters": model_parameters(hf),
         "seq_len": ds["data"]["seq_len"], "batch": tps // ds["data"]["seq_len"],
         "micro_batches": manifest["micro_batches"],
         "tokens": steps * tps, "steps": steps, "tokens_per_step": tps, "lr": optimizer.get("params", {}).get("lr"),

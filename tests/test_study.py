@@ -325,6 +325,26 @@ def _paired_runs(rows, noise_rows=()) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def test_model_parameters_count_as_hf_does():
+    """The results' parameter count of a LLaMA and of a Mixtral (every expert and router) is HF's own count, and a
+    Mixtral's model key names its experts, so that it never reads as the dense model of its shape."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    shape = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 24, "num_hidden_layers": 3,
+             "num_attention_heads": 4, "num_key_value_heads": 2}
+    moe = json.loads((ROOT / "launch" / "study" / "long_moe.json").read_text())["ds_async"]["model"]["config"]
+    for cls, config in ((LlamaForCausalLM, LlamaConfig(**shape)),
+                        (MixtralForCausalLM, MixtralConfig(**shape, num_local_experts=4, num_experts_per_tok=2)),
+                        (MixtralForCausalLM, MixtralConfig(**moe))):
+        with torch.device("meta"):
+            model = cls(config)
+        assert study.model_parameters(config.to_dict()) == model.num_parameters()
+    assert study.model_parameters(MixtralConfig(**moe).to_dict()) == 43_290_112  # long_moe.json: 43.3M
+    assert study.model_key(MixtralConfig(**moe).to_dict()) == "h512-L7-v8192-e8k2"
+    assert study.model_key(LlamaConfig(**shape).to_dict()) == "h32-L3-v96"
+    assert study.model_parameters({"model_type": "gpt2"}) is None
+
+
 def test_engine_table_judges_the_difference_against_the_main_matrix_seed_noise():
     runs = _paired_runs([("muon", "2bw+ef", 0, 5.20, 5.21), ("muon", "2bw+ef", 1, 5.22, 5.25),
                          ("adamw", "2bw", 0, 6.5, 6.5), ("adamw", "sync", 0, 6.0, 6.1)],
@@ -493,11 +513,12 @@ def test_results_page_shows_what_the_committed_results_give():
     launch/study/results/, and the main table is the study's headline (AdamW and Muon, 3 seeds each)."""
     assert study.main(["report", "--check"]) == 0
     runs = study.load_results()
-    assert len(runs) == 171 and runs["complete"].all() and not runs["diverged"].any()
+    assert len(runs) == 203 and runs["complete"].all() and not runs["diverged"].any()
     assert (runs.groupby("group").size()[["main", "tokens", "lr", "batch", "depth", "ef_lambda", "nesterov"]].sum()
             == 18 + 32)
     assert runs.groupby("group").size()[["long", "long-lr", "long-lengths", "long-tuned", "long-async-lr",
-                                         "long-lambda", "long-delay"]].tolist() == [10, 5, 32, 6, 2, 32, 8]
+                                         "long-lambda", "long-delay", "long-moe", "long-moe-ns"]].tolist() == [
+        10, 5, 32, 6, 2, 56, 12, 2, 2]
     long = runs[runs["group"] == "long"]
     assert (long["tokens"] / long["parameters"]).round(2).eq(20.0).all() and long["steps"].eq(4712).all()
     table = study.main_table(runs[runs["group"] == "main"], labels=("sync", "2bw", "2bw+ef"))
