@@ -51,6 +51,7 @@ def train_cli(argv: list[str], capsys) -> str:
     ("llama", {"vocab_size": "many"}, r"ds_async.model.config: .*vocab_size"),
     ("mixtral", {"num_local_experts": 2, "num_experts_per_tok": 3},
      r"ds_async.model.config.num_experts_per_tok: 3 must be in 1..num_local_experts \(2\)"),
+    ("mixtral", {"sliding_window": 64}, r"ds_async.model.config.sliding_window: 64 is not supported"),
 ])
 def test_hf_config_errors_name_the_key(family, kwargs, message):
     from ds_async.models import model_config

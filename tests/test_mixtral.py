@@ -199,6 +199,17 @@ def test_tied_embeddings_refused():
         mixtral.layer_specs(MixtralConfig(**{**TINY_MIXTRAL, "tie_word_embeddings": True}))
 
 
+def test_a_config_built_in_python_is_refused_as_the_json_one_naming_the_module():
+    """``layer_specs`` of a config built in Python runs the refusals ``model_config`` runs on a JSON config, the
+    same ConfigError with this module in place of the JSON key's path."""
+    from ds_async.config import ConfigError
+
+    for change, message in (({"num_experts_per_tok": 3}, r"num_experts_per_tok: 3 must be in 1..num_local_experts"),
+                            ({"sliding_window": 64}, r"sliding_window: 64 is not supported")):
+        with pytest.raises(ConfigError, match=r"^ds_async.models \(mixtral\): " + message):
+            mixtral.layer_specs(MixtralConfig(**{**TINY_MIXTRAL, "num_local_experts": 2, **change}))
+
+
 def test_family_selects_mixtral(hf_model):
     from ds_async import config as cfgmod
     from ds_async.models import FAMILIES, model_config

@@ -149,16 +149,7 @@ def model_config(cfg: DsAsyncConfig, tokenizer=None):
     if hf.model_type != cfg.model.family:
         raise ConfigError(f"ds_async.model.family: '{cfg.model.family}' but the config is a '{hf.model_type}'")
     _check_geometry(hf.to_dict(), prefix)
-    if getattr(hf, "tie_word_embeddings", False):
-        raise ConfigError(f"{prefix}tie_word_embeddings: true is not supported: the tied embedding and LM head "
-                          "would live on different pipeline stages (set it to false, or untie the checkpoint)")
-    if cfg.model.family == "mixtral":
-        if not 0 < hf.num_experts_per_tok <= hf.num_local_experts:
-            raise ConfigError(f"{prefix}num_experts_per_tok: {hf.num_experts_per_tok} must be in "
-                              f"1..num_local_experts ({hf.num_local_experts})")
-        if hf.sliding_window is not None:
-            raise ConfigError(f"{prefix}sliding_window: {hf.sliding_window} is not supported: stages run full "
-                              "causal attention; set it to null (the same model for sequences within the window)")
+    FAMILIES[cfg.model.family].check_supported(hf, prefix)
     decoder = mixtral.MoeDecoderLayerPipe if cfg.model.family == "mixtral" else llama.DecoderLayerPipe
     try:  # HF checks the rotary settings only when the embedding is built, on the stages, without naming a key
         with torch.device("meta"):

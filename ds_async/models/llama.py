@@ -20,6 +20,7 @@ from torch import nn
 from transformers import LlamaConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from ..config import ConfigError
 from .hf_io import load_into
 from .loss import causal_lm_loss
 
@@ -140,12 +141,15 @@ def loss_fn(config: LlamaConfig, chunk: int = 0):
     return functools.partial(causal_lm_loss, chunk=chunk) if chunk else causal_lm_loss
 
 
-def check_supported(config: PretrainedConfig) -> None:
+def check_supported(config: PretrainedConfig, prefix: str | None = None) -> None:
+    """Refuse a config the pipeline cannot run, with a ConfigError naming the key after ``prefix`` (the key's
+    place in the run's config, from ``models.model_config``; for a config built in Python, this module's name);
+    then pick the attention the stages run (SDPA)."""
+    prefix = f"ds_async.models ({config.model_type}): " if prefix is None else prefix
     if config.tie_word_embeddings:
-        raise ValueError(
-            f"ds_async.models ({config.model_type}): tie_word_embeddings=true is not supported: the tied embedding "
-            "and LM head live on different pipeline stages and a one-step-delayed update of a shared tensor is not "
-            "defined. Set \"tie_word_embeddings\": false in the model config (or untie the checkpoint).")
+        raise ConfigError(f"{prefix}tie_word_embeddings: true is not supported: the tied embedding and LM head "
+                          "would live on different pipeline stages, and a one-step-delayed update of a shared tensor "
+                          "is not defined (set it to false, or untie the checkpoint)")
     config._attn_implementation = "sdpa"
 
 

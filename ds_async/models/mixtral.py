@@ -31,6 +31,7 @@ import torch
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer, MixtralRotaryEmbedding
 
+from ..config import ConfigError
 from . import hf_io, llama
 from .llama import DecoderLayerPipe, EmbeddingPipe, HeadPipe, causal_lm_loss
 
@@ -148,16 +149,17 @@ def loss_fn(config: MixtralConfig, chunk: int = 0):
     return functools.partial(moe_causal_lm_loss, coef=config.router_aux_loss_coef, chunk=chunk)
 
 
-def check_supported(config: MixtralConfig) -> None:
-    llama.check_supported(config)
-    if config.sliding_window is not None:
-        raise ValueError(
-            f"ds_async.models (mixtral): sliding_window={config.sliding_window} is not supported: stages run "
-            "SDPA with no mask, i.e. full causal attention. Set \"sliding_window\": null (the same model whenever "
-            "sequences are no longer than the window).")
+def check_supported(config: MixtralConfig, prefix: str | None = None) -> None:
+    """LLaMA's refusals and attention (:func:`llama.check_supported`, the same ``prefix``), the router's and the
+    attention window's refusals; then pick the experts' implementation."""
+    prefix = f"ds_async.models ({config.model_type}): " if prefix is None else prefix
+    llama.check_supported(config, prefix)
     if not 0 < config.num_experts_per_tok <= config.num_local_experts:
-        raise ValueError(f"ds_async.models (mixtral): num_experts_per_tok={config.num_experts_per_tok} must be in "
-                         f"1..num_local_experts={config.num_local_experts}")
+        raise ConfigError(f"{prefix}num_experts_per_tok: {config.num_experts_per_tok} must be in "
+                          f"1..num_local_experts ({config.num_local_experts})")
+    if config.sliding_window is not None:
+        raise ConfigError(f"{prefix}sliding_window: {config.sliding_window} is not supported: stages run full "
+                          "causal attention; set it to null (the same model for sequences within the window)")
     if config._experts_implementation is None:
         config._experts_implementation = "grouped_mm"  # what a transformers model picks by default
 
