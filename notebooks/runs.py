@@ -262,6 +262,11 @@ def reference(runs: pd.DataFrame, group: str = "main") -> dict:
     return out
 
 
+def reference_parameters(runs: pd.DataFrame, ref: dict) -> int:
+    """The parameters of the reference's model (the long groups hold a Mixtral beside the dense model)."""
+    return runs.loc[runs["model"] == ref["model"], "parameters"].dropna().iloc[0]
+
+
 def at_reference(runs: pd.DataFrame, ref: dict, free: str | None = None) -> pd.DataFrame:
     """The runs that sit at the reference on every axis but ``free`` (emulation runs only, outside the engine
     comparison's group)."""
@@ -622,7 +627,7 @@ def length_table(runs: pd.DataFrame) -> pd.DataFrame:
     matrix's runs are the longest point."""
     ref = reference(runs, group="long")
     t = length_sweep(runs, ref)
-    params = runs["parameters"].dropna().iloc[0]
+    params = reference_parameters(runs, ref)
     t.insert(2, "tokens/param", [v / params for v in t["tokens"]])
     t["tokens"] = [f"{v / 1e6:.0f}M" for v in t["tokens"]]
     return _fmt(t, {"tokens/param": 2, "sync": 3, "2bw": 3, "gap": "+3"})
@@ -648,7 +653,7 @@ def seed_table(runs: pd.DataFrame) -> pd.DataFrame:
     NaN where a seed lacks a run)."""
     ref = reference(runs, group="long")
     sub = at_reference(runs, ref, free="tokens")
-    params = runs["parameters"].dropna().iloc[0]
+    params = reference_parameters(runs, ref)
     seeds = sorted(int(s) for s in sub["seed"].unique())
     rows = []
     for (opt, tokens), part in sub.groupby(["optimizer", "tokens"]):
@@ -707,7 +712,7 @@ def long_findings(runs: pd.DataFrame, short: pd.DataFrame | None = None) -> str:
     long groups), ``short`` (the short study's main matrix, for its gap) and :data:`PAPER`."""
     ref = reference(runs, group="long")
     lengths = length_sweep(runs[runs["group"].isin(["long", "long-lengths"])], ref)
-    params = runs["parameters"].dropna().iloc[0]
+    params = reference_parameters(runs, ref)
     full = headline_runs(runs)
     table = gap_table(full)
     tuned = sync_tuned_lr(runs)

@@ -118,6 +118,17 @@ def test_length_curve_pairs_seeds_per_optimizer():
     assert table.loc[("adamw", "1.00"), "seeds"] == 1 and table.loc[("adamw", "1.00"), "gap"] == "+0.500"
 
 
+def test_tokens_per_parameter_are_the_dense_models_with_a_moe_listed_first():
+    """Tokens per parameter divide by the reference model's parameters, not the first run's: a Mixtral of the
+    long groups, listed first, has more parameters than the dense model."""
+    moe = {"group": "long-moe", "model": "m-e8k2", "parameters": 3000, "tokens": 4000}
+    long = {"group": "long", "parameters": 1000, "tokens": 4000}
+    rows = [("muon", label, 0, 3.0 + d, at) for at in (moe, long) for label, d in (("sync", 0.0), ("2bw", 0.1))]
+    runs = _runs(rows)
+    assert study.length_table(runs)["tokens/param"].tolist() == ["4.00"]
+    assert study.seed_table(runs)["tokens/param"].tolist() == [4.0]
+
+
 def test_seed_table_shows_each_seed_along_the_lengths():
     """The per-seed table: each seed's own 2bw − sync at every length and, where 2bw+ef ran, its remaining gap and
     the share EF recovers; a seed without a run there is NaN, not dropped."""
