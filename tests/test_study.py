@@ -757,3 +757,11 @@ def test_the_driver_leaves_out_what_the_committed_results_hold(capsys):
     assert listed[:-1] == [f"{r.group}/{r.name}" for r in long if r not in held]
     assert listed[-1].startswith(f"{len(long) - len(held)} runs")
 
+
+def test_only_globs_add_up(capsys):
+    """``--only`` repeated keeps the runs that match any of its globs, in the matrices' order."""
+    assert driver.main(["long-moe", "long", "--only", "long-moe/*-s1", "--only", "long/adamw-sync-s[12]", "--list",
+                        "--out", "/nonexistent"]) == 0
+    listed = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if not line.startswith(" ")]
+    assert listed[:-1] == ["long-moe/muon-sync-s1", "long-moe/muon-2bw-s1", "long-moe/muon-2bw+ef-s1",
+                           "long/adamw-sync-s1", "long/adamw-sync-s2"]

@@ -506,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"one or more of {', '.join(MATRICES)} (one list, in this order)")
     p.add_argument("--runner", choices=RUNNERS, default="emulation")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "study")
-    p.add_argument("--only", default=None, help="only the runs whose GROUP/NAME matches this glob")
+    p.add_argument("--only", action="append", default=[], metavar="GLOB",
+                   help="only the runs whose GROUP/NAME matches this glob (repeatable: those matching any)")
     p.add_argument("--set", dest="sets", type=parse_set, action="append", default=[], metavar="KEY=VALUE",
                    help="override a dotted key in every run's JSON (repeatable)")
     p.add_argument("--gpus", type=int, default=0, help="spread the runs over this many GPUs (one worker per GPU, "
@@ -527,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     # A run two matrices share (long-moe-ns holds long-moe's fused runs) once: two workers must not train one folder.
     runs = list({(r.group, r.name): r for name in args.matrices for r in matrix(name)}.values())
     if args.only:
-        runs = [r for r in runs if fnmatch.fnmatch(f"{r.group}/{r.name}", args.only)]
+        runs = [r for r in runs if any(fnmatch.fnmatch(f"{r.group}/{r.name}", glob) for glob in args.only)]
     if args.skip_committed:
         done = committed()
         runs = [r for r in runs if (args.runner, r.group, r.name) not in done]
