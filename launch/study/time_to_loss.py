@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                                 args.port)
     tokens_per_step = summaries["sync"]["tokens"] // summaries["sync"]["steps"]
     target = summaries["sync"]["final_validation_loss"]
-    from runs import llama_parameters
+    from runs import model_parameters
 
     manifests = {name: json.loads((out / name / "manifest.json").read_text()) for name in summaries}
     config = args.config.resolve()
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"budget_s": args.budget, "gpus": args.gpus,
            "config": str(config.relative_to(ROOT) if config.is_relative_to(ROOT) else config),
            "sets": dict(args.sets), "command": shlex.join(command),
-           "parameters": llama_parameters(manifests["sync"]["model"]), "target": target,
+           "parameters": model_parameters(manifests["sync"]["model"]), "target": target,
            "calibration_step_time_s": {k: v[1] for k, v in plans.items()},
            "calibration_from": str(args.calibration) if args.calibration else None,
            "runs": {name: result(s, manifests[name], tokens_per_step, target) for name, s in summaries.items()}}
