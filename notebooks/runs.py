@@ -595,12 +595,14 @@ def moe_choice(runs: pd.DataFrame) -> str:
 
 
 def moe_block(runs: pd.DataFrame) -> str:
-    """The results page's MoE table (:func:`moe_table`), the fused-vs-split choice (:func:`moe_choice`) and what
-    ran."""
+    """The results page's MoE table (:func:`moe_table`), the fused-vs-split choice (:func:`moe_choice`), what ran
+    and its training clock (:func:`clock_line`)."""
     moe = runs[runs["group"].isin(list(MOE_GROUPS))]
     if moe.empty:
         return "Not run yet.\n"
-    return markdown(moe_table(moe), index=False) + "\n" + moe_choice(moe) + "\n" + _ran(moe)
+    clock = clock_line(moe)
+    return markdown(moe_table(moe), index=False) + "\n" + moe_choice(moe) + "\n" + _ran(moe) + (
+        "\n" + clock if clock else "")
 
 
 def headline_runs(runs: pd.DataFrame) -> pd.DataFrame:
@@ -635,9 +637,10 @@ def length_table(runs: pd.DataFrame) -> pd.DataFrame:
 
 def clock_line(runs: pd.DataFrame) -> str:
     """What the runs' training clocks (``summary.json``'s ``seconds``, compiling included) give, per card:
-    runs, the range of tokens/s and of minutes a run."""
+    runs, the range of tokens/s and of minutes a run; empty when no run has a clock."""
     parts = []
-    for card, part in runs.dropna(subset=["seconds_per_step"]).groupby("card", sort=True):
+    timed = runs.dropna(subset=["seconds_per_step"]) if "seconds_per_step" in runs else runs.iloc[0:0]
+    for card, part in timed.groupby("card", sort=True):
         rate = part["tokens_per_step"] / part["seconds_per_step"] / 1e6
         minutes = part["seconds_per_step"] * part["steps"] / 60
         parts.append(f"{card}, {len(part)} run{'s' if len(part) > 1 else ''}: {rate.min():.2f}–{rate.max():.2f}M "

@@ -314,6 +314,10 @@ def test_moe_table_by_hand():
     assert study.moe_choice(_runs([r for r in fused if r[2] == 0] + split)).startswith("- **gate_up_proj:** undecided")
     assert "- **gate_up_proj:**" in study.moe_block(_runs(fused + split).assign(
         command="c", card="card", commit="abc", declared_commit=None, dirty=False))
+    timed = _runs(fused + split).assign(command="c", card="card", commit="abc", declared_commit=None, dirty=False,
+                                        seconds_per_step=0.5, tokens_per_step=1e6, steps=120)
+    assert study.moe_block(timed).endswith("\n\nTraining clock (each run's summary `seconds`, compiling included): "
+                                           "card, 8 runs: 2.00–2.00M tokens/s, 1.0–1.0 min a run.\n")
 
 
 def _paired_runs(rows, noise_rows=()) -> pd.DataFrame:
