@@ -410,7 +410,7 @@ class Emulation:
         self.total_steps = planned if max_steps is None else min(planned, max_steps)
         self._place(device)
         self._build()
-        self._open_data(done=0)
+        self._open_data()
         from .cadence import Cadence
 
         self.cadence = Cadence(self.total_steps, eval_every=cfg.eval.every, save_every=cfg.checkpoint.every,
@@ -483,16 +483,16 @@ class Emulation:
         return data.open_batches(cfg.data, "validation", self.tokenizer, mbs, dp_rank=rank, dp_world_size=self.dp,
                                  seed=cfg.seed, tokenize_batch=tokenize_batch(tokens))
 
-    def _open_data(self, done: int) -> None:
-        """The training stream, read ahead for the steps after ``done`` and none past the run's last."""
+    def _open_data(self) -> None:
+        """The training stream, read ahead for the run's steps and none past its last."""
         from .prefetch import Prefetcher
 
         cfg = self.cfg
         tokens = self.total_steps * self.mbs * self.gas * cfg.data.seq_len
         streams = functools.partial(open_train_streams, cfg.data, self.tokenizer, self.mbs, self.dp, cfg.seed,
                                     tokenize_batch(tokens))
-        left = self.total_steps - done
-        self.batches = Prefetcher(streams, self.gas, self.device, steps=left, chunk=min(16, left))
+        self.batches = Prefetcher(streams, self.gas, self.device, steps=self.total_steps,
+                                  chunk=min(16, self.total_steps))
         self.held_out: list[list] = []  # the validation micro-batches of each replica: the same every evaluation
 
     @torch.no_grad()
@@ -543,9 +543,7 @@ class Emulation:
         self.trainer.load_state_dict(state["trainer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        self.batches.close()  # opened for the whole run: reopened for the steps left
-        self._open_data(done=state["step"])
-        self.batches.load_state_dict(state["data"])
+        self.batches.load_state_dict(state["data"], steps=self.total_steps - state["step"])
         if isinstance(self.stepped, SkipNonFinite):
             self.stepped.skipped = state["skipped_steps"]
         torch.set_rng_state(state["rng"])

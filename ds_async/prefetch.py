@@ -185,7 +185,8 @@ class Prefetcher:
             return {"streams": [s.state_dict() for s in self._streams], "skip": self._skip}
         return {"streams": self._loaded, "skip": self._skip}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, steps: int | None = None) -> None:
+        """Continue from ``state``; ``steps``: how many will be taken from there (None: the constructor's)."""
         if self._states is not None or self._process is not None:
             raise RuntimeError("Prefetcher.load_state_dict: load before the first step")
         if self._streams is not None:  # read in this process: restore them now
@@ -193,7 +194,9 @@ class Prefetcher:
         else:
             self._loaded = state["streams"]
         self._skip = state["skip"]
-        if self._left is not None:
+        if steps is not None:
+            self._left = steps
+        if self._left is not None:  # the chunk's first steps are read again, then skipped
             self._left += self._skip
 
     def close(self) -> None:

@@ -53,6 +53,11 @@ def test_resume_mid_chunk_reads_the_next_steps_and_nothing_past_the_last():
     q.load_state_dict(state)
     rest = [values(q.next_step()) for _ in range(3)]
     assert first + rest == [[k] for k in range(7)] and stream.k == 7
+    # Built for the whole run, as a resumed run's is before it knows where it resumes: told the steps left there.
+    stream = Counting(0)
+    whole = Prefetcher([stream], per_step=1, device=torch.device("cpu"), steps=7, chunk=3)
+    whole.load_state_dict(state, steps=3)
+    assert [values(whole.next_step()) for _ in range(3)] == rest and stream.k == 7
 
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus"
