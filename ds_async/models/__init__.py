@@ -150,13 +150,6 @@ def model_config(cfg: DsAsyncConfig, tokenizer=None):
         raise ConfigError(f"ds_async.model.family: '{cfg.model.family}' but the config is a '{hf.model_type}'")
     _check_geometry(hf.to_dict(), prefix)
     FAMILIES[cfg.model.family].check_supported(hf, prefix)
-    decoder = mixtral.MoeDecoderLayerPipe if cfg.model.family == "mixtral" else llama.DecoderLayerPipe
-    try:  # HF checks the rotary settings only when the embedding is built, on the stages, without naming a key
-        with torch.device("meta"):
-            decoder.rotary_cls(hf)
-    except Exception as e:  # noqa: BLE001 - a KeyError for an unknown rope type, a TypeError for a string theta
-        raise ConfigError(f"{prefix}rope_*: the rotary embedding cannot be built from rope_theta / rope_scaling "
-                          f"({hub.one_line(e)})") from None
     layers = hf.num_hidden_layers + 2  # embedding, decoder layers, head
     if cfg.pipeline_stages > layers:
         raise ConfigError(f"ds_async.pipeline_stages: {cfg.pipeline_stages} stages for {layers} layers (embedding + "

@@ -21,6 +21,7 @@ from transformers import LlamaConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from ..config import ConfigError
+from ..hub import one_line
 from .hf_io import load_into
 from .loss import causal_lm_loss
 
@@ -141,15 +142,21 @@ def loss_fn(config: LlamaConfig, chunk: int = 0):
     return functools.partial(causal_lm_loss, chunk=chunk) if chunk else causal_lm_loss
 
 
-def check_supported(config: PretrainedConfig, prefix: str | None = None) -> None:
+def check_supported(config: PretrainedConfig, prefix: str | None = None, rotary_cls: type | None = None) -> None:
     """Refuse a config the pipeline cannot run, with a ConfigError naming the key after ``prefix`` (the key's
     place in the run's config, from ``models.model_config``; for a config built in Python, this module's name);
-    then pick the attention the stages run (SDPA)."""
+    then pick the attention the stages run (SDPA). ``rotary_cls``: the family's rotary embedding (LLaMA's)."""
     prefix = f"ds_async.models ({config.model_type}): " if prefix is None else prefix
     if config.tie_word_embeddings:
         raise ConfigError(f"{prefix}tie_word_embeddings: true is not supported: the tied embedding and LM head "
                           "would live on different pipeline stages, and a one-step-delayed update of a shared tensor "
                           "is not defined (set it to false, or untie the checkpoint)")
+    try:  # HF checks the rotary settings only when the embedding is built, on the stages, without naming a key
+        with torch.device("meta"):
+            (rotary_cls or DecoderLayerPipe.rotary_cls)(config)
+    except Exception as e:  # noqa: BLE001 - a KeyError for an unknown rope type, a TypeError for a string theta
+        raise ConfigError(f"{prefix}rope_*: the rotary embedding cannot be built from rope_theta / rope_scaling "
+                          f"({one_line(e)})") from None
     config._attn_implementation = "sdpa"
 
 

@@ -150,10 +150,10 @@ def loss_fn(config: MixtralConfig, chunk: int = 0):
 
 
 def check_supported(config: MixtralConfig, prefix: str | None = None) -> None:
-    """LLaMA's refusals and attention (:func:`llama.check_supported`, the same ``prefix``), the router's and the
-    attention window's refusals; then pick the experts' implementation."""
+    """LLaMA's refusals and attention (:func:`llama.check_supported`, the same ``prefix``, Mixtral's rotary
+    embedding), the router's and the attention window's refusals; then pick the experts' implementation."""
     prefix = f"ds_async.models ({config.model_type}): " if prefix is None else prefix
-    llama.check_supported(config, prefix)
+    llama.check_supported(config, prefix, MoeDecoderLayerPipe.rotary_cls)
     if not 0 < config.num_experts_per_tok <= config.num_local_experts:
         raise ConfigError(f"{prefix}num_experts_per_tok: {config.num_experts_per_tok} must be in "
                           f"1..num_local_experts ({config.num_local_experts})")
