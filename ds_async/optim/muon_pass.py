@@ -229,7 +229,8 @@ def hybrid_muon_step_(optimizer, grads: Sequence[Tensor | None], grad_scale: Ten
             else:
                 sums = _adamw_group(optimizer, group, params, group_grads, states, group_outs, grad_scale,
                                     grad_dtype, lam)
-            _record(optimizer, optimizer.group_name(i), params, *sums)
+            applied_sq, base_sq = sums  # with EF the buffer is the new base update: its square is the base's
+            optimizer.record(optimizer.group_name(i), sum(p.numel() for p in params), applied_sq, base_sq, base_sq)
         # A parameter without a gradient is not stepped, but every out receives it all the same: a version slot
         # being refilled still holds an older version of it.
         missing = [j for j in range(len(group["params"])) if grads[start + j] is None]
@@ -238,12 +239,6 @@ def hybrid_muon_step_(optimizer, grads: Sequence[Tensor | None], grad_scale: Ten
             for o in outs:
                 torch._foreach_copy_([o[start + j] for j in missing], masters)
         start += len(group["params"])
-
-
-def _record(optimizer, name: str, params: list[Tensor], applied_sq: Tensor, base_sq: Tensor | None) -> None:
-    """The step's statistics, as ``UpdateOptimizer._apply`` records them (with EF the buffer is the new base
-    update, so its squared norm is the base update's)."""
-    optimizer.record(name, sum(p.numel() for p in params), applied_sq, base_sq, base_sq)
 
 
 def _prev_updates(optimizer, params: list[Tensor], states: list[dict]) -> list[Tensor]:
