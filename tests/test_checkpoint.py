@@ -598,6 +598,11 @@ def test_bad_checkpoint_folders_and_sources_stop_the_job_at_start(work):
     log_file.write_text(json.dumps(raw))
     sgd = write_config(work, "base-sgd", "1f1b", optimizer={"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
                        steps=4, every=2)
+    # Muon with each expert's [gate; up] stack as one matrix (how optimizer state was laid out before split_gate_up
+    # became the default), resumed with the default.
+    moe_fused = write_config(work, "moe-fused", "1f1b", family="mixtral", steps=2, every=2,
+                             optimizer={"type": "Muon", "params": {**MUON["params"], "split_gate_up": False}})
+    moe_split = write_config(work, "moe-split", "1f1b", family="mixtral", steps=4, optimizer=MUON)
     # Data without usable text (an empty file, rows without data.text_field, binary bytes), and text with a share
     # of non-UTF-8 lines that trains with a warning.
     import random
@@ -634,6 +639,8 @@ def test_bad_checkpoint_folders_and_sources_stop_the_job_at_start(work):
             {"name": "base", "config": str(base)},
             {"name": "rerun", "config": str(base)},
             {"name": "resume-sgd", "config": str(sgd), "resume": str(work / "runs" / "base")},
+            {"name": "moe-fused", "config": str(moe_fused)},
+            {"name": "resume-moe-split", "config": str(moe_split), "resume": str(work / "runs" / "moe-fused")},
             *({"name": name, "config": str(config)} for name, config in data_runs.items()),
             {"name": "resume-empty", "config": str(base), "resume": str(work / "empty")},
             {"name": "resume-run-folder", "config": str(work / "base6.json"), "resume": str(work / "runs" / "base")},
@@ -680,6 +687,13 @@ def test_bad_checkpoint_folders_and_sources_stop_the_job_at_start(work):
     for rank in results["resume-sgd"]:  # AdamW's state would have loaded into SGD without a word
         assert rank["error"].startswith("ConfigError: optimizer.type: 'SGD', but the checkpoint "
                                         f"{checkpoint.step_dir(root, 4)} was saved with 'AdamW'"), rank
+    assert all(r["error"] is None for r in results["moe-fused"]), results["moe-fused"]
+    moe_step = checkpoint.step_dir(ckpt_root(work, "moe-fused"), 2)
+    for rank in results["resume-moe-split"]:  # torch alone names no cause; every rank says stage 0's error
+        assert rank["error"] == (
+            f"CheckpointError: {moe_step / 'state-stage00-dp000.pt'}: the saved optimizer has param groups "
+            "['matrix', 'embedding', 'vector'], this run's has ['matrix', 'gate_up', 'embedding', 'vector']; it was "
+            "saved with optimizer.params.split_gate_up = false: set that in the config to resume it"), rank
     for name, message in (("data-empty", f"{work / 'empty.txt'} (split='train'): no documents (empty)"),
                           ("data-field", f"{work / 'body.jsonl'} (split='train'): no usable text: all 50 documents "
                                          "data-parallel rank 0 read in a whole pass were skipped (50 empty); the "

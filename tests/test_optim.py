@@ -206,7 +206,8 @@ def test_mixtral_experts_and_router_train_with_muon():
     model = nn.ModuleList([mixtral.EmbeddingPipe(config, seed=1)]
                           + [mixtral.MoeDecoderLayerPipe(config, i, seed=1) for i in range(2)]
                           + [mixtral.MoeHeadPipe(config, seed=1, index=3)])
-    groups = {g["name"]: {id(p) for p in g["params"]} for g in muon_param_groups(model)}
+    # roles alone (split_gate_up moves gate_up_proj to a Muon group of its own: test_split_gate_up_groups)
+    groups = {g["name"]: {id(p) for p in g["params"]} for g in muon_param_groups(model, split_gate_up=False)}
     for d in model[1:3]:
         mlp, attn = d.layer.mlp, d.layer.self_attn
         for p in (mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.weight, attn.q_proj.weight):
@@ -396,7 +397,7 @@ def tiny_mixtral(layers: int = 2, intermediate: int = 24):
 
 def test_split_gate_up_groups():
     """``split_gate_up`` moves exactly the fused expert stacks into a ``gate_up`` Muon group of 2 row blocks, right
-    after ``matrix``, with the same hyper-parameters; off (the default) the groups are the ones from before the
+    after ``matrix``, with the same hyper-parameters (the default); off, the groups are the ones from before the
     option; a dense model has no fused matrix, so its groups do not depend on it."""
     from ds_async.optim.roles import fused_gate_up
 
@@ -406,9 +407,9 @@ def test_split_gate_up_groups():
     default, off, on = (muon_param_groups(model, lr=0.03, weight_decay=0.1, **kw)
                         for kw in ({}, {"split_gate_up": False}, {"split_gate_up": True}))
     names = lambda groups: [g["name"] for g in groups]  # noqa: E731
-    assert names(default) == names(off) == ["matrix", "embedding", "head", "vector"]
+    assert names(off) == ["matrix", "embedding", "head", "vector"]
     assert all("row_blocks" not in g for g in off)
-    assert names(on) == ["matrix", "gate_up", "embedding", "head", "vector"]
+    assert names(default) == names(on) == ["matrix", "gate_up", "embedding", "head", "vector"]
     gate_up = on[1]
     assert [id(p) for p in gate_up["params"]] == [id(p) for p in fused] and gate_up["row_blocks"] == 2
     assert {id(p) for p in on[0]["params"]} == {id(p) for p in off[0]["params"]} - {id(p) for p in fused}
@@ -424,8 +425,8 @@ def test_split_gate_up_groups():
 def test_split_gate_up_equals_separate_gate_and_up(lr_rule):
     """Split mode on a real Mixtral stage is Muon on each expert's gate and up matrices as separate tensors, bit for
     bit: the per-expert ``w1`` (gate) and ``w3`` (up) matrices the stage exports (``hf_state_dict``), as a model
-    storing them separately, like the dense LLaMA path's ``gate_proj``/``up_proj``, is stepped. Fused mode (the
-    default) is not: its directions differ at O(1)."""
+    storing them separately, like the dense LLaMA path's ``gate_proj``/``up_proj``, is stepped. Fused mode is not:
+    its directions differ at O(1)."""
     hp = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, lr_rule=lr_rule)
     runs = {}
     for split in (True, False):

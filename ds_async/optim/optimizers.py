@@ -227,7 +227,7 @@ class Muon(UpdateOptimizer):
     ``match_rms_adamw``) and, optionally, ``row_blocks`` (default 1): each of the group's matrices is
     orthogonalised as that many equal blocks of rows, each block a matrix of its own with its own lr adjustment
     (bit-equal to Muon on the blocks as separate tensors; ``muon_param_groups(split_gate_up=True)`` puts fused
-    ``[gate; up]`` expert stacks in such a group, 2 blocks; why, and why it is off by default, is said there). An
+    ``[gate; up]`` expert stacks in such a group, 2 blocks, by default; why is said there). An
     AdamW group's: ``lr, betas, eps, weight_decay``. Muon refuses parameters that are not at least 2-D (a flat ZeRO
     partition) with an explanation, and matrices whose rows do not split into ``row_blocks`` equal blocks.
     """
@@ -306,20 +306,19 @@ def require_matrix(p: Tensor) -> None:
 def muon_param_groups(model: torch.nn.Module, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                       ns_steps: int = NS_STEPS, weight_decay: float = 0.0, lr_rule: str = "original",
                       adam_lr: float = 3e-4, adam_betas: tuple[float, float] = (0.9, 0.95), adam_eps: float = 1e-8,
-                      adam_weight_decay: float = 0.0, split_gate_up: bool = False) -> list[dict]:
+                      adam_weight_decay: float = 0.0, split_gate_up: bool = True) -> list[dict]:
     """Param groups for :class:`Muon`, one per role present in ``model`` (named after it): ``matrix`` with Muon's
     hyper-parameters, ``embedding``, ``head`` and ``vector`` with AdamW's (``adam_*``).
 
     ``split_gate_up``: how a fused ``[gate; up]`` matrix (:func:`ds_async.optim.roles.fused_gate_up`: Mixtral's
-    expert ``gate_up_proj``, ``[E, 2I, H]``) is orthogonalised. ``False`` (default): as one ``2I x H`` matrix per
-    expert, in the ``matrix`` group. ``True``: its gate and up halves as two ``I x H``
-    matrices each, with the lr adjusted for ``I x H``, exactly as the dense LLaMA path orthogonalises its separate
-    ``gate_proj`` and ``up_proj``; these stacks then form a Muon group of their own, ``gate_up`` (right after
-    ``matrix``, ``row_blocks=2``, the same hyper-parameters). The halves are two linear maps (the gate's goes
+    expert ``gate_up_proj``, ``[E, 2I, H]``) is orthogonalised. ``True`` (default): its gate and up halves as two
+    ``I x H`` matrices each, with the lr adjusted for ``I x H``, exactly as the dense LLaMA path orthogonalises its
+    separate ``gate_proj`` and ``up_proj``; these stacks then form a Muon group of their own, ``gate_up`` (right
+    after ``matrix``, ``row_blocks=2``, the same hyper-parameters). The halves are two linear maps (the gate's goes
     through SiLU, the up's multiplies it), so splitting makes the update independent of how transformers stores
-    them. The default is the layout every existing Mixtral checkpoint's optimizer state has (no ``gate_up``
-    group) until the comparison docs/DESIGN.md states ("Muon on fused expert matrices") decides otherwise.
-    Models without fused matrices get the same groups either way."""
+    them. ``False``: as one ``2I x H`` matrix per expert, in the ``matrix`` group (what checkpoints written before
+    the default changed hold: no ``gate_up`` group). docs/DESIGN.md ("Muon on fused expert matrices") says why
+    split is the default. Models without fused matrices get the same groups either way."""
     from .roles import fused_gate_up, role_groups
 
     if not isinstance(split_gate_up, bool):

@@ -248,8 +248,9 @@ def long_delay(depths=(3, 5), fraction=1 / 3) -> list[Run]:
 # m = 4 micro-batches of 64) with 8 experts of intermediate size 320, top-2: 43.3M parameters, 22.6M active per
 # token. 6606 steps of 131k tokens = 866M tokens = 20 tokens per *total* parameter (per active one it would be
 # 453M): every expert's weights are trained and the budget stays under ~1.2B tokens. Muon as in ``long`` (fused
-# step); each expert's fused gate_up_proj is one matrix (split_gate_up false, the default) except in long-moe-ns's
-# split runs, which orthogonalise its gate and up halves apart as the dense path does.
+# step); each expert's fused gate_up_proj is one matrix (split_gate_up false, the library's default when the matrix
+# was set up, kept so that its seeds run alike) except in long-moe-ns's split runs, which orthogonalise its gate and
+# up halves apart as the dense path does.
 LONG_MOE_MUON = {"muon": {**LONG_OPTIMIZERS["muon"], "optimizer.params.split_gate_up": False}}
 
 
