@@ -691,9 +691,9 @@ def test_bad_checkpoint_folders_and_sources_stop_the_job_at_start(work):
     moe_step = checkpoint.step_dir(ckpt_root(work, "moe-fused"), 2)
     for rank in results["resume-moe-split"]:  # torch alone names no cause; every rank says stage 0's error
         assert rank["error"] == (
-            f"CheckpointError: {moe_step / 'state-stage00-dp000.pt'}: the saved optimizer has param groups "
-            "['matrix', 'embedding', 'vector'], this run's has ['matrix', 'gate_up', 'embedding', 'vector']; it was "
-            "saved with optimizer.params.split_gate_up = false: set that in the config to resume it"), rank
+            f"CheckpointError: {moe_step}: rank 0 could not restore it (ValueError: Muon: the saved param groups are "
+            "['matrix', 'embedding', 'vector'], this optimizer's are ['matrix', 'gate_up', 'embedding', 'vector']; "
+            "it was saved with optimizer.params.split_gate_up = false: set that in the config to resume it)"), rank
     for name, message in (("data-empty", f"{work / 'empty.txt'} (split='train'): no documents (empty)"),
                           ("data-field", f"{work / 'body.jsonl'} (split='train'): no usable text: all 50 documents "
                                          "data-parallel rank 0 read in a whole pass were skipped (50 empty); the "

@@ -96,32 +96,16 @@ def optimizer_state(optimizer) -> dict:
     raise CheckpointError(f"checkpointing does not know how to save optimizer {type(opt).__name__}")
 
 
-def _check_param_groups(optimizer: torch.optim.Optimizer, state: dict, file: Path) -> None:
-    """Refuse optimizer state whose param groups are not this optimizer's, by name, before torch's own refusal
-    (which counts groups and sizes and names no cause). Muon's ``gate_up`` group is the one a config key decides."""
-    saved = [g.get("name") for g in state["param_groups"]]
-    have = [g.get("name") for g in optimizer.param_groups]
-    if saved == have:
-        return
-    hint = ""
-    if ("gate_up" in saved) != ("gate_up" in have):
-        hint = (f"; it was saved with optimizer.params.split_gate_up = {str('gate_up' in saved).lower()}: set that "
-                "in the config to resume it")
-    raise CheckpointError(f"{file}: the saved optimizer has param groups {saved}, this run's has {have}{hint}")
-
-
 def load_optimizer_state(optimizer, saved: dict, file: Path) -> None:
     opt = _unwrap(optimizer)
     kind = saved["kind"]
     if kind == "torch" and isinstance(opt, torch.optim.Optimizer):
-        _check_param_groups(opt, saved["state"], file)
         opt.load_state_dict(saved["state"])
         return
     attr = {"zero": "single_partition_of_fp32_groups", "bf16": "fp32_groups_flat_partition"}.get(kind)
     if attr is None or not hasattr(opt, attr):
         raise CheckpointError(f"{file}: optimizer state of kind {kind!r} does not fit this run's "
                               f"{type(opt).__name__} (was the precision or ZeRO stage changed?)")
-    _check_param_groups(opt.optimizer, saved["state"], file)
     opt.optimizer.load_state_dict(saved["state"])
     with torch.no_grad():
         for have, want in zip(getattr(opt, attr), saved["fp32"], strict=True):

@@ -121,6 +121,20 @@ class UpdateOptimizer(torch.optim.Optimizer):
         self.record(name, sum(u.numel() for u in us), _sum_sq(us), base_sq, buffer_sq)
         torch._foreach_copy_(xs, news)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, once the saved param groups are this optimizer's by name: torch only counts them and their sizes,
+        and Muon's groups depend on a config key (``gate_up`` on ``split_gate_up``), which the refusal names."""
+        saved = [g.get("name") for g in state_dict["param_groups"]]
+        have = [g.get("name") for g in self.param_groups]
+        if saved != have:
+            hint = ""
+            if ("gate_up" in saved) != ("gate_up" in have):
+                hint = (f"; it was saved with optimizer.params.split_gate_up = {str('gate_up' in saved).lower()}: "
+                        "set that in the config to resume it")
+            raise ValueError(f"{type(self).__name__}: the saved param groups are {saved}, this optimizer's are "
+                             f"{have}{hint}")
+        super().load_state_dict(state_dict)
+
     def stat_sums(self) -> dict[str, Tensor | int]:
         """The last step's raw sums (squares of updates and buffers, element counts), not yet synchronised, with
         the same keys whichever parameters had gradients, so that a sharded wrapper can add them over ranks."""
