@@ -27,10 +27,12 @@ Bytes per stage of ``N`` parameters (``w`` = 2 under ``bf16.enabled``, else 4; `
   correction buffers (EF's previous update, Nesterov's velocity) ``4`` each. Sharding: DeepSpeed's bf16 optimizer
   divides masters and moments by ``d``; ZeRO-1 does for the rest, by whole tensors where ds_async shards
   (``ds_async.optim.sharded.partition_params``; the busiest replica is reported), flat where DeepSpeed does;
-- step workspace (estimate): the transient tensors of the optimizer step; Muon's bf16 directions (``2`` bytes a
-  matrix parameter) beside, at the largest moment, one same-shape stack's Newton-Schulz iterates and the results of
+- step workspace (estimate): the transient tensors of the optimizer step; per Muon group (``matrix``, then
+  ``gate_up`` where experts' fused ``[gate; up]`` stacks are split, :func:`muon_groups`) its bf16 directions (``2``
+  bytes a parameter) beside, at the largest moment, one same-shape stack's Newton-Schulz iterates and the results of
   the stacks orthogonalised before it (:func:`muon_workspace`: byte for byte the tensors alive at once on CPU,
-  ``tests/test_plan.py``); the unfused steps' fp32 gradients;
+  ``tests/test_plan.py``); the fused step frees a group's tensors before the next, the unfused one keeps each
+  group's results until it applies them all; the unfused steps' fp32 gradients;
 - activations (estimate, below) times the micro-batches a stage holds: ``p - s`` on stage ``s`` under a flush-free
   rule (steady 1F1B across batches), ``min(p - s, m)`` under 1F1B, plus one working set;
 - the next batch's gradients (``grads_next``, ``w N``) where they coexist with the waiting ones: under a flush-free
@@ -133,6 +135,7 @@ class Job:
     fused_step: bool
     checkpoint_interval: int
     loss_chunk: int
+    split_gate_up: bool       # Muon orthogonalises fused [gate; up] expert stacks as their halves
     recompute: tuple[int, ...] = ()  # activation_checkpoint_layers per stage (empty: none)
     compiled: bool = False    # performance.compile: inductor's saved tensors (see compiled_decoder_bytes)
     clip: float = 0.0         # gradient_clipping
@@ -158,6 +161,7 @@ def job_of(ds_config: dict, cfg, world: int):
     """The :class:`Job` of a parsed config at world size ``world``; raises ``ConfigError`` naming the key."""
     from .config import ConfigError, check_batch, gradient_clipping, recomputed_layers
     from .optim import needs_client_optimizer
+    from .optim.optimizers import SPLIT_GATE_UP
 
     from .pipe.version_rule import get
 
@@ -179,6 +183,9 @@ def job_of(ds_config: dict, cfg, world: int):
     if kind not in STATE_BYTES:
         raise ConfigError(f"optimizer.type: the planner knows {sorted(STATE_BYTES)}, not {block['type']!r}")
     params = block.get("params") or {}
+    split = params.get("split_gate_up", SPLIT_GATE_UP) if kind == "muon" else False
+    if not isinstance(split, bool):
+        raise ConfigError(f"optimizer.params.split_gate_up: must be true or false, got {split!r}")
     client = needs_client_optimizer(block, cfg.correction)
     path = "master-weights" if bf16 and client else "deepspeed-bf16" if bf16 else "plain"
     zero = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
@@ -196,7 +203,7 @@ def job_of(ds_config: dict, cfg, world: int):
                recompute=tuple(recomputed_layers(cfg.performance, cfg.pipeline_stages))
                if cfg.performance.activation_checkpoint_layers else (),
                loss_chunk=cfg.performance.loss_chunk, compiled=bool(cfg.performance.compile),
-               clip=gradient_clipping(ds_config))
+               clip=gradient_clipping(ds_config), split_gate_up=split)
 
 
 # ---------------------------------------------------------------------------------------------------- layers
@@ -211,6 +218,7 @@ class Layer:
     by_role: dict[str, int]             # ds_async.optim.roles role -> parameters
     shapes: tuple[tuple[int, ...], ...]  # every trainable parameter, module order
     roles: tuple[str, ...]              # their roles
+    gate_up: tuple[bool, ...]           # which are fused [gate; up] expert stacks (optim.roles.fused_gate_up)
     flops: float                        # training FLOPs per token
 
 
@@ -218,7 +226,7 @@ def layers_of(hf_config, family: str, seq_len: int) -> list[Layer]:
     """``[embedding, decoder x L, head]`` of the model, built on the meta device as the stages build them."""
     from .flops import layer_flops_per_token
     from .models import FAMILIES
-    from .optim.roles import param_roles
+    from .optim.roles import fused_gate_up, param_roles
 
     specs = FAMILIES[family].layer_specs(hf_config)
     with torch.device("meta"):
@@ -237,8 +245,9 @@ def layers_of(hf_config, family: str, seq_len: int) -> list[Layer]:
         stacked = sum(p.numel() for p in params if p.ndim == 3)  # expert stacks [E, rows, cols]
         active = total - stacked + (stacked * top_k // experts if experts else stacked)
         kind = "embedding" if i == 0 else "head" if i == len(modules) - 1 else "decoder"
+        fused = {id(p) for p in fused_gate_up(module)}
         out.append(Layer(kind, total, active, by_role, tuple(tuple(p.shape) for p in params),
-                         tuple(roles[p] for p in params), f))
+                         tuple(roles[p] for p in params), tuple(id(p) in fused for p in params), f))
     return out
 
 
@@ -354,12 +363,8 @@ def state_memory(job: Job, layers: list[Layer], stage: int) -> dict[str, int]:
 
 def step_workspace(job: Job, layers: list[Layer]) -> int:
     """Transient bytes of the optimizer step (estimate; see the module docstring)."""
-    shapes = [s for layer in layers for s in layer.shapes]
-    roles = [r for layer in layers for r in layer.roles]
-    n = sum(math.prod(s) for s in shapes)
-    total = 0
-    if job.optimizer == "muon":
-        total += muon_workspace([s for s, r in zip(shapes, roles) if r == "matrix"])
+    n = sum(layer.params for layer in layers)
+    total = muon_step_workspace(job, layers) if job.optimizer == "muon" else 0
     if job.path == "master-weights" and not job.fused_step:
         total += 4 * n + 8 * min(n, 2 ** 28)  # fp32 gradients, then the update in chunks
     elif job.path == "deepspeed-bf16" and not job.fused_step and job.grad_accum_bytes != 4:
@@ -367,6 +372,33 @@ def step_workspace(job: Job, layers: list[Layer]) -> int:
     elif job.path == "plain" and job.optimizer != "sgd":
         total += 8 * min(n, 2 ** 28)
     return total
+
+
+def muon_step_workspace(job: Job, layers: list[Layer]) -> int:
+    """Peak transient bytes of Muon's Newton-Schulz over a stage: its groups (:func:`muon_groups`) one after the
+    other, each :func:`muon_workspace`; the unfused step keeps each group's bf16 results until it applies them all,
+    the fused one applies a group's before the next."""
+    peak = held = 0
+    for group in muon_groups(job, layers):
+        peak = max(peak, held + muon_workspace(group))
+        held += 0 if job.fused_step else 2 * sum(math.prod(s) for s in group)
+    return peak
+
+
+def muon_groups(job: Job, layers: list[Layer]) -> list[list[tuple[int, ...]]]:
+    """The shapes Newton-Schulz is given for each of a stage's Muon groups, in step order, as
+    :func:`ds_async.optim.optimizers.muon_param_groups` builds them: the ``matrix`` parameters, then under
+    ``split_gate_up`` the fused ``[gate; up]`` stacks as ``[..., 2, rows / 2, cols]`` (their ``gate_up`` group)."""
+    plain, split = [], []
+    for layer in layers:
+        for shape, role, gate_up in zip(layer.shapes, layer.roles, layer.gate_up):
+            if role != "matrix":
+                continue
+            if gate_up and job.split_gate_up:
+                split.append((*shape[:-2], 2, shape[-2] // 2, shape[-1]))
+            else:
+                plain.append(shape)
+    return [group for group in (plain, split) if group]
 
 
 def muon_workspace(matrices: list[tuple[int, ...]]) -> int:

@@ -317,10 +317,14 @@ def require_matrix(p: Tensor) -> None:
             "optimizer, and ds_async.optim.sharded.ShardedOptimizer for tensor-granular ZeRO-1.")
 
 
+# muon_param_groups' default for fused [gate; up] expert stacks, which the memory planner (ds_async.plan) follows.
+SPLIT_GATE_UP = True
+
+
 def muon_param_groups(model: torch.nn.Module, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                       ns_steps: int = NS_STEPS, weight_decay: float = 0.0, lr_rule: str = "original",
                       adam_lr: float = 3e-4, adam_betas: tuple[float, float] = (0.9, 0.95), adam_eps: float = 1e-8,
-                      adam_weight_decay: float = 0.0, split_gate_up: bool = True) -> list[dict]:
+                      adam_weight_decay: float = 0.0, split_gate_up: bool = SPLIT_GATE_UP) -> list[dict]:
     """Param groups for :class:`Muon`, one per role present in ``model`` (named after it): ``matrix`` with Muon's
     hyper-parameters, ``embedding``, ``head`` and ``vector`` with AdamW's (``adam_*``).
 
