@@ -639,8 +639,7 @@ def clock_line(runs: pd.DataFrame) -> str:
     """What the runs' training clocks (``summary.json``'s ``seconds``, compiling included) give, per card:
     runs, the range of tokens/s and of minutes a run; empty when no run has a clock."""
     parts = []
-    timed = runs.dropna(subset=["seconds_per_step"]) if "seconds_per_step" in runs else runs.iloc[0:0]
-    for card, part in timed.groupby("card", sort=True):
+    for card, part in runs.dropna(subset=["seconds_per_step"]).groupby("card", sort=True):
         rate = part["tokens_per_step"] / part["seconds_per_step"] / 1e6
         minutes = part["seconds_per_step"] * part["steps"] / 60
         parts.append(f"{card}, {len(part)} run{'s' if len(part) > 1 else ''}: {rate.min():.2f}–{rate.max():.2f}M "

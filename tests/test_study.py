@@ -38,7 +38,7 @@ driver = _module("study_driver", ROOT / "launch" / "study" / "run.py")
 def _runs(rows) -> pd.DataFrame:
     """Hand-made runs: (optimizer, label, seed, final_val[, axis overrides])."""
     base = {"model": "m", "seq_len": 256, "batch": 48, "tokens": 1000, "lr_scale": 1.0, "group": "main",
-            "runner": "emulation", "diverged": False}
+            "runner": "emulation", "diverged": False, "card": "", "seconds_per_step": math.nan}  # no clock
     out = []
     for row in rows:
         opt, label, seed, val, *extra = row
