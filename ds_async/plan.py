@@ -161,7 +161,7 @@ def job_of(ds_config: dict, cfg, world: int):
     """The :class:`Job` of a parsed config at world size ``world``; raises ``ConfigError`` naming the key."""
     from .config import ConfigError, check_batch, gradient_clipping, recomputed_layers
     from .optim import needs_client_optimizer
-    from .optim.optimizers import SPLIT_GATE_UP
+    from .optim.optimizers import SPLIT_GATE_UP, check_split_gate_up
 
     from .pipe.version_rule import get
 
@@ -184,8 +184,10 @@ def job_of(ds_config: dict, cfg, world: int):
         raise ConfigError(f"optimizer.type: the planner knows {sorted(STATE_BYTES)}, not {block['type']!r}")
     params = block.get("params") or {}
     split = params.get("split_gate_up", SPLIT_GATE_UP) if kind == "muon" else False
-    if not isinstance(split, bool):
-        raise ConfigError(f"optimizer.params.split_gate_up: must be true or false, got {split!r}")
+    try:
+        check_split_gate_up(split)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     client = needs_client_optimizer(block, cfg.correction)
     path = "master-weights" if bf16 and client else "deepspeed-bf16" if bf16 else "plain"
     zero = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
@@ -388,14 +390,17 @@ def muon_step_workspace(job: Job, layers: list[Layer]) -> int:
 def muon_groups(job: Job, layers: list[Layer]) -> list[list[tuple[int, ...]]]:
     """The shapes Newton-Schulz is given for each of a stage's Muon groups, in step order, as
     :func:`ds_async.optim.optimizers.muon_param_groups` builds them: the ``matrix`` parameters, then under
-    ``split_gate_up`` the fused ``[gate; up]`` stacks as ``[..., 2, rows / 2, cols]`` (their ``gate_up`` group)."""
+    ``split_gate_up`` the fused ``[gate; up]`` stacks as ``[..., 2, rows / 2, cols]`` (their ``gate_up`` group,
+    viewed by :func:`ds_async.optim.muon.split_rows`)."""
+    from .optim.muon import split_rows
+
     plain, split = [], []
     for layer in layers:
         for shape, role, gate_up in zip(layer.shapes, layer.roles, layer.gate_up):
             if role != "matrix":
                 continue
             if gate_up and job.split_gate_up:
-                split.append((*shape[:-2], 2, shape[-2] // 2, shape[-1]))
+                split.append(tuple(split_rows(torch.empty(shape, device="meta"), 2).shape))
             else:
                 plain.append(shape)
     return [group for group in (plain, split) if group]

@@ -321,6 +321,12 @@ def require_matrix(p: Tensor) -> None:
 SPLIT_GATE_UP = True
 
 
+def check_split_gate_up(value) -> None:
+    """Refuse an ``optimizer.params.split_gate_up`` that is not a JSON boolean (a ValueError naming the key)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"optimizer.params.split_gate_up: must be true or false, got {value!r}")
+
+
 def muon_param_groups(model: torch.nn.Module, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                       ns_steps: int = NS_STEPS, weight_decay: float = 0.0, lr_rule: str = "original",
                       adam_lr: float = 3e-4, adam_betas: tuple[float, float] = (0.9, 0.95), adam_eps: float = 1e-8,
@@ -339,8 +345,7 @@ def muon_param_groups(model: torch.nn.Module, lr: float = 0.02, momentum: float 
     split is the default. Models without fused matrices get the same groups either way."""
     from .roles import fused_gate_up, role_groups
 
-    if not isinstance(split_gate_up, bool):
-        raise ValueError(f"optimizer.params.split_gate_up: must be true or false, got {split_gate_up!r}")
+    check_split_gate_up(split_gate_up)
     muon = dict(use_muon=True, lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                 weight_decay=weight_decay, lr_rule=lr_rule)
     adam = dict(use_muon=False, lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps, weight_decay=adam_weight_decay)
