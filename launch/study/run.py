@@ -258,7 +258,10 @@ LONG_MOE_MUON = {"muon": {**LONG_OPTIMIZERS["muon"], "optimizer.params.split_gat
 # table and findings). AdamW's is long.json's own, so ``long`` is its main point; Muon's main point is ``long-tuned``.
 TUNED_LR = {"adamw": 1.0, "muon": 2.0}
 SYNC_LR_SCALES = {"adamw": (0.5, 2.0), "muon": (0.5, 2.0, 4.0)}
-ASYNC_LR_SCALES = SYNC_LR_SCALES  # sync's points: each async variant's best is read against sync at each LR
+# Each async variant's own sweep, around its best with long's x1 (and long-tuned's x2 for Muon). AdamW's async best
+# lies below sync's (x0.5 beat x1 for both 2bw and 2bw+ef: a delayed step's error grows with the step), so its
+# sweep extends down to x0.25 instead of up to x2, beyond the x1 that x0.5 already beats.
+ASYNC_LR_SCALES = {"adamw": (0.25, 0.5), "muon": (0.5, 2.0, 4.0)}
 
 
 def _long_lr(group: str, variants: tuple[str, ...], scales: dict[str, tuple[float, ...]]) -> list[Run]:
@@ -331,7 +334,7 @@ def matrix(name: str) -> list[Run]:
     as on the engine's fast path; 18). ``long-lr``: sync's peak LR there, AdamW x0.5 and x2, Muon x0.5, x2 and x4
     (seed 0; 5), which brackets each optimizer's best (``TUNED_LR``). ``long-tuned``: Muon's sync, 2bw and 2bw+ef
     at its sync-tuned x2, seeds 0-2 (seed 0's are long-lr's and long-async-lr's runs; 6 more); AdamW's tuned point
-    is ``long``'s. ``long-async-lr``: 2bw and 2bw+ef at AdamW x0.5 and x2, Muon x0.5, x2 and x4 (seed 0; 10):
+    is ``long``'s. ``long-async-lr``: 2bw and 2bw+ef at AdamW x0.25 and x0.5, Muon x0.5, x2 and x4 (seed 0; 10):
     each async variant at its own best LR.
     ``long-lengths``: sync and 2bw at 1/81, 1/27, 1/9 and 1/3 of that length, seeds 0 and 1 (32).
     ``long-lambda``: at 1/9 of the length, 2bw + EF at lambda 0.5/1/2/3 x peak LR x0.5/x1/x2/x4/x8, with sync and
