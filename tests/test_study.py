@@ -433,7 +433,8 @@ def test_matrices_and_split():
         shares = [driver.split(runs, i, 2) for i in range(2)]
         names = [f"{r.group}/{r.name}" for share in shares for r in share]
         assert sorted(names) == sorted(f"{r.group}/{r.name}" for r in runs)
-        loads = [sum(driver.cost(r.config()) for r in share) for share in shares]
+        clock = driver.step_clock()
+        loads = [sum(driver.cost(r, clock=clock) for r in share) for share in shares]
         assert max(loads) <= 1.1 * min(loads)
     assert len(driver.matrix("tiny")) == 21 and len(driver.matrix("tiny-pairs")) == 3
 
@@ -762,6 +763,29 @@ def test_the_driver_leaves_out_what_the_committed_results_hold(capsys):
     listed = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if not line.startswith(" ")]
     assert listed[:-1] == [f"{r.group}/{r.name}" for r in long if r not in held]
     assert listed[-1].startswith(f"{len(long) - len(held)} runs")
+
+
+def test_the_driver_packs_by_the_committed_clock(tmp_path):
+    """A step's time is read from the committed runs of the same runner, base config, optimizer and micro-batches:
+    the median of that key's longest runs (shorter ones carry more compiling a step); a kind of run no committed run
+    has timed is planned at PASS_SECONDS a micro-batch pass. Workers then deal by those seconds."""
+    header = "runner,group,name,optimizer,micro_batches,steps,seconds_per_step\n"
+    rows = ["emulation,long-moe,muon-sync-s0,muon,4,6606,0.12", "emulation,long-moe,muon-2bw-s0,muon,4,6606,0.14",
+            "emulation,long-moe,muon-2bw+ef-s0,muon,4,6606,0.11",
+            "emulation,long,muon-sync-s0,muon,4,4712,0.08", "emulation,long-lengths,muon-sync-len58-s0,muon,4,58,0.9",
+            "engine,long,muon-sync-s1,muon,4,4712,0.5", "emulation,nowhere,muon-sync-s9,muon,4,4712,9.0"]
+    csv_path = tmp_path / "runs.csv"
+    csv_path.write_text(header + "\n".join(rows) + "\n")
+    clock = driver.step_clock(csv_path)
+    assert clock == {("emulation", "long_moe.json", "muon", 4): 0.12, ("emulation", "long.json", "muon", 4): 0.08,
+                     ("engine", "long.json", "muon", 4): 0.5}
+    moe = {r.name: r for r in driver.matrix("long-moe")}["muon-sync-s2"]
+    dense = {r.name: r for r in driver.matrix("long")}
+    assert driver.cost(moe, clock=clock) == pytest.approx(6606 * 0.12 + driver.START_SECONDS)
+    assert driver.cost(dense["adamw-sync-s0"], clock=clock) == pytest.approx(
+        4712 * 4 * driver.PASS_SECONDS + driver.START_SECONDS)
+    assert driver.cost(dense["muon-sync-s0"], runner="engine", clock=clock) == pytest.approx(
+        4712 * 0.5 + driver.START_SECONDS)
 
 
 def test_only_globs_add_up(capsys):

@@ -35,6 +35,7 @@ import itertools
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -44,6 +45,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+RESULTS_CSV = HERE / "results" / "runs.csv"
 RUNNERS = ("emulation", "engine")
 
 # Peak learning rates and weight decay, chosen for the synchronous runs and reused unchanged for the asynchronous
@@ -362,18 +364,53 @@ def processes(config: dict) -> int:
     return config["ds_async"].get("pipeline_stages", 2) * data_parallel_degree(config)
 
 
-def cost(config: dict) -> float:
-    """Planned time of a run in micro-batch passes (a small model's step is launch-bound), plus start-up."""
-    ds = config["ds_async"]
-    return ds["train"]["steps"] * config.get("gradient_accumulation_steps", 1) + 50
+# For a kind of run no committed run has timed: a micro-batch pass's seconds (long.json's on one H200, 0.08 s a step
+# of 4; a small model's step is launch-bound). For every run: its start (the driver, the data reader, compiling).
+PASS_SECONDS, START_SECONDS = 0.02, 40.0
 
 
-def split(runs: list[Run], index: int, of: int, sets: dict | None = None) -> list[Run]:
-    """Share ``index`` of ``of``: runs dealt longest first to the least loaded share, each share in list order."""
+def clock_key(runner: str, base: str, config: dict) -> tuple[str, str, str, int]:
+    """What a step's time is read by: runner, base config, optimizer, micro-batches a step."""
+    return runner, base, config["optimizer"]["type"].lower(), config.get("gradient_accumulation_steps", 1)
+
+
+def step_clock(path: Path = RESULTS_CSV) -> dict[tuple[str, str, str, int], float]:
+    """Seconds a step by ``clock_key``, from the committed runs: the median over each key's longest runs, whose
+    compiling is spread thinnest. A step's time at the study's sizes follows neither its FLOPs nor its micro-batches:
+    the MoE's step takes 1.4x the dense model's with fewer FLOPs a token, so the driver packs by the clock."""
+    bases = {(r.group, r.name): r.base for name in MATRICES for r in matrix(name)}
+    longest: dict[tuple, tuple[int, list[float]]] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            base = bases.get((row["group"], row["name"]))
+            if base is None or not row["seconds_per_step"]:
+                continue
+            key = (row["runner"], base, row["optimizer"], int(row["micro_batches"]))
+            steps, times = longest.get(key, (0, []))
+            if int(row["steps"]) > steps:
+                steps, times = int(row["steps"]), []
+            if int(row["steps"]) == steps:
+                longest[key] = (steps, times + [float(row["seconds_per_step"])])
+    return {key: statistics.median(times) for key, (_, times) in longest.items()}
+
+
+def cost(run: Run, sets: dict | None = None, runner: str = "emulation", clock: dict | None = None) -> float:
+    """Planned seconds of a run: its steps at ``clock``'s time for its key (``step_clock``), else at
+    ``PASS_SECONDS`` a micro-batch pass; plus ``START_SECONDS``."""
+    config = run.config(sets)
+    steps, passes = config["ds_async"]["train"]["steps"], config.get("gradient_accumulation_steps", 1)
+    step = (clock or {}).get(clock_key(runner, run.base, config), passes * PASS_SECONDS)
+    return steps * step + START_SECONDS
+
+
+def split(runs: list[Run], index: int, of: int, sets: dict | None = None, runner: str = "emulation") -> list[Run]:
+    """Share ``index`` of ``of``: runs dealt longest first (by ``cost`` at the committed clock) to the least loaded
+    share, each share in list order."""
     if not 0 <= index < of:
         raise ValueError(f"share {index} is outside 0..{of - 1}")
     loads, shares = [0.0] * of, [[] for _ in range(of)]
-    costs = [cost(r.config(sets)) for r in runs]
+    clock = step_clock()
+    costs = [cost(r, sets, runner, clock) for r in runs]
     for k in sorted(range(len(runs)), key=lambda k: (-costs[k], k)):
         i = min(range(of), key=lambda s: (loads[s], s))
         loads[i] += costs[k]
@@ -381,7 +418,7 @@ def split(runs: list[Run], index: int, of: int, sets: dict | None = None) -> lis
     return [runs[k] for k in sorted(shares[index])]
 
 
-def committed(path: Path = HERE / "results" / "runs.csv") -> set[tuple[str, str, str]]:
+def committed(path: Path = RESULTS_CSV) -> set[tuple[str, str, str]]:
     """(runner, group, name) of every run the committed results hold."""
     with open(path, newline="") as f:
         return {(row["runner"], row["group"], row["name"]) for row in csv.DictReader(f)}
@@ -541,14 +578,17 @@ def main(argv: list[str] | None = None) -> int:
         return spread(argv, runs, out, args.runner, args.gpus, sets)
     if args.share:
         k, _, of = args.share.partition("/")
-        runs = split(runs, int(k), int(of), sets)
+        runs = split(runs, int(k), int(of), sets, args.runner)
     if args.list:
         for run in runs:
             config = run.config(sets)
             folder = run_dir(out, args.runner, run)
             print(f"{run.group}/{run.name}: {run.base} + {json.dumps(run.overrides)}\n    "
                   + " ".join(command(args.runner, folder / "config.json", processes(config), args.port)))
-        print(f"{len(runs)} runs, {sum(lookup(r.config(sets), 'ds_async.train.steps') for r in runs)} steps")
+        clock = step_clock()
+        planned = sum(cost(r, sets, args.runner, clock) for r in runs)
+        print(f"{len(runs)} runs, {sum(lookup(r.config(sets), 'ds_async.train.steps') for r in runs)} steps, "
+              f"{planned / 60:.0f} min planned at the committed clock")
         return 0
     return 1 if train(runs, out, args.runner, sets, args.force, args.device, args.port, args.time_limit) else 0
 
