@@ -771,12 +771,39 @@ def long_findings(runs: pd.DataFrame, short: pd.DataFrame | None = None) -> str:
         best = part.set_index("label")
         if len(part) < 2 or "sync" not in best.index or (best["lrs"] < 2).any():
             continue  # a variant at one LR has no "own best" yet
+        lines.append(own_lr_moves(opt, best, lr.set_index(["optimizer", "lr"])))
         each = "; ".join(f"{label} {r['loss']:.3f} at {r['lr']:g} (of {r['lrs']} LRs"
                          f"{'' if r['inside'] else ', at the edge'})" for label, r in best.iterrows())
         gaps = ", ".join(f"{label} {best.loc[label, 'loss'] - best.loc['sync', 'loss']:+.3f}"
                          for label in best.index if label != "sync")
         lines.append(f"- **{opt}, each at its own best LR:** {each}; gaps to sync's best: {gaps}.")
     return "\n".join(lines) + "\n"
+
+
+def own_lr_moves(opt: str, best: pd.DataFrame, sweep: pd.DataFrame) -> str:
+    """The findings' bullet on what each async variant gains at its own best LR (``best``: :func:`own_best_lr`'s rows
+    of ``opt`` by label) over sync's best LR (``sweep``: :func:`lr_sweep` by optimizer and LR), and EF's share of
+    the gap at both."""
+    sync_lr = best.loc["sync", "lr"]
+    at_sync = sweep.loc[(opt, sync_lr)]
+    moves = []
+    for label in (x for x in best.index if x != "sync"):
+        own = best.loc[label]
+        if own["lr"] == sync_lr:
+            moves.append(f"{label} is best at sync's")
+        elif math.isfinite(at_sync.get(label, math.nan)):
+            moves.append(f"{label} ends {at_sync[label] - own['loss']:.3f} lower at {own['lr']:g}")
+        else:
+            moves.append(f"{label} has not run at sync's")
+    line = f"- **{opt}'s async variants at their own LR against sync's {sync_lr:g}:** " + "; ".join(moves)
+    if {"2bw", "2bw+ef"} <= set(best.index):
+        sync = best.loc["sync", "loss"]
+        shares = [recovered_share(sync, best.loc["2bw", "loss"], best.loc["2bw+ef", "loss"]),
+                  recovered_share(sync, at_sync.get("2bw", math.nan), at_sync.get("2bw+ef", math.nan))]
+        if all(math.isfinite(x) for x in shares):
+            line += (f"; EF recovers {100 * shares[0]:.0f}% of the gap at their own best LRs, {100 * shares[1]:.0f}%"
+                     f" at sync's")
+    return line + "."
 
 
 LAMBDAS = (0.5, 1.0, 2.0, 3.0)

@@ -182,6 +182,23 @@ def test_each_variant_at_its_own_best_lr():
     assert "own best" not in study.long_findings(one)
 
 
+def test_the_findings_say_what_each_async_variant_gains_at_its_own_lr():
+    """Beside each optimizer's own-best line, what each async variant gains at its own best LR over its loss at
+    sync's best LR (seed 0), and EF's share of the gap at both, once both variants ran at sync's LR."""
+    at = {0.5: {"lr_scale": 0.5, "lr": 0.01}, 1.0: {"lr": 0.02}, 2.0: {"lr_scale": 2.0, "lr": 0.04}}
+    losses = {"sync": (2.99, 2.97, 2.96), "2bw": (3.05, 3.00, 3.02), "2bw+ef": (3.00, 2.98, None)}
+    rows = [("muon", label, 0, loss, {"group": "long", "parameters": 1000, **at[x]})
+            for label, values in losses.items() for x, loss in zip(at, values) if loss is not None]
+    lines = study.long_findings(_runs(rows)).splitlines()
+    assert lines[-2] == ("- **muon's async variants at their own LR against sync's 0.04:** 2bw ends 0.020 lower at "
+                         "0.02; 2bw+ef has not run at sync's.")
+    rows.append(("muon", "2bw+ef", 0, 2.99, {"group": "long", "parameters": 1000, **at[2.0]}))
+    lines = study.long_findings(_runs(rows)).splitlines()
+    assert lines[-2] == ("- **muon's async variants at their own LR against sync's 0.04:** 2bw ends 0.020 lower at "
+                         "0.02; 2bw+ef ends 0.010 lower at 0.02; EF recovers 50% of the gap at their own best LRs, "
+                         "50% at sync's.")
+
+
 def test_main_table_at_each_optimizers_sync_tuned_lr():
     """The full-length table holds long.json's own LRs and each optimizer's sync-tuned one, whose seed 0 is the LR
     sweeps' run; the findings quote the tuned point once it has sync and 2bw, long.json's LR until then."""
