@@ -6,6 +6,9 @@ A stage of the ~0.9B LLaMA (``--layers`` decoder layers of hidden 2048, ffn 5632
 autocast) gets random gradients; each optimizer steps it ``--steps`` times. Per optimizer one JSON row: the GPU
 time of a whole ``step()`` (CUDA events, median), the host time to issue it (the thread that also issues the
 pipeline's forward and backward kernels), and for Muon the Newton-Schulz part alone with its rate in TFLOP/s.
+``--experts E`` makes the layers Mixtral's (E experts of ffn each, fused ``gate_up_proj``); there ``muon`` and
+``muon-ef`` split each expert's gate and up (the default) and ``muon-fused`` / ``muon-ef-fused`` orthogonalise
+them as one matrix (``split_gate_up = false``).
 """
 from __future__ import annotations
 
@@ -34,12 +37,21 @@ def median_ms(fn, steps: int, warmup: int) -> tuple[float, float]:
 
 
 def build_stage(a) -> torch.nn.Module:
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    if a.experts:  # the library's layer: it declares the router's and the expert stacks' roles
+        from transformers import MixtralConfig
 
-    cfg = LlamaConfig(hidden_size=a.hidden, intermediate_size=a.ffn, num_attention_heads=a.heads,
-                      num_key_value_heads=a.heads, vocab_size=a.vocab, num_hidden_layers=a.layers)
-    mods = [LlamaDecoderLayer(cfg, i) for i in range(a.layers)]
+        from ds_async.models.mixtral import MoeDecoderLayerPipe as Layer
+
+        cfg = MixtralConfig(hidden_size=a.hidden, intermediate_size=a.ffn, num_attention_heads=a.heads,
+                            num_key_value_heads=a.heads, vocab_size=a.vocab, num_hidden_layers=a.layers,
+                            num_local_experts=a.experts, num_experts_per_tok=2)
+    else:
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer as Layer
+
+        cfg = LlamaConfig(hidden_size=a.hidden, intermediate_size=a.ffn, num_attention_heads=a.heads,
+                          num_key_value_heads=a.heads, vocab_size=a.vocab, num_hidden_layers=a.layers)
+    mods = [Layer(cfg, i) for i in range(a.layers)]
     if a.embedding:
         mods.insert(0, torch.nn.Embedding(a.vocab, a.hidden))
     return torch.nn.Sequential(*mods).to("cuda" if torch.cuda.is_available() else "cpu")
@@ -53,8 +65,10 @@ def make_optimizer(name: str, model: torch.nn.Module):
         return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     if name == "adamw":
         return AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    correction = ErrorFeedback(1.0) if name == "muon-ef" else None
-    return Muon(muon_param_groups(model, lr=0.02, weight_decay=0.01, adam_lr=1e-4), correction=correction)
+    correction = ErrorFeedback(1.0) if name.startswith("muon-ef") else None
+    groups = muon_param_groups(model, lr=0.02, weight_decay=0.01, adam_lr=1e-4,
+                               split_gate_up=not name.endswith("-fused"))
+    return Muon(groups, correction=correction)
 
 
 def main() -> None:
@@ -65,6 +79,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--embedding", action="store_true", help="add the embedding (pipeline stage 0)")
+    ap.add_argument("--experts", type=int, default=0, help="Mixtral layers of this many experts (0: LLaMA's)")
     ap.add_argument("--optimizers", default="torch-adamw-fused,adamw,muon,muon-ef")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -73,13 +88,14 @@ def main() -> None:
 
     from ds_async.flops import newton_schulz_flops
     from ds_async.metrics import code_version
-    from ds_async.optim.muon import momentum_directions, orthogonalise_batched
+    from ds_async.optim.muon import momentum_directions, orthogonalise_batched, orthogonalise_blocks, split_rows
+    from ds_async.optim.optimizers import row_blocks
 
     torch.manual_seed(0)
     model = build_stage(a)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
-    base = {"layers": a.layers, "hidden": a.hidden, "ffn": a.ffn, "embedding": a.embedding,
+    base = {"layers": a.layers, "hidden": a.hidden, "ffn": a.ffn, "experts": a.experts, "embedding": a.embedding,
             "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
             "card": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "code": code_version()}
     rows = []
@@ -88,12 +104,17 @@ def main() -> None:
         done, host = median_ms(opt.step, a.steps, a.warmup)
         row = dict(base, optimizer=name, step_ms=round(done, 2), issue_ms=round(host, 2))
         if name.startswith("muon"):
-            group = next(g for g in opt.param_groups if g["use_muon"])
-            dirs = momentum_directions([p.grad for p in group["params"]],
-                                       [opt.state[p]["momentum_buffer"].clone() for p in group["params"]],
-                                       momentum=0.95, nesterov=True)
-            flops = newton_schulz_flops([d.shape for d in dirs], 5)
-            ns, _ = median_ms(lambda: orthogonalise_batched(dirs), a.steps, a.warmup)
+            groups = [(g, row_blocks(g)) for g in opt.param_groups if g["use_muon"]]  # matrix, then gate_up
+            dirs = [momentum_directions([p.grad for p in g["params"]],
+                                        [opt.state[p]["momentum_buffer"].clone() for p in g["params"]],
+                                        momentum=0.95, nesterov=True) for g, _ in groups]
+            flops = sum(newton_schulz_flops([split_rows(d, k).shape for d in ds], 5) for ds, (_, k) in zip(dirs, groups))
+
+            def newton_schulz():
+                for ds, (_, k) in zip(dirs, groups):
+                    orthogonalise_blocks(orthogonalise_batched, ds, k)
+
+            ns, _ = median_ms(newton_schulz, a.steps, a.warmup)
             row.update(newton_schulz_ms=round(ns, 2), newton_schulz_tflops=round(flops / ns / 1e9, 1))
         del opt
         print("OPTSTEP " + json.dumps(row), flush=True)
