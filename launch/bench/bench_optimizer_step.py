@@ -8,7 +8,9 @@ time of a whole ``step()`` (CUDA events, median), the host time to issue it (the
 pipeline's forward and backward kernels), and for Muon the Newton-Schulz part alone with its rate in TFLOP/s.
 ``--experts E`` makes the layers Mixtral's (E experts of ffn each, fused ``gate_up_proj``); there ``muon`` and
 ``muon-ef`` split each expert's gate and up (the default) and ``muon-fused`` / ``muon-ef-fused`` orthogonalise
-them as one matrix (``split_gate_up = false``).
+them as one matrix (``split_gate_up = false``). A ``-pass`` suffix (``muon-ef-pass``, ``muon-ef-fused-pass``) steps
+the same optimizer the way the engine's ``fused_optimizer_step`` does: ``hybrid_muon_step_`` from bf16 gradients
+into two bf16 outputs (the module's weights and a weight-version slot).
 """
 from __future__ import annotations
 
@@ -67,8 +69,21 @@ def make_optimizer(name: str, model: torch.nn.Module):
         return AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     correction = ErrorFeedback(1.0) if name.startswith("muon-ef") else None
     groups = muon_param_groups(model, lr=0.02, weight_decay=0.01, adam_lr=1e-4,
-                               split_gate_up=not name.endswith("-fused"))
+                               split_gate_up=not name.removesuffix("-pass").endswith("-fused"))
     return Muon(groups, correction=correction)
+
+
+def step_function(name: str, opt):
+    """What one step of optimizer ``name`` runs: the class's ``step()``, or for ``-pass`` the bf16 fast path's."""
+    if not name.endswith("-pass"):
+        return opt.step
+    from ds_async.optim.muon_pass import hybrid_muon_step_
+
+    params = [p for g in opt.param_groups for p in g["params"]]
+    grads = [p.grad.bfloat16() for p in params]
+    outs = [[torch.empty_like(p, dtype=torch.bfloat16) for p in params] for _ in range(2)]
+    scale = torch.ones((), device=params[0].device)
+    return lambda: hybrid_muon_step_(opt, grads, scale, outs)
 
 
 def main() -> None:
@@ -101,14 +116,15 @@ def main() -> None:
     rows = []
     for name in a.optimizers.split(","):
         opt = make_optimizer(name, model)
-        done, host = median_ms(opt.step, a.steps, a.warmup)
+        done, host = median_ms(step_function(name, opt), a.steps, a.warmup)
         row = dict(base, optimizer=name, step_ms=round(done, 2), issue_ms=round(host, 2))
         if name.startswith("muon"):
             groups = [(g, row_blocks(g)) for g in opt.param_groups if g["use_muon"]]  # matrix, then gate_up
             dirs = [momentum_directions([p.grad for p in g["params"]],
                                         [opt.state[p]["momentum_buffer"].clone() for p in g["params"]],
                                         momentum=0.95, nesterov=True) for g, _ in groups]
-            flops = sum(newton_schulz_flops([split_rows(d, k).shape for d in ds], 5) for ds, (_, k) in zip(dirs, groups))
+            flops = sum(newton_schulz_flops([split_rows(d, k).shape for d in ds], 5)
+                        for ds, (_, k) in zip(dirs, groups))
 
             def newton_schulz():
                 for ds, (_, k) in zip(dirs, groups):
