@@ -805,6 +805,19 @@ def test_the_driver_packs_by_the_committed_clock(tmp_path):
         4712 * 0.5 + driver.START_SECONDS)
 
 
+def test_listing_with_gpus_shows_each_workers_share(capsys):
+    """``--gpus N --list`` starts no worker: it prints what each would run and its minutes at the committed clock,
+    the shares together being the runs listed without ``--gpus``."""
+    assert driver.main(["long-moe", "--gpus", "2", "--list", "--out", "/nonexistent"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    heads = [line for line in lines if line.startswith("worker ")]
+    assert [h.split(":")[0] for h in heads] == ["worker 0 (GPUs 0)", "worker 1 (GPUs 1)"]
+    assert all(h.endswith("min planned") for h in heads)
+    listed = sorted(line.strip() for line in lines if line.startswith("    "))
+    assert listed == sorted(f"{r.group}/{r.name}" for r in driver.matrix("long-moe"))
+    assert not Path("/nonexistent").exists()
+
+
 def test_only_globs_add_up(capsys):
     """``--only`` repeated keeps the runs that match any of its globs, in the matrices' order."""
     assert driver.main(["long-moe", "long", "--only", "long-moe/*-s1", "--only", "long/adamw-sync-s[12]", "--list",

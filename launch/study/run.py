@@ -503,15 +503,34 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def worker_layout(runs: list[Run], runner: str, gpus: int, sets: dict) -> tuple[int, int]:
+    """(GPUs a worker gets, workers) for spreading ``runs`` over ``gpus``: one GPU a worker for emulation runs, as
+    many as the largest engine run's processes for engine runs."""
+    per_run = max(processes(r.config(sets)) for r in runs) if runner == "engine" else 1
+    if gpus // per_run < 1:
+        raise SystemExit(f"--gpus {gpus}: a run needs {per_run} GPUs")
+    return per_run, gpus // per_run
+
+
+def list_shares(runs: list[Run], runner: str, gpus: int, sets: dict) -> None:
+    """What ``--gpus`` would give each worker, and its minutes planned at the committed clock (``cost``)."""
+    per_run, workers = worker_layout(runs, runner, gpus, sets)
+    clock = step_clock()
+    for k in range(workers):
+        share = split(runs, k, workers, sets, runner)
+        planned = sum(cost(r, sets, runner, clock) for r in share)
+        visible = ",".join(str(g) for g in range(k * per_run, (k + 1) * per_run))
+        print(f"worker {k} (GPUs {visible}): {len(share)} runs, {planned / 60:.0f} min planned")
+        for run in share:
+            print(f"    {run.group}/{run.name}")
+
+
 def spread(argv: list[str], runs: list[Run], out: Path, runner: str, gpus: int, sets: dict) -> int:
     """Start one worker (this script with ``--share k/W``) per group of GPUs a run needs, wait for all. Each worker's
     tokenizer thread pool gets ``1/W`` of the host's cores (``RAYON_NUM_THREADS``, unless set), as torchrun sets
     ``OMP_NUM_THREADS``: left alone, every worker's pool starts one thread per core, and W of them compete with the
     workers' training loops for the cores."""
-    per_run = max(processes(r.config(sets)) for r in runs) if runner == "engine" else 1
-    workers = gpus // per_run
-    if workers < 1:
-        raise SystemExit(f"--gpus {gpus}: a run needs {per_run} GPUs")
+    per_run, workers = worker_layout(runs, runner, gpus, sets)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     jobs = []
     for k in range(workers):
@@ -562,7 +581,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit", type=float, default=None,
                    help="emulation: seconds for this call; the run going then saves its state, and the next call "
                         "resumes it (unfinished runs with a saved state always resume)")
-    p.add_argument("--list", action="store_true", help="print the runs and their commands; run nothing")
+    p.add_argument("--list", action="store_true",
+                   help="print the runs and their commands (with --gpus: each worker's runs and minutes planned); "
+                        "run nothing")
     args = p.parse_args(argv)
 
     sets = dict(args.sets)
@@ -575,6 +596,9 @@ def main(argv: list[str] | None = None) -> int:
         runs = [r for r in runs if (args.runner, r.group, r.name) not in done]
     out = args.out.resolve()
     if args.gpus and not args.share:
+        if args.list:
+            list_shares(runs, args.runner, args.gpus, sets)
+            return 0
         return spread(argv, runs, out, args.runner, args.gpus, sets)
     if args.share:
         k, _, of = args.share.partition("/")
