@@ -506,7 +506,7 @@ def _release_memory() -> None:
 def worker_layout(runs: list[Run], runner: str, gpus: int, sets: dict) -> tuple[int, int]:
     """(GPUs a worker gets, workers) for spreading ``runs`` over ``gpus``: one GPU a worker for emulation runs, as
     many as the largest engine run's processes for engine runs."""
-    per_run = max(processes(r.config(sets)) for r in runs) if runner == "engine" else 1
+    per_run = max((processes(r.config(sets)) for r in runs), default=1) if runner == "engine" else 1
     if gpus // per_run < 1:
         raise SystemExit(f"--gpus {gpus}: a run needs {per_run} GPUs")
     return per_run, gpus // per_run
