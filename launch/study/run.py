@@ -14,6 +14,7 @@ only config language. A matrix (below) is a list of such runs; the driver writes
     python launch/study/run.py main extras --gpus 4             # a share of the runs per GPU (main's first)
     python launch/study/run.py pairs --runner engine --gpus 4   # the engine side of the comparison, 2 GPUs a run
     python launch/study/run.py long long-lr --skip-committed --gpus 4   # what the committed results lack
+    python launch/study/run.py long-moe --skip-committed --gpus 2 --list  # each GPU's share, minutes planned
     python launch/study/run.py tiny --device cpu --out /tmp/study
 
 The configs' data and tokenizer paths are relative to the repository root (``../shared/corpus``): every run
