@@ -766,12 +766,12 @@ def long_findings(runs: pd.DataFrame, short: pd.DataFrame | None = None) -> str:
                  else "at the sweep's edge: not bracketed yet")
         points = ", ".join(f"{x:g}: {v:.3f}" for x, v in zip(part["lr"], part["sync"]))
         lines.append(f"- **{opt}'s sync LR** ({points}): the best, {best['lr']:g}, is {where}.")
-    own = own_best_lr(runs)
+    own, by_lr = own_best_lr(runs), lr.set_index(["optimizer", "lr"])
     for opt, part in own.groupby("optimizer"):
         best = part.set_index("label")
         if len(part) < 2 or "sync" not in best.index or (best["lrs"] < 2).any():
             continue  # a variant at one LR has no "own best" yet
-        lines.append(own_lr_moves(opt, best, lr.set_index(["optimizer", "lr"])))
+        lines.append(own_lr_moves(opt, best, by_lr))
         each = "; ".join(f"{label} {r['loss']:.3f} at {r['lr']:g} (of {r['lrs']} LRs"
                          f"{'' if r['inside'] else ', at the edge'})" for label, r in best.iterrows())
         gaps = ", ".join(f"{label} {best.loc[label, 'loss'] - best.loc['sync', 'loss']:+.3f}"

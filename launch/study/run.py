@@ -404,13 +404,14 @@ def cost(run: Run, sets: dict | None = None, runner: str = "emulation", clock: d
     return steps * step + START_SECONDS
 
 
-def split(runs: list[Run], index: int, of: int, sets: dict | None = None, runner: str = "emulation") -> list[Run]:
-    """Share ``index`` of ``of``: runs dealt longest first (by ``cost`` at the committed clock) to the least loaded
-    share, each share in list order."""
+def split(runs: list[Run], index: int, of: int, sets: dict | None = None, runner: str = "emulation",
+          clock: dict | None = None) -> list[Run]:
+    """Share ``index`` of ``of``: runs dealt longest first (by ``cost`` at ``clock``, default the committed
+    ``step_clock()``) to the least loaded share, each share in list order."""
     if not 0 <= index < of:
         raise ValueError(f"share {index} is outside 0..{of - 1}")
     loads, shares = [0.0] * of, [[] for _ in range(of)]
-    clock = step_clock()
+    clock = step_clock() if clock is None else clock
     costs = [cost(r, sets, runner, clock) for r in runs]
     for k in sorted(range(len(runs)), key=lambda k: (-costs[k], k)):
         i = min(range(of), key=lambda s: (loads[s], s))
@@ -518,7 +519,7 @@ def list_shares(runs: list[Run], runner: str, gpus: int, sets: dict) -> None:
     per_run, workers = worker_layout(runs, runner, gpus, sets)
     clock = step_clock()
     for k in range(workers):
-        share = split(runs, k, workers, sets, runner)
+        share = split(runs, k, workers, sets, runner, clock)
         planned = sum(cost(r, sets, runner, clock) for r in share)
         visible = ",".join(str(g) for g in range(k * per_run, (k + 1) * per_run))
         print(f"worker {k} (GPUs {visible}): {len(share)} runs, {planned / 60:.0f} min planned")
@@ -601,16 +602,16 @@ def main(argv: list[str] | None = None) -> int:
             list_shares(runs, args.runner, args.gpus, sets)
             return 0
         return spread(argv, runs, out, args.runner, args.gpus, sets)
+    clock = step_clock() if args.share or args.list else None  # packing and listing read the committed clock
     if args.share:
         k, _, of = args.share.partition("/")
-        runs = split(runs, int(k), int(of), sets, args.runner)
+        runs = split(runs, int(k), int(of), sets, args.runner, clock)
     if args.list:
         for run in runs:
             config = run.config(sets)
             folder = run_dir(out, args.runner, run)
             print(f"{run.group}/{run.name}: {run.base} + {json.dumps(run.overrides)}\n    "
                   + " ".join(command(args.runner, folder / "config.json", processes(config), args.port)))
-        clock = step_clock()
         planned = sum(cost(r, sets, args.runner, clock) for r in runs)
         print(f"{len(runs)} runs, {sum(lookup(r.config(sets), 'ds_async.train.steps') for r in runs)} steps, "
               f"{planned / 60:.0f} min planned at the committed clock")
