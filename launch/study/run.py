@@ -262,9 +262,9 @@ LONG_MOE_MUON = {"muon": {**LONG_OPTIMIZERS["muon"], "optimizer.params.split_gat
 TUNED_LR = {"adamw": 1.0, "muon": 2.0}
 SYNC_LR_SCALES = {"adamw": (0.5, 2.0), "muon": (0.5, 2.0, 4.0)}
 # Each async variant's own sweep, around its best with long's x1 (and long-tuned's x2 for Muon). AdamW's async best
-# lies below sync's (x0.5 beat x1 for both 2bw and 2bw+ef, and x0.25 led x0.5 by mid-run: a delayed step's error
-# grows with the step), so its sweep extends down to x0.125 instead of up to x2, beyond the x1 that x0.5 beats.
-ASYNC_LR_SCALES = {"adamw": (0.125, 0.25, 0.5), "muon": (0.5, 2.0, 4.0)}
+# lies below sync's (a delayed step's error grows with the step), so its sweep runs down from x0.5 instead of up to
+# x2, beyond the x1 that x0.5 beats: 2bw+ef's best is x0.25, and 2bw's still fell at x0.125, hence x0.0625.
+ASYNC_LR_SCALES = {"adamw": (0.0625, 0.125, 0.25, 0.5), "muon": (0.5, 2.0, 4.0)}
 
 
 def _long_lr(group: str, variants: tuple[str, ...], scales: dict[str, tuple[float, ...]]) -> list[Run]:
