@@ -465,9 +465,9 @@ def gap_curves(runs: pd.DataFrame, sync: str = "sync") -> pd.DataFrame:
 # ---------------------------------------------------------------------------------------------------------------
 # The study at a real length (long.json: 20 tokens per parameter)
 
-LONG_GROUPS = ("long", "long-tuned", "long-lr", "long-async-lr", "long-lengths", "long-lambda", "long-delay",
-               "long-moe", "long-moe-ns")
-LR_GROUPS = ("long", "long-tuned", "long-lr", "long-async-lr")
+LONG_GROUPS = ("long", "long-tuned", "long-lr", "long-async-lr", "long-own-lr", "long-lengths", "long-lambda",
+               "long-delay", "long-moe", "long-moe-ns")
+LR_GROUPS = ("long", "long-tuned", "long-lr", "long-async-lr", "long-own-lr")
 """The groups whose runs sit on long.json's LR axis at its full length."""
 MAIN_GROUPS = ("long", "long-tuned")
 """The multi-seed points at full length: long.json's own peak LRs, and Muon at its sync-tuned one."""
@@ -707,6 +707,45 @@ def own_best_lr(runs: pd.DataFrame) -> pd.DataFrame:
             rows.append({"optimizer": opt, "label": label, "lr": best["lr"], "loss": best[label],
                          "lrs": len(tried), "inside": tried["lr"].iloc[0] < best["lr"] < tried["lr"].iloc[-1]})
     return pd.DataFrame(rows, columns=["optimizer", "label", "lr", "loss", "lrs", "inside"])
+
+
+OWN_BEST_CELLS = ("optimizer", "variant", "lr", "loss", "gap to sync's best", "gap at sync's lr")
+
+
+def own_best_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Sync at its best peak LR and each async variant at its own (:func:`own_best_lr`: seed 0's sweep), with every
+    seed each has there (``LR_GROUPS``): the LR (with its multiple of sync's, and ``edge`` where the sweep does not
+    bracket it), the final loss (mean, n), the gap to sync's best paired by seed with its 95% interval, and beside
+    it the same variant's gap at sync's LR (the paper's protocol)."""
+    ref = reference(runs, group="long")
+    sub = at_reference(runs[runs["group"].isin(LR_GROUPS)], ref, free="lr_scale")
+    sub = sub.assign(lr=[_lr_key(v) for v in sub["lr"]])
+
+    def at(opt: str, label: str, lr: float) -> pd.Series:
+        part = sub[(sub["optimizer"] == opt) & (sub["label"] == label) & (sub["lr"] == _lr_key(lr))]
+        return part.groupby("seed")["final_val"].mean()
+
+    def gap(losses: pd.Series, sync: pd.Series) -> str:
+        diff = (losses - sync).dropna()
+        return gap_with_interval(diff.mean(), paired_interval(diff), len(diff)) if len(diff) else "—"
+
+    rows = []
+    for opt, part in own_best_lr(runs).groupby("optimizer"):
+        best = part.set_index("label")
+        if "sync" not in best.index:
+            continue
+        sync_lr = best.loc["sync", "lr"]
+        sync = at(opt, "sync", sync_lr)
+        for label, r in best.iterrows():
+            own = at(opt, label, r["lr"])
+            marks = [f"×{r['lr'] / sync_lr:g}"] if label != "sync" else []
+            marks += [] if r["inside"] else ["edge"]
+            rows.append({"optimizer": opt, "variant": label,
+                         "lr": f"{r['lr']:g}" + (f" ({', '.join(marks)})" if marks else ""),
+                         "loss": f"{own.mean():.3f} ({len(own)})",
+                         "gap to sync's best": "—" if label == "sync" else gap(own, sync),
+                         "gap at sync's lr": "—" if label == "sync" else gap(at(opt, label, sync_lr), sync)})
+    return pd.DataFrame(rows, columns=list(OWN_BEST_CELLS))
 
 
 def long_findings(runs: pd.DataFrame, short: pd.DataFrame | None = None) -> str:
@@ -1219,6 +1258,9 @@ def report(runs: pd.DataFrame, ttl: dict | None = None) -> dict[str, str]:
         blocks["long-lr"] = markdown(long_lr_table(lrs), index=False) + "\n" + _ran(
             long[long["group"].isin(["long-lr", "long-async-lr", "long-tuned"])])
         blocks["long-findings"] = long_findings(long, core)
+        own = long[long["group"] == "long-own-lr"]
+        blocks["long-own"] = markdown(own_best_table(long), index=False) + "\n" + (
+            _ran(own) if len(own) else "Ran: no run of its own yet (`long-own-lr`): every point is another table's.\n")
         blocks["long-lambda"], blocks["long-delay"] = lambda_block(long), delay_block(long)
         blocks["long-moe"] = moe_block(long)
     paper = pd.DataFrame({"sync": PAPER["sync"], "2bw": PAPER["2bw"], "2bw+ef": PAPER["2bw+ef"],

@@ -199,6 +199,27 @@ def test_the_findings_say_what_each_async_variant_gains_at_its_own_lr():
                          "50% at sync's.")
 
 
+def test_the_own_best_table_pairs_every_seed_at_each_variants_own_lr():
+    """Each async variant at its own best LR (picked on seed 0's sweep) with every seed it has there, long-own-lr's
+    included, paired by seed with sync at its best; beside it the variant's gap at sync's LR; an own LR at the
+    sweep's edge is marked."""
+    def at(x, group="long"):
+        return {"group": group, "parameters": 1000, "lr_scale": x, "lr": 0.02 * x}
+
+    rows = [("muon", "sync", 0, loss, at(x)) for x, loss in ((0.5, 2.99), (1.0, 2.97), (2.0, 2.98))]
+    rows += [("muon", "sync", k, 2.97 + k / 100, at(1.0)) for k in (1, 2)]
+    rows += [("muon", "2bw", 0, loss, at(x)) for x, loss in ((0.5, 3.00), (1.0, 3.02))]
+    rows += [("muon", "2bw", k, loss, at(0.5, "long-own-lr")) for k, loss in ((1, 3.02), (2, 3.01))]
+    rows += [("muon", "2bw+ef", 0, loss, at(x)) for x, loss in ((0.5, 3.00), (1.0, 2.98), (2.0, 2.99))]
+    rows.append(("muon", "2bw+ef", 1, 2.986, at(1.0)))
+    table = study.own_best_table(_runs(rows)).set_index("variant")
+    assert table.loc["sync"].tolist() == ["muon", "0.02", "2.980 (3)", "—", "—"]
+    assert table.loc["2bw"].tolist() == ["muon", "0.01 (×0.5, edge)", "3.010 (3)", "+0.030 ± 0.025 (n=3)",
+                                         "+0.050 (n=1, no interval)"]
+    assert table.loc["2bw+ef"].tolist() == ["muon", "0.02 (×1)", "2.983 (2)", "+0.008 ± 0.025 (n=2)",
+                                            "+0.008 ± 0.025 (n=2)"]
+
+
 def test_main_table_at_each_optimizers_sync_tuned_lr():
     """The full-length table holds long.json's own LRs and each optimizer's sync-tuned one, whose seed 0 is the LR
     sweeps' run; the findings quote the tuned point once it has sync and 2bw, long.json's LR until then."""
@@ -474,6 +495,28 @@ def test_long_lr_matrices_sweep_around_each_optimizers_tuned_point():
     asynchronous = {r.name for r in driver.matrix("long-async-lr")}
     assert asynchronous == {f"{o}-{v}-lr{x:g}x-s0" for o, xs in driver.ASYNC_LR_SCALES.items() for x in xs
                             for v in ("2bw", "2bw+ef")}
+
+
+def test_the_own_lr_matrix_trains_each_async_variant_at_its_committed_own_best():
+    """long-own-lr: sync at its tuned LR and each async variant at its own best (``OWN_LR``, inside the sweep planned
+    for it), seeds 0-2, as long's runs with the LR scaled; a point another long matrix holds is that matrix's run;
+    ``OWN_LR`` is the own best the committed results give, as a multiple of sync's best."""
+    own = driver.matrix("long-own-lr")
+    assert len({(r.group, r.name) for r in own}) == len(own) == 18
+    held = {(r.group, r.name) for m in ("long", "long-tuned", "long-async-lr") for r in driver.matrix(m)}
+    assert sorted((r.group, r.name) for r in own if (r.group, r.name) not in held) == [
+        ("long-own-lr", f"adamw-{v}-s{k}") for v in ("2bw+ef-lr0.25x", "2bw-lr0.125x") for k in (1, 2)]
+    long = {r.name: r.config() for r in driver.matrix("long")}
+    for r in own:
+        opt, variant, seed = r.name.split("-")[0], r.name.split("-")[1], r.name.rsplit("-", 1)[1]
+        x = {"sync": driver.TUNED_LR[opt], **driver.OWN_LR[opt]}[variant]
+        assert r.config() == driver.override(long[f"{opt}-{variant}-{seed}"], driver.lr_scaled(opt, x)), r.name
+    best = study.own_best_lr(study.load_results()).set_index(["optimizer", "label"])["lr"]
+    for opt, scales in driver.OWN_LR.items():
+        planned = {1.0, driver.TUNED_LR[opt], *driver.ASYNC_LR_SCALES[opt]}
+        for variant, x in scales.items():
+            assert min(planned) < x < max(planned), (opt, variant)
+            assert math.isclose(best[opt, variant] / best[opt, "sync"], x / driver.TUNED_LR[opt]), (opt, variant)
 
 
 def test_long_lambda_and_long_delay_matrices():

@@ -265,6 +265,9 @@ SYNC_LR_SCALES = {"adamw": (0.5, 2.0), "muon": (0.5, 2.0, 4.0)}
 # lies below sync's (a delayed step's error grows with the step), so its sweep runs down from x0.5 instead of up to
 # x2, beyond the x1 that x0.5 beats: 2bw+ef's best is x0.25, and 2bw's still fell at x0.125, hence x0.0625.
 ASYNC_LR_SCALES = {"adamw": (0.0625, 0.125, 0.25, 0.5), "muon": (0.5, 2.0, 4.0)}
+# Each async variant's own best scale in that sweep (seed 0; the results page's own-best table), which long-own-lr
+# trains at every seed of the main table. AdamW's 2bw is the sweep's x0.125 until x0.0625 has run.
+OWN_LR = {"adamw": {"2bw": 0.125, "2bw+ef": 0.25}, "muon": {"2bw": 1.0, "2bw+ef": 2.0}}
 
 
 def _long_lr(group: str, variants: tuple[str, ...], scales: dict[str, tuple[float, ...]]) -> list[Run]:
@@ -282,6 +285,23 @@ def _long_tuned() -> list[Run]:
     seed0 = [r for name in ("long-lr", "long-async-lr") for r in MATRIX_BUILDERS[name]() if r.name in shared]
     return seed0 + long_product("long-tuned", {opt: LONG_OPTIMIZERS[opt]}, VARIANTS,
                                 {f"lr{x:g}x": lr_scaled(opt, x)}, seeds(1, 2))
+
+
+def _long_own_lr() -> list[Run]:
+    """Sync at its tuned LR (``TUNED_LR``) and each async variant at its own best (``OWN_LR``), seeds 0-2; a run
+    that long, long-tuned or long-async-lr holds at that point is that run (the same folder: trained once)."""
+    held = {_config_key(r): r for name in ("long", "long-tuned", "long-async-lr") for r in MATRIX_BUILDERS[name]()}
+    runs = []
+    for opt, own in OWN_LR.items():
+        for variant, x in {"sync": TUNED_LR[opt], **own}.items():
+            runs += [held.get(_config_key(r), r) for r in long_product(
+                "long-own-lr", {opt: LONG_OPTIMIZERS[opt]}, {variant: VARIANTS[variant]},
+                {f"lr{x:g}x": lr_scaled(opt, x)}, seeds(0, 1, 2))]
+    return runs
+
+
+def _config_key(run: Run) -> str:
+    return json.dumps(run.config(), sort_keys=True)
 
 
 def _long_moe_ns() -> list[Run]:
@@ -311,6 +331,7 @@ MATRIX_BUILDERS = {
     "long-lr": lambda: _long_lr("long-lr", ("sync",), SYNC_LR_SCALES),
     "long-tuned": _long_tuned,
     "long-async-lr": lambda: _long_lr("long-async-lr", ("2bw", "2bw+ef"), ASYNC_LR_SCALES),
+    "long-own-lr": _long_own_lr,
     "long-lengths": lambda: long_product("long-lengths", LONG_OPTIMIZERS, {k: VARIANTS[k] for k in ("sync", "2bw")},
                                          long_lengths(), seeds(0, 1)),
     "long-lambda": long_lambda,
@@ -337,8 +358,10 @@ def matrix(name: str) -> list[Run]:
     as on the engine's fast path; 18). ``long-lr``: sync's peak LR there, AdamW x0.5 and x2, Muon x0.5, x2 and x4
     (seed 0; 5), which brackets each optimizer's best (``TUNED_LR``). ``long-tuned``: Muon's sync, 2bw and 2bw+ef
     at its sync-tuned x2, seeds 0-2 (seed 0's are long-lr's and long-async-lr's runs; 6 more); AdamW's tuned point
-    is ``long``'s. ``long-async-lr``: 2bw and 2bw+ef at AdamW x0.25 and x0.5, Muon x0.5, x2 and x4 (seed 0; 10):
-    each async variant at its own best LR.
+    is ``long``'s. ``long-async-lr``: 2bw and 2bw+ef at AdamW x0.0625 to x0.5, Muon x0.5, x2 and x4 (seed 0; 14):
+    each async variant's own best LR. ``long-own-lr``: sync at its tuned LR and each async variant at its own best
+    (``OWN_LR``), seeds 0-2, the runs other long matrices hold included (18; AdamW's async ones at seeds 1-2 are 4
+    more).
     ``long-lengths``: sync and 2bw at 1/81, 1/27, 1/9 and 1/3 of that length, seeds 0 and 1 (32).
     ``long-lambda``: at 1/9 of the length, 2bw + EF at lambda 0.5/1/2/3 x peak LR x0.5/x1/x2/x4/x8, with sync and
     2bw at the scales other than x1 (seed 0; 56). ``long-delay``: at 1/3 of the length and m = 1, PipeDream at p = 3
