@@ -511,13 +511,18 @@ def sync_tuned_lr(runs: pd.DataFrame) -> dict[str, float]:
             if len(part) >= 2}
 
 
+def lr_points(runs: pd.DataFrame) -> pd.DataFrame:
+    """Every seed's run on long.json's LR axis at its full length (``LR_GROUPS``, at ``long``'s reference on the
+    other axes), its ``lr`` keyed for comparing (:func:`_lr_key`)."""
+    sub = at_reference(runs[runs["group"].isin(LR_GROUPS)], reference(runs, group="long"), free="lr_scale")
+    return sub.assign(lr=[_lr_key(v) for v in sub["lr"]])
+
+
 def main_points(runs: pd.DataFrame) -> pd.DataFrame:
     """The runs at the full length's multi-seed points (each optimizer and peak LR that ``MAIN_GROUPS`` ran, and
     each optimizer's sync-tuned LR), from every LR group: an LR sweep's seed-0 run at such a point is that point's
     seed 0."""
-    ref = reference(runs, group="long")
-    sub = at_reference(runs[runs["group"].isin(LR_GROUPS)], ref, free="lr_scale")
-    sub = sub.assign(lr=[_lr_key(v) for v in sub["lr"]])
+    sub = lr_points(runs)
     main = sub[sub["group"].isin(MAIN_GROUPS)]
     keys = set(zip(main["optimizer"], main["lr"])) | set(sync_tuned_lr(runs).items())
     return sub[[k in keys for k in zip(sub["optimizer"], sub["lr"])]]
@@ -717,9 +722,7 @@ def own_best_table(runs: pd.DataFrame) -> pd.DataFrame:
     seed each has there (``LR_GROUPS``): the LR (with its multiple of sync's, and ``edge`` where the sweep does not
     bracket it), the final loss (mean, n), the gap to sync's best paired by seed with its 95% interval, and beside
     it the same variant's gap at sync's LR (the paper's protocol)."""
-    ref = reference(runs, group="long")
-    sub = at_reference(runs[runs["group"].isin(LR_GROUPS)], ref, free="lr_scale")
-    sub = sub.assign(lr=[_lr_key(v) for v in sub["lr"]])
+    sub = lr_points(runs)
 
     def at(opt: str, label: str, lr: float) -> pd.Series:
         part = sub[(sub["optimizer"] == opt) & (sub["label"] == label) & (sub["lr"] == _lr_key(lr))]
