@@ -263,10 +263,10 @@ TUNED_LR = {"adamw": 1.0, "muon": 2.0}
 SYNC_LR_SCALES = {"adamw": (0.5, 2.0), "muon": (0.5, 2.0, 4.0)}
 # Each async variant's own sweep, around its best with long's x1 (and long-tuned's x2 for Muon). AdamW's async best
 # lies below sync's (a delayed step's error grows with the step), so its sweep runs down from x0.5 instead of up to
-# x2, beyond the x1 that x0.5 beats: 2bw+ef's best is x0.25, and 2bw's still fell at x0.125, hence x0.0625.
+# x2, beyond the x1 that x0.5 beats: 2bw+ef's best is x0.25, and 2bw's x0.125, which x0.0625 brackets.
 ASYNC_LR_SCALES = {"adamw": (0.0625, 0.125, 0.25, 0.5), "muon": (0.5, 2.0, 4.0)}
 # Each async variant's own best scale in that sweep (seed 0; the results page's own-best table), which long-own-lr
-# trains at every seed of the main table. AdamW's 2bw is the sweep's x0.125 until x0.0625 has run.
+# trains at every seed of the main table.
 OWN_LR = {"adamw": {"2bw": 0.125, "2bw+ef": 0.25}, "muon": {"2bw": 1.0, "2bw+ef": 2.0}}
 
 
