@@ -3,7 +3,8 @@
     python -m torch.distributed.run --nproc_per_node N tests/jobs.py JOB OUT_DIR '{"kwarg": ...}'
     python -m torch.distributed.run --nproc_per_node N tests/jobs.py serve FOLDER  # the tests' job server
 
-Every job builds a real ds_async pipeline engine (DeepSpeed, gloo on CPU). The rank that holds the result
+Every job but ``checkpoint_groups`` (the checkpoint folder protocol over process groups) builds a real ds_async
+pipeline engine (DeepSpeed, gloo on CPU). The rank that holds the result
 writes ``OUT_DIR/result.pt``; the first data-parallel replica of each stage writes ``params_stage<s>.pt``
 (its tensors under Hugging Face names) so runs with different partitions compare by name.
 """
@@ -187,7 +188,29 @@ def job_moe(out: Path, hf_dir: str, stages: int, input_ids: list, labels: list, 
         torch.save(result, out / "result.pt")
 
 
-JOBS = {"logits": job_logits, "train": job_train, "moe": job_moe}
+def job_checkpoint_groups(out: Path) -> None:
+    """Two process groups, ranks {0, 1} and {2, 3}, each write a checkpoint of its own at once (every rank one file
+    holding what ``folder.gather`` gave it in its group); rank 0 saves what every rank's group gathered."""
+    import deepspeed
+    from ds_async.checkpoint import folder
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = tdist.get_rank()
+    groups = [tdist.new_group([0, 1], backend="gloo"), tdist.new_group([2, 3], backend="gloo")]
+    mine = groups[rank // 2]
+    gathered = folder.gather(rank, mine)
+
+    def write_files(tmp: Path) -> list[str]:
+        (tmp / f"rank{rank}.json").write_text(json.dumps(gathered))
+        return [f"rank{rank}.json"]
+
+    folder.write(out / f"group{rank // 2}", 1, write_files, {"group": rank // 2}, group=mine)
+    everyone = folder.gather(gathered, None)
+    if rank == 0:
+        torch.save({"gathered": everyone}, out / "result.pt")
+
+
+JOBS = {"logits": job_logits, "train": job_train, "moe": job_moe, "checkpoint_groups": job_checkpoint_groups}
 
 
 def serve(folder: Path) -> None:

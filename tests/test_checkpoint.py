@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 from ds_async import checkpoint
 from ds_async.checkpoint import CheckpointError
 
-from distributed import free_port, job_env, train_py_error
+from distributed import free_port, job_env, run_job, train_py_error
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -348,6 +348,20 @@ def test_interrupted_save_leaves_previous_checkpoint_newest(tmp_path, kill_at):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003", "step_00000004"]
     with pytest.raises(CheckpointError, match="incomplete checkpoint"):
         checkpoint.resolve(tmp_path / "step_00000002.tmp")
+
+
+def test_process_groups_write_their_own_checkpoints_at_once(tmp_path):
+    """``folder.write`` and ``folder.gather`` are collective over the group they are given, not over the world: two
+    groups of 2 among 4 ranks each gather only their own ranks, and each group's first rank completes its
+    checkpoint."""
+    got = run_job(4, "checkpoint_groups", tmp_path)
+    assert got["gathered"] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    for k, ranks in ((0, (0, 1)), (1, (2, 3))):
+        final = tmp_path / f"group{k}" / "step_00000001"
+        manifest = json.loads((final / "checkpoint.json").read_text())
+        assert manifest["group"] == k and sorted(manifest["files"]) == [f"rank{r}.json" for r in ranks]
+        assert [json.loads((final / f"rank{r}.json").read_text()) for r in ranks] == [list(ranks)] * 2
+        checkpoint.verify(final, [f"rank{r}.json" for r in ranks])
 
 
 def test_corrupt_or_truncated_checkpoint_is_refused_with_its_path(tmp_path):

@@ -46,13 +46,14 @@ class CheckpointError(RuntimeError):
 
 # ------------------------------------------------------------------------------------------------ collectives
 def world_rank_size(group) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size (``None``: the whole world; no process group: 0, 1)."""
     if not tdist.is_available() or not tdist.is_initialized():
         return 0, 1
-    return tdist.get_rank(), tdist.get_world_size()
+    return tdist.get_rank(group), tdist.get_world_size(group)
 
 
 def gather(obj, group) -> list:
-    """Every rank's ``obj``, in global rank order (single process: ``[obj]``)."""
+    """Every rank's ``obj`` in ``group``, in the group's rank order (single process: ``[obj]``)."""
     rank, world = world_rank_size(group)
     if world == 1:
         return [obj]
@@ -243,7 +244,8 @@ def _describe(folder: Path, names) -> dict:
 
 def write(root: str | os.PathLike, step: int, write_files, manifest: dict, keep: int = 0, group=None,
           write_index=None) -> Path:
-    """Write checkpoint ``step`` under ``root`` atomically, collectively over all ranks.
+    """Write checkpoint ``step`` under ``root`` atomically, collectively over the ranks of ``group`` (``None``:
+    all ranks; rank 0 below is the group's first).
 
     ``write_files(tmp_dir) -> list[str]`` writes this rank's files into the temporary folder and returns their
     names; ``write_index(tmp_dir) -> list[str]`` runs on rank 0 once every rank's files exist (to index them).
