@@ -15,7 +15,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import datasets
 import numpy as np
@@ -373,6 +373,14 @@ def usable_text(value, min_chars: int) -> tuple[str | None, str | None]:
     if min_chars > 1 and len("".join(value.split())) < min_chars:
         return None, "short"
     return value, None
+
+
+def usable_texts(stream, text_field: str, min_chars: int = 1) -> Iterator[str]:
+    """The documents of ``stream`` that training reads (``usable_text``), in order: a tokenizer's training text."""
+    for row in read_rows(stream):
+        text = usable_text(row.get(text_field), min_chars)[0]
+        if text is not None:
+            yield text
 
 
 NON_UTF8_REFUSED, NON_UTF8_WARNED = 0.5, 0.1

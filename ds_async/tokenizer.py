@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ds_async.data import EMBEDDED_CORPUS, EOS_TOKEN, load_text_stream, read_rows
+from ds_async.data import EMBEDDED_CORPUS, EOS_TOKEN, load_text_stream, usable_texts
 
 logger = logging.getLogger(__name__)
 
@@ -85,13 +85,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--text-field", default="text")
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--min-frequency", type=int, default=2)
-    parser.add_argument("--max-docs", type=int, help="train on the first N documents only")
+    parser.add_argument("--min-chars", type=int, default=1,
+                        help="skip documents with fewer non-space characters, as ds_async.data.min_chars does")
+    parser.add_argument("--max-docs", type=int, help="train on the first N usable documents only")
     parser.add_argument("--out", required=True, help="path of the tokenizer.json to write")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     stream = load_text_stream(args.data, args.split, args.text_field)
-    texts = (row[args.text_field] for row in read_rows(stream))
+    texts = usable_texts(stream, args.text_field, args.min_chars)
     if args.max_docs is not None:
         texts = itertools.islice(texts, args.max_docs)
     path = train_bpe(texts, args.vocab_size, args.out, args.min_frequency)

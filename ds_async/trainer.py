@@ -101,8 +101,7 @@ def train_tokenizer(cfg: DsAsyncConfig, run_dir: Path) -> Path:
     print(f"ds_async: training a byte-level BPE tokenizer ({vocab} tokens) on ds_async.data.train "
           f"({data.describe(cfg.data.train)}) -> {path}", flush=True)
     stream = data.load_text_stream(cfg.data.train, "train", cfg.data.text_field, key="ds_async.data.train")
-    texts = (data.usable_text(row.get(cfg.data.text_field), cfg.data.min_chars)[0] for row in data.read_rows(stream))
-    tokenizer.train_bpe((t for t in texts if t is not None), vocab, str(path))
+    tokenizer.train_bpe(data.usable_texts(stream, cfg.data.text_field, cfg.data.min_chars), vocab, str(path))
     return path
 
 

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from tokenizers import Tokenizer, models
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from ds_async.config import ConfigError, DataConfig, DataSource, parse
 from ds_async.data import (
@@ -339,6 +339,19 @@ def test_tokenizer_command(tmp_path):
     train_tokenizer_main(["--data", LEE_CORPUS, "--split", "validation", "--vocab-size", "300",
                           "--max-docs", "40", "--out", str(out)])
     assert Tokenizer.from_file(str(out)).get_vocab_size() == 300
+
+
+def test_tokenizer_command_trains_only_on_what_training_reads(tmp_path, lee_texts):
+    """Rows the trainer skips (no text, not text, whitespace, undecodable bytes) are not the tokenizer's text: the
+    command neither fails on them nor learns merges from U+FFFD's bytes, however often they repeat."""
+    lines = [json.dumps(row) for row in ({"text": None}, {"text": 7}, {"text": "   "}, {"other": "no text here"})]
+    lines += [json.dumps({"text": "caf\ufffd " * 50})] * 20 + [json.dumps({"text": t}) for t in lee_texts[:40]]
+    (tmp_path / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "tokenizer.json"
+    train_tokenizer_main(["--data", str(tmp_path / "docs.jsonl"), "--vocab-size", "400", "--out", str(out)])
+    vocab = Tokenizer.from_file(str(out)).get_vocab()
+    (replacement, _), = pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str("\ufffd")
+    assert len(replacement) == 3 and len(vocab) == 400 and not [t for t in vocab if replacement[:2] in t]
 
 
 def test_load_tokenizer(corpus, tmp_path):
