@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .corpus import EMBEDDED_CORPUS
 from .pipe import version_rule
 from .pipe.version_rule import SCHEDULES
 
@@ -77,12 +78,12 @@ class DataSource:
 
 @dataclass
 class DataConfig:
-    train: str | DataSource = "python:docs"
+    train: str | DataSource = EMBEDDED_CORPUS
     """Training text: a local parquet/json(l)/txt file or glob, a hub dataset name, an ``hf://`` path, an embedded
     corpus (``python:docs``: Python's own documentation, which every Python installation carries, see
     ``ds_async.corpus``; ``gensim:lee``: the Lee news corpus inside gensim's wheel, ``pip install gensim``), or a
     ``DataSource`` object (``{"path": "allenai/c4", "name": "en"}``)."""
-    validation: str | DataSource | None = "python:docs"
+    validation: str | DataSource | None = EMBEDDED_CORPUS
     """Held-out text for validation loss (same forms as ``train``; an object may name only another ``split`` of the
     training dataset, or hold documents out of it with ``from_train``); null disables evaluation."""
     text_field: str = "text"

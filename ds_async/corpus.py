@@ -4,8 +4,8 @@ CPython ships its language reference's topics (``pydoc_data.topics``, the text `
 docstrings in its standard library. Together they are about 1.7 MB of human-written English (roughly 400k tokens of
 an 8k byte-level BPE): enough that the demo's few hundred steps see most documents once or twice rather than
 memorising a few hundred kilobytes. Code examples (``>>>`` sessions, indented blocks) are dropped, so what remains
-is prose. One document per topic or docstring; a fixed 1 in 20 of them (by a hash of the document's name, so the
-split does not depend on order or Python version) is the validation split.
+is prose. One document per topic or docstring; a fixed 1 in 20 of them (by a hash of the document's name: its
+module, object and line, so the split does not depend on the order documents are read in) is the validation split.
 
 :func:`corpus_files` writes both splits once as JSON lines under ``~/.cache/ds_async`` (``DS_ASYNC_CACHE`` to
 move it) and returns their paths; ``ds_async.data`` streams them like any local data.
@@ -21,7 +21,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-NAME = "python:docs"
+EMBEDDED_CORPUS = "python:docs"  # the name configs and the tokenizer command give this corpus
 SPLITS = ("train", "validation")
 MIN_CHARS = 200  # shorter docstrings are mostly one-line summaries
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "turtledemo", "__pycache__"}

@@ -24,10 +24,13 @@ from datasets.distributed import split_dataset_by_node
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from . import corpus
 from .config import ConfigError, DataConfig, DataSource, from_dict
+from .corpus import EMBEDDED_CORPUS  # ships with Python itself: the default, nothing to install
+from .hub import one_line, refuse_remote_code
 
-EMBEDDED_CORPUS = "python:docs"  # ships with Python itself (ds_async.corpus): the default, nothing to install
 LEE_CORPUS = "gensim:lee"  # the Lee news corpus inside gensim's wheel (pip install gensim)
+EMBEDDED_PREFIXES = ("gensim:", "python:")  # a source so named is an embedded corpus, known or not
 EOS_TOKEN = "<|endoftext|>"
 
 # gensim's wheel ships the Lee news corpus (one article per line) as test data. It is ASCII but for one
@@ -106,13 +109,12 @@ def resolve_files(source: str | Sequence[str], split: str) -> tuple[str, str | l
     """
     if isinstance(source, str):
         if source == EMBEDDED_CORPUS:
-            from .corpus import SPLITS, corpus_files
-            if split not in SPLITS:
-                raise ValueError(f"{EMBEDDED_CORPUS} has splits {list(SPLITS)}, not {split!r}")
-            return "json", str(corpus_files()[split])
+            if split not in corpus.SPLITS:
+                raise ValueError(f"{EMBEDDED_CORPUS} has splits {list(corpus.SPLITS)}, not {split!r}")
+            return "json", str(corpus.corpus_files()[split])
         if source == LEE_CORPUS:
             return "text", _embedded_file(split)
-        if source.startswith(("gensim:", "python:")):
+        if source.startswith(EMBEDDED_PREFIXES):
             raise ValueError(f"unknown embedded corpus {source!r}; there are {EMBEDDED_CORPUS!r} and {LEE_CORPUS!r}")
         if _builder_for(source) is None:
             return source, None
@@ -165,14 +167,9 @@ def describe(source) -> str:
     return ", ".join(map(str, source))
 
 
-def _one_line(e: BaseException, limit: int = 400) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
-
-
 def _is_files(path: str) -> bool:
     """A path that names its files itself (so no config name, data_files, data_dir or revision apply)."""
-    return path.startswith(("gensim:", "python:")) or _builder_for(path) is not None
+    return path.startswith(EMBEDDED_PREFIXES) or _builder_for(path) is not None
 
 
 def resolve_source(data: DataConfig, role: str) -> tuple[DataSource, int]:
@@ -205,7 +202,7 @@ def resolve_source(data: DataConfig, role: str) -> tuple[DataSource, int]:
             raise ConfigError("ds_async.data.validation: null (no validation data)")
         return train, 0
     if val.path is None:  # another split of the training dataset
-        if _is_files(train.path) and not train.path.startswith(("gensim:", "python:")):
+        if _is_files(train.path) and not train.path.startswith(EMBEDDED_PREFIXES):
             raise ConfigError("ds_async.data.validation.path: required, since ds_async.data.train "
                               f"({train.path}) names files, which have no splits; name the validation files, or "
                               "hold documents out with from_train")
@@ -286,7 +283,7 @@ def load_text_stream(source: str | Sequence[str] | DataSource, split: str, text_
         if column != text_field:
             ds = ds.rename_column(column, text_field)
     except Exception as e:  # noqa: BLE001 - datasets/pyarrow/hub errors rarely name the source
-        raise DataError(f"{label}{describe(src or source)}: cannot open the data ({_one_line(e)})") from None
+        raise DataError(f"{label}{describe(src or source)}: cannot open the data ({one_line(e, 400)})") from None
     return ds
 
 
@@ -294,7 +291,6 @@ def load_tokenizer(spec: str, key: str | None = None) -> PreTrainedTokenizerFast
     """Load a tokenizer.json file, or a directory / hub name through AutoTokenizer (never running code of its own:
     a folder with ``auto_map`` is refused); it must define an EOS token. With ``key`` (the config key, e.g.
     ``ds_async.tokenizer``) every failure is a one-line ConfigError naming it and ``spec``."""
-    from .hub import one_line, refuse_remote_code
 
     where = f"{key}: {spec}" if key else spec
     try:
@@ -779,4 +775,4 @@ def _first_texts(stream: datasets.IterableDataset, n: int, text_field: str, key:
     try:
         return [row.get(text_field) for row in itertools.islice(read_rows(stream), n)]
     except Exception as e:  # noqa: BLE001 - datasets/pyarrow errors rarely name the source
-        raise DataError(f"{key}: reading the held-out documents failed ({_one_line(e)})") from None
+        raise DataError(f"{key}: reading the held-out documents failed ({one_line(e, 400)})") from None
