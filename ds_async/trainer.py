@@ -375,6 +375,7 @@ class Trainer:
             self.tok = tokenizer.load_from_checkpoint(self.resume_from)
         else:
             self.tok = resolve_tokenizer(cfg, self.run_dir, dist, group=self.group)
+        self.fingerprint = tokenizer_fingerprint(self.tok)  # checked on resume, recorded with every save
         self.hf_config = model_config(cfg, self.tok)
         check_vocab(self.tok, self.hf_config, cfg.tokenizer)
         check_seq_len(cfg, self.hf_config)
@@ -415,7 +416,6 @@ class Trainer:
                 self.train_iter = self._stream("train")
             except (ConfigError, DataError, FileNotFoundError) as e:
                 error = e
-        self.fingerprint = tokenizer_fingerprint(self.tok)
         return error
 
     def _restore(self) -> dict:

@@ -55,12 +55,15 @@ class UpdateOptimizer(torch.optim.Optimizer):
         self._sums: dict[str, Tensor] = {}
         self.last_lrs: dict[str, float] = {}
 
-    def _new_value(self, param: Tensor, grad: Tensor, state: dict, group: dict) -> Tensor:
-        """The value of ``param`` after this step of the base rule, as a new tensor; advances ``state``."""
+    def _new_value(self, param: Tensor, grad: Tensor, state: dict, group: dict, prepared) -> Tensor:
+        """The value of ``param`` after this step of the base rule, as a new tensor; advances ``state``.
+        ``prepared``: what :meth:`_prepare_step` computed for ``param`` (None if nothing)."""
         raise NotImplementedError
 
-    def _prepare_step(self) -> None:
-        """Work done for all parameters at once before the per-parameter pass (nothing by default)."""
+    def _prepare_step(self) -> dict:
+        """Work done for all parameters at once before the per-parameter pass, by parameter (nothing by default);
+        each entry is dropped once its parameter is applied."""
+        return {}
 
     def group_name(self, index: int) -> str:
         """The name of param group ``index`` in :meth:`stats` (its ``name``, else ``group<index>``)."""
@@ -90,7 +93,7 @@ class UpdateOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.begin_step()
-        self._prepare_step()
+        prepared = self._prepare_step()
         for index, group in enumerate(self.param_groups):
             name = self.group_name(index)
             params = [p for p in group["params"] if p.grad is not None]
@@ -99,7 +102,8 @@ class UpdateOptimizer(torch.optim.Optimizer):
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             for chunk in _chunks(params, APPLY_CHUNK_NUMEL):
                 states = [self.state[p] for p in chunk]
-                news = [self._new_value(p, p.grad, state, group) for p, state in zip(chunk, states)]
+                news = [self._new_value(p, p.grad, state, group, prepared.pop(p, None))
+                        for p, state in zip(chunk, states)]
                 self._apply(name, chunk, news, states)
         return loss
 
@@ -185,7 +189,7 @@ class AdamW(UpdateOptimizer):
                  weight_decay: float = 1e-2, correction: Correction | None = None):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), correction)
 
-    def _new_value(self, param, grad, state, group):
+    def _new_value(self, param, grad, state, group, prepared):
         return _adamw_step(param, grad, state, group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
 
@@ -209,7 +213,7 @@ class SGD(UpdateOptimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
                                       weight_decay=weight_decay), correction)
 
-    def _new_value(self, param, grad, state, group):
+    def _new_value(self, param, grad, state, group, prepared):
         new, buf = sgd_step(param, grad, state.get("momentum_buffer"), lr=group["lr"], momentum=group["momentum"],
                             dampening=group["dampening"], nesterov=group["nesterov"],
                             weight_decay=group["weight_decay"])
@@ -226,7 +230,7 @@ class Lion(UpdateOptimizer):
                  correction: Correction | None = None):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), correction)
 
-    def _new_value(self, param, grad, state, group):
+    def _new_value(self, param, grad, state, group, prepared):
         if not state:
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         return lion_step(param, grad, state["exp_avg"], lr=group["lr"], betas=group["betas"],
@@ -271,10 +275,10 @@ class Muon(UpdateOptimizer):
         # matrix (ZeRO-0) share the work with ds_async.optim.ns_split.orthogonalise_split (the client's choice).
         self.orthogonalise = orthogonalise
 
-    def _prepare_step(self) -> None:
+    def _prepare_step(self) -> dict:
         # Orthogonalise every matrix first, same shapes batched (one Newton-Schulz per shape, not per matrix);
         # the per-parameter pass then applies them through the update hook.
-        self._orthogonalised = {}
+        orthogonalised = {}
         for group in self.param_groups:
             if not group["use_muon"]:
                 continue
@@ -291,12 +295,13 @@ class Muon(UpdateOptimizer):
                                              momentum=group["momentum"], nesterov=group["nesterov"])
             ortho = orthogonalise_blocks(self.orthogonalise, directions, row_blocks(group), group["ns_steps"],
                                          group["ns_coefficients"], group["ns_eps"])
-            self._orthogonalised.update(zip(params, ortho))
+            orthogonalised.update(zip(params, ortho))
+        return orthogonalised
 
-    def _new_value(self, param, grad, state, group):
+    def _new_value(self, param, grad, state, group, prepared):
         if not group["use_muon"]:
             return _adamw_step(param, grad, state, group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        return muon_apply(param, self._orthogonalised.pop(param), lr=group["lr"],
+        return muon_apply(param, prepared, lr=group["lr"],
                           weight_decay=group["weight_decay"], lr_rule=group["lr_rule"], row_blocks=row_blocks(group))
 
 

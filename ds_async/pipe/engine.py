@@ -193,7 +193,9 @@ class AsyncPipelineEngine(PipelineEngine):
 
     def _global_norm_sq(self, sq: torch.Tensor) -> torch.Tensor:
         """The pipeline's squared norm: the stages' parts gathered and added in stage order, as the emulation adds
-        them (an all-reduce adds in its backend's order, e.g. gloo with 4 ranks: s0 + (s1 + (s2 + s3)))."""
+        them (an all-reduce adds in its backend's order, e.g. gloo with 4 ranks: s0 + (s1 + (s2 + s3))). Every path
+        to the norm (flush-free step, flushed step, DeepSpeed's clip) comes through here, so this is where the norm is
+        kept for :meth:`take_grad_norm_sq`."""
         parts = [torch.empty_like(sq) for _ in range(self.num_stages)]
         dist.all_gather(parts, sq, group=self.grid.get_pipe_parallel_group())
         self._grad_norm_sq = sum_in_stage_order(parts)
