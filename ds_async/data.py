@@ -1,4 +1,13 @@
-"""Text datasets -> token stream -> packed, resumable micro-batches for causal-LM pretraining."""
+"""Text datasets -> token stream -> packed, resumable micro-batches for causal-LM pretraining.
+
+:func:`open_batches` is the entry: for ``ds_async.data`` and a role (``train`` or ``validation``) it resolves the
+source (an embedded corpus, local files, an ``hf://`` path or a hub dataset, read as a ``datasets`` stream) and
+returns a :class:`PackedBatches`, one data-parallel rank's iterator of ``(input_ids, labels)`` micro-batches:
+documents tokenized, each ended by EOS, packed back to back into rows of ``seq_len`` (every token an input exactly
+once), ranks reading disjoint documents. Unusable documents are skipped and counted by reason
+(:func:`usable_text`). ``state_dict`` / ``load_state_dict`` resume a stream exactly where it stood. Errors name
+the config key: ConfigError for the config, DataError or FileNotFoundError for the data.
+"""
 
 from __future__ import annotations
 
@@ -730,7 +739,7 @@ class PackedBatches:
         if state.get("version", 1) >= 2:
             self._docs.load_state_dict(state["stream"])
             self._epoch_has_text = state["has_text"]
-        else:  # before the stream's own state was saved: `docs` documents read past, in today's order
+        else:  # a version-1 state has no stream position, only the count of documents read (`docs`)
             warnings.warn("data stream state of an older ds_async: re-reading to the saved document count; the "
                           "document order may differ from the interrupted run's", stacklevel=2)
             self._docs.open(state["epoch"])

@@ -576,7 +576,7 @@ class Emulation:
             flops_per_step=model_flops_per_token(self.hf_config, cfg.data.seq_len) * self.tokens_per_step,
             peak_flops=peak, seconds_before=state.get("seconds", 0.0) if state else 0.0)
         if state:
-            self.log.history = {**self.log.history, **state["history"]}  # a state saved before a key existed
+            self.log.history = {**self.log.history, **state["history"]}  # keys a saved state lacks start empty
         self.log.manifest(config_file=str(self.config_path), ds_async=cfgmod.resolved(cfg), deepspeed=self.ds_config,
                           world_size=cfg.pipeline_stages * dp, pipeline_stages=cfg.pipeline_stages, data_parallel=dp,
                           micro_batch_size=self.mbs, micro_batches=self.gas, tokens_per_step=self.tokens_per_step,

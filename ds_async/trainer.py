@@ -170,7 +170,7 @@ def optimizer_type(ds_config: dict) -> str | None:
 def check_optimizer_type(manifest: dict, ds_config: dict, folder) -> None:
     """A resumed run must step with the optimizer type its checkpoint was saved with: another type's state would load
     without a word and drop what it cannot use (AdamW's moments as SGD's absent momentum). Compared without case;
-    checkpoints saved before the type was recorded are not checked."""
+    a manifest that records no optimizer is not checked."""
     saved = (manifest.get("optimizer") or {}).get("type")
     now = optimizer_type(ds_config)
     if "optimizer" in manifest and str(saved).lower() != str(now).lower():

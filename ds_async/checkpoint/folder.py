@@ -9,7 +9,7 @@ hashes, writes the manifest, and renames the folder to ``step_N/`` (``os.replace
 then prunes all but the newest ``keep``. A save killed at any point leaves at most a ``.tmp`` folder that nothing
 reads (the next save removes it), so the previous checkpoint stays the newest complete one.
 
-A step folder without a manifest (not written by this protocol, or left by older code) is never read, and a save
+A step folder without a manifest (not written by this protocol) is never read, and a save
 of that step moves it aside as ``step_N.incomplete-<time>`` with a warning instead of failing on it.
 
 One job at a time: :func:`lock` takes an advisory lock (``fcntl.flock`` on ``<root>/.lock``, which records the

@@ -1,4 +1,12 @@
-"""Hugging Face models as DeepSpeed pipeline modules."""
+"""Hugging Face models as DeepSpeed pipeline modules.
+
+:func:`model_config` resolves the ``ds_async.model`` section to a transformers config, and
+:func:`build_pipeline` turns that into this rank's :class:`StagedPipelineModule`, building (and reading from disk)
+only this stage's layers: embedding, decoder layers and head form one flat list that ``ds_async.partition`` cuts
+into contiguous stages (DeepSpeed's methods, or explicit boundaries). Every layer names its tensors as
+``save_pretrained`` does, so :func:`hf_state_dict` and :func:`export_hf` write checkpoints that ``from_pretrained``
+loads. A family (:mod:`.llama`, :mod:`.mixtral`) provides ``layer_specs`` and ``loss_fn``.
+"""
 from __future__ import annotations
 
 import torch

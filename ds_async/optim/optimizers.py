@@ -306,7 +306,7 @@ class Muon(UpdateOptimizer):
 
 
 def row_blocks(group: dict) -> int:
-    """A Muon group's ``row_blocks`` (1 when absent: groups of configs and checkpoints from before the key)."""
+    """A Muon group's ``row_blocks`` (1 when absent: a group whose matrices are not split into row blocks)."""
     blocks = group.get("row_blocks", 1)
     if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
         raise ValueError(f"Muon: row_blocks must be a positive integer, got {blocks!r}")
@@ -345,8 +345,8 @@ def muon_param_groups(model: torch.nn.Module, lr: float = 0.02, momentum: float 
     separate ``gate_proj`` and ``up_proj``; these stacks then form a Muon group of their own, ``gate_up`` (right
     after ``matrix``, ``row_blocks=2``, the same hyper-parameters). The halves are two linear maps (the gate's goes
     through SiLU, the up's multiplies it), so splitting makes the update independent of how transformers stores
-    them. ``False``: as one ``2I x H`` matrix per expert, in the ``matrix`` group (what checkpoints written before
-    the default changed hold: no ``gate_up`` group). docs/DESIGN.md ("Muon on fused expert matrices") says why
+    them. ``False``: as one ``2I x H`` matrix per expert, in the ``matrix`` group (no ``gate_up`` group: the layout
+    a checkpoint without one holds). docs/DESIGN.md ("Muon on fused expert matrices") says why
     split is the default. Models without fused matrices get the same groups either way."""
     from .roles import fused_gate_up, role_groups
 
