@@ -14,6 +14,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 
 from .optim.client import client_optimizer
 from .pipe.engine import AsyncPipelineEngine
+from .pipe.version_rule import SYNC
 
 
 def init_distributed() -> None:
@@ -38,7 +39,7 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
 
 
-def initialize(model: PipelineModule, config: dict, schedule: str = "1f1b", correction=None, optimizer=None,
+def initialize(model: PipelineModule, config: dict, schedule: str = SYNC.name, correction=None, optimizer=None,
                lr_scheduler=None, model_parameters=None, fused_optimizer_step: bool = False,
                stats_every: int = 0) -> AsyncPipelineEngine:
     """Build the engine for ``model`` from a DeepSpeed config dict (without its ``ds_async`` section).

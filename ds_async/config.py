@@ -243,7 +243,7 @@ class DsAsyncConfig:
     """Pipeline depth p; the remaining ranks become data-parallel replicas (world = p x dp)."""
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     """Layer-to-stage split."""
-    schedule: str = "1f1b"
+    schedule: str = version_rule.SYNC.name
     """The version rule (:mod:`ds_async.pipe.version_rule`). ``1f1b``: DeepSpeed's synchronous TrainSchedule
     (flush every step). ``2bw``: PipeDream-2BW, flush-free with a constant one-step weight delay. ``pipedream``:
     per-stage variable delay (original PipeDream). ``delay<d>`` (emulation only; the engine refuses it): a constant
@@ -270,6 +270,16 @@ def recomputed_layers(perf: PerformanceConfig, stages: int) -> list[int]:
     """``performance.activation_checkpoint_layers`` as one count per stage."""
     n = perf.activation_checkpoint_layers
     return list(n) if isinstance(n, list) else [n] * stages
+
+
+def check_boundaries(boundaries, stages: int, layers: int) -> list[int]:
+    """``partition.boundaries`` as a list, refused unless it is ``stages + 1`` strictly increasing layer indices from 0
+    to ``layers`` (embedding, decoder layers, head)."""
+    b = list(boundaries or [])
+    if len(b) != stages + 1 or b[0] != 0 or b[-1] != layers or any(x >= y for x, y in zip(b, b[1:])):
+        raise ConfigError(f"ds_async.partition.boundaries: need {stages + 1} strictly increasing indices from 0 to "
+                          f"{layers} (embedding + {layers - 2} decoder layers + head), got {boundaries}")
+    return b
 
 
 def check_recompute(counts: list[int], decoders: list[int]) -> None:

@@ -83,7 +83,7 @@ def stage_bounds(method: str, layers: Sequence[nn.Module], stages: int,
     parameter count (``parameters``), or the given ``boundaries`` (``explicit``)."""
     from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
-    from .config import ConfigError
+    from .config import ConfigError, check_boundaries
 
     n = len(layers)
     if not 1 <= stages <= n:
@@ -94,11 +94,7 @@ def stage_bounds(method: str, layers: Sequence[nn.Module], stages: int,
         counts = [sum(q.numel() for q in layer.parameters() if q.requires_grad) for layer in layers]
         return list(partition_balanced(weights=counts, num_parts=stages))
     if method == "explicit":
-        b = list(boundaries or [])
-        if len(b) != stages + 1 or b[0] != 0 or b[-1] != n or any(x >= y for x, y in zip(b, b[1:])):
-            raise ConfigError(f"ds_async.partition.boundaries: need {stages + 1} strictly increasing indices from 0 "
-                              f"to {n} (embedding + {n - 2} decoder layers + head), got {boundaries}")
-        return b
+        return check_boundaries(boundaries, stages, n)
     raise ConfigError(f"ds_async.partition.method: unknown method {method!r}")
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from deepspeed.pipe import PipelineModule
 
-from ..config import ConfigError, DsAsyncConfig, check_recompute, recomputed_layers
+from ..config import ConfigError, DsAsyncConfig, check_boundaries, check_recompute, recomputed_layers
 from .. import hub
 from . import hf_io, llama, mixtral
 
@@ -221,11 +221,7 @@ def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineMod
     specs = family.layer_specs(hf_config, seed=cfg.seed, hf_dir=hf_dir)
     boundaries = cfg.partition.boundaries
     if boundaries is not None:
-        p, n = cfg.pipeline_stages, len(specs)
-        if (len(boundaries) != p + 1 or boundaries[0] != 0 or boundaries[-1] != n
-                or any(a >= b for a, b in zip(boundaries, boundaries[1:]))):
-            raise ConfigError(f"ds_async.partition.boundaries: need {p + 1} strictly increasing indices from 0 to "
-                              f"{n} (embedding + {n - 2} decoder layers + head), got {boundaries}")
+        boundaries = check_boundaries(boundaries, cfg.pipeline_stages, len(specs))
     perf = cfg.performance
     module = StagedPipelineModule(specs, boundaries=boundaries, num_stages=cfg.pipeline_stages,
                                   loss_fn=family.loss_fn(hf_config, perf.loss_chunk),

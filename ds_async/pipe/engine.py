@@ -28,8 +28,8 @@ from .versions import WeightVersions
 
 
 class AsyncPipelineEngine(PipelineEngine):
-    def __init__(self, *args, schedule: str | version_rule.VersionRule = "1f1b", fused_optimizer_step: bool = False,
-                 stats_every: int = 0, **kwargs):
+    def __init__(self, *args, schedule: str | version_rule.VersionRule = version_rule.SYNC,
+                 fused_optimizer_step: bool = False, stats_every: int = 0, **kwargs):
         self.rule = version_rule.get(schedule)
         self.rule.check_engine()  # before DeepSpeed builds anything: an emulation-only rule is refused by its key
         super().__init__(*args, **kwargs)
