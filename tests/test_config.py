@@ -220,3 +220,20 @@ def test_rotary_settings_that_cannot_be_built_are_refused_at_start(extra, error)
     with pytest.raises(ConfigError, match=r"^ds_async.model.config.rope_\*: the rotary embedding cannot be built "
                                           rf"from rope_theta / rope_scaling \({error}"):
         model_config(config.parse(section))
+
+
+@pytest.mark.parametrize("boundaries", [[0, 3, 5], [1, 3, 6], [0, 3, 3, 6], [0, 4, 2, 6], [0, 6], None])
+def test_explicit_boundaries_must_cut_every_layer_into_the_stages_in_order(boundaries):
+    """Three stages over 6 layers (embedding, 4 decoder layers, head): the last index must be 6, the first 0, and
+    each stage must own at least one layer. The check (which build_pipeline runs) and the emulation's stage_bounds
+    refuse alike, naming the key."""
+    from torch import nn
+
+    from ds_async.emulate import stage_bounds
+
+    with pytest.raises(ConfigError, match=r"^ds_async\.partition\.boundaries: need 4 strictly increasing indices "
+                                          r"from 0 to 6 \(embedding \+ 4 decoder layers \+ head\)"):
+        config.check_boundaries(boundaries, 3, 6)
+    with pytest.raises(ConfigError, match=r"^ds_async\.partition\.boundaries: need 4"):
+        stage_bounds("explicit", [nn.Identity() for _ in range(6)], 3, boundaries)
+    assert config.check_boundaries((0, 1, 5, 6), 3, 6) == [0, 1, 5, 6]
