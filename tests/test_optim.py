@@ -14,7 +14,8 @@ from ds_async.config import ConfigError
 from ds_async.optim import (SGD, AdamW, ErrorFeedback, Lion, Muon, NesterovLookahead, build_correction,
                             build_optimizer, muon_param_groups, param_roles)
 from ds_async.optim.muon import NS_COEFFICIENTS, orthogonalise_batched, zeropower_via_newtonschulz
-from ds_async.optim.muon_reference import ReferenceHybridMuon
+
+from muon_reference import ReferenceHybridMuon
 
 SHAPES = [(32, 16), (16, 48), (24, 24), (32, 16)]  # a repeated shape: Muon batches it
 
