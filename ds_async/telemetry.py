@@ -19,7 +19,7 @@ its GPU (the pipeline relies on the host running ahead).
 Cost per step, on every rank: two CUDA events around ``train_batch`` and two around each forward and backward pass,
 and event queries; on the reporting rank a pinned-memory copy of the norm, read once it has landed (at the latest
 one step later). No host waits for its GPU. Collectives: the per-stage figures are an object all-gather over all
-ranks, on ``logging.stages_every`` steps, at evaluations and at the end only (the trainer's ``_gather_stages``).
+ranks, on ``logging.stages_every`` steps, at evaluations and at the end only (the trainer gathers them).
 """
 from __future__ import annotations
 
