@@ -50,6 +50,7 @@ from .compiled import compiled_on_gpus
 from .corrections import ErrorFeedback
 from .muon import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, adjusted_lr, block_shape, orthogonalise_batched,
                    orthogonalise_blocks)
+from .optimizers import advance_adamw_state
 
 Orthogonalise = Callable[[list[Tensor], int, tuple[float, float, float], float], list[Tensor]]
 
@@ -268,11 +269,7 @@ def _muon_group(optimizer, group, params, grads, states, outs, grad_scale, grad_
 
 def _adamw_group(optimizer, group, params, grads, states, outs, grad_scale, grad_dtype, lam):
     for p, state in zip(params, states):
-        if not state:  # as ds_async.optim.optimizers._adamw_step
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] += 1
+        advance_adamw_state(p, state)
     # One pass per step count (the same for every tensor unless parameters joined the group late).
     by_step: dict[int, list[int]] = {}
     for k, state in enumerate(states):

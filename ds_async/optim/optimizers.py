@@ -193,12 +193,18 @@ class AdamW(UpdateOptimizer):
         return _adamw_step(param, grad, state, group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
 
-def _adamw_step(param, grad, state, lr, betas, eps, weight_decay) -> Tensor:
+def advance_adamw_state(param: Tensor, state: dict) -> None:
+    """AdamW's state of ``param`` one step on: its moments created (zeros) on the first step, its step count raised.
+    Every AdamW step of ds_async (this module's, the fused passes') keeps its state so, so that they share states."""
     if not state:
         state["step"] = 0
         state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
     state["step"] += 1
+
+
+def _adamw_step(param, grad, state, lr, betas, eps, weight_decay) -> Tensor:
+    advance_adamw_state(param, state)
     return adamw_step(param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr=lr, betas=betas,
                         eps=eps, weight_decay=weight_decay)
 
