@@ -98,9 +98,12 @@ def test_adamw_ef_trains_under_deepspeed_bf16(tmp_path):
     """DeepSpeed's bf16 optimizer hands ds_async's AdamW flat fp32 partitions: elementwise, so EF still applies."""
     adamw = {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}}
     got = run_job(2, "train", tmp_path, stages=2, steps=STEPS, mbs=MBS, gas=2, seq_len=SEQ, schedule="2bw",
-                  optimizer=adamw, correction=EF, bf16={"enabled": True})
+                  optimizer=adamw, correction=EF, bf16={"enabled": True}, stats=True)
     losses = got["losses"]
     assert torch.isfinite(losses).all() and losses[-3:].mean() < losses[:3].mean() - 0.3, losses
+    # EF's buffer holds the last update, and the update applied is not the base one (without EF neither exists).
+    stats = got["optimizer_stats"]
+    assert stats["ef_buffer_norm"] > 0 and stats["update_rms/group0"] != stats["base_update_rms/group0"], stats
 
 
 # ------------------------------------------------------------------------------ bf16 weights, fp32 masters

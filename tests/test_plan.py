@@ -640,6 +640,9 @@ def test_planner_against_measured_big_peaks(tmp_path):
 
 
 def test_bubble_matches_the_simulator():
+    """The planner's 2BW bubble is the steady state's, none: over ``batches`` batches the simulator's idle steps are
+    only the segment's warm-up and drain. 1F1B's is (p - 1) / (m + p - 1) (DeepSpeed's TrainSchedule, which the
+    simulator does not run)."""
     from ds_async.pipe.simulate import simulate
 
     for m, batches in ((4, 5), (8, 3)):
