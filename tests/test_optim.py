@@ -374,9 +374,10 @@ def test_muon_steps_when_a_group_has_no_gradients():
     a, b = twin_params([(8, 6)])[0], twin_params([(5,)])[0]
     opt = Muon([dict(params=a, use_muon=True), dict(params=b, use_muon=False)])
     b[0].grad = torch.ones_like(b[0])
-    before = b[0].detach().clone()
+    before, a_before = b[0].detach().clone(), a[0].detach().clone()
     opt.step()
     assert a[0].grad is None and not torch.equal(b[0], before)
+    assert torch.equal(a[0], a_before) and not opt.state[a[0]]
 
 
 # --------------------------------------------------------------------------- fused [gate; up] experts (split_gate_up)

@@ -64,6 +64,8 @@ def test_the_driver_gives_both_schedules_the_same_training_time(tmp_path):
         assert manifest["card"].startswith("cpu") and run["card"] == f"2x {manifest['card']}"
         assert run["commit"] == manifest["code"]["commit"]
         assert (ds["schedule"], ds["correction"]["type"]) == {"sync": ("1f1b", "none"), "2bw+ef": ("2bw", "ef")}[name]
+        history = json.loads((out / name / "summary.json").read_text())["history"]  # the run's own clock
+        assert (run["validation"], run["validation_seconds"]) == (history["validation"], history["validation_seconds"])
         losses = [v for _, v in run["validation"]]
         at = runs.time_to_loss([t for _, t in run["validation_seconds"]], losses, doc["target"])
         assert run["time_to_loss"] == (None if at is None else round(at, 1))
