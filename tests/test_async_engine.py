@@ -103,4 +103,4 @@ def test_stage_compiled_as_one_region_keeps_the_update_rule(tmp_path):
                   optimizer=SGD_M, performance=perf)
     losses, want = emulate_run("2bw", 2, STEPS, 4, 1, SGD_M, seq_len=SEQ, mbs=MBS)
     torch.testing.assert_close(got["losses"], losses, rtol=1e-6, atol=0)
-    assert_params_close(stage_params(tmp_path, 2), want, rel=1e-6)
+    assert_params_close(stage_params(tmp_path, 2), want, rel=0)
