@@ -151,7 +151,7 @@ def test_grad_norm_is_the_one_the_engine_clips_by(work, monkeypatch):
         norms.clear()
         emulate.run(str(work / f"metrics-{schedule}.json"), run_name=f"emulated-{schedule}", device="cpu")
         assert len(norms) == STEPS
-        assert logged[schedule] == pytest.approx(norms, rel=1e-6), schedule
+        assert logged[schedule] == norms, schedule
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
