@@ -78,7 +78,10 @@ def load_from_checkpoint(folder: str | os.PathLike):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="ds-async-train-tokenizer", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="ds-async-train-tokenizer",
+        description=f"Train a byte-level BPE tokenizer ({EOS_TOKEN} as id 0) on the documents of --data that "
+                    "training would read, and write it as a tokenizer.json (a config names it in ds_async.tokenizer).")
     parser.add_argument("--data", default=EMBEDDED_CORPUS,
                         help="embedded corpus, local files / glob (.parquet .json .jsonl .txt .cor) or hub dataset")
     parser.add_argument("--split", default="train")
