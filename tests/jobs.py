@@ -191,10 +191,10 @@ def job_moe(out: Path, hf_dir: str, stages: int, input_ids: list, labels: list, 
 def job_checkpoint_groups(out: Path) -> None:
     """Two process groups, ranks {0, 1} and {2, 3}, each write a checkpoint of its own at once (every rank one file
     holding what ``folder.gather`` gave it in its group); rank 0 saves what every rank's group gathered."""
-    import deepspeed
+    from ds_async import init_distributed
     from ds_async.checkpoint import folder
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed()
     rank = tdist.get_rank()
     groups = [tdist.new_group([0, 1], backend="gloo"), tdist.new_group([2, 3], backend="gloo")]
     mine = groups[rank // 2]
