@@ -589,12 +589,12 @@ def test_results_page_shows_what_the_committed_results_give():
     launch/study/results/, and the main table is the study's headline (AdamW and Muon, 3 seeds each)."""
     assert study.main(["report", "--check"]) == 0
     runs = study.load_results()
-    assert len(runs) == 227 and runs["complete"].all() and not runs["diverged"].any()
+    assert len(runs) == 230 and runs["complete"].all() and not runs["diverged"].any()
     assert (runs.groupby("group").size()[["main", "tokens", "lr", "batch", "depth", "ef_lambda", "nesterov"]].sum()
             == 18 + 32)
     assert runs.groupby("group").size()[["long", "long-lr", "long-lengths", "long-tuned", "long-async-lr", "long-own-lr",
                                          "long-lambda", "long-delay", "long-moe", "long-moe-ns"]].tolist() == [
-        18, 5, 32, 6, 11, 3, 56, 12, 6, 2]
+        18, 5, 32, 6, 13, 4, 56, 12, 6, 2]
     long = runs[runs["group"] == "long"]
     assert (long["tokens"] / long["parameters"]).round(2).eq(20.0).all() and long["steps"].eq(4712).all()
     table = study.main_table(runs[runs["group"] == "main"], labels=("sync", "2bw", "2bw+ef"))
