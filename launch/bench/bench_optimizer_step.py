@@ -40,6 +40,23 @@ def median_ms(fn, steps: int, warmup: int) -> tuple[float, float]:
     return statistics.median(done), statistics.median(host)
 
 
+def print_host_profile(name: str, fn, rows: int = 15) -> None:
+    """One call of ``fn`` under torch's profiler (CPU and, on a GPU, the CUDA runtime's calls): its top ``rows``
+    calls by self CPU time, the host's share of the step (a wait for the device shows as the runtime call that
+    blocks, e.g. cudaStreamSynchronize, cudaMalloc or cudaFree)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    print(f"PROFILE {name}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows),
+          flush=True)
+
+
 def build_stage(a) -> torch.nn.Module:
     if a.experts:  # the library's layer: it declares the router's and the expert stacks' roles
         from transformers import MixtralConfig
@@ -115,6 +132,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing each optimizer, profile one more step and print its host's top calls "
+                         "(self CPU time: a host wait shows as the runtime call it waits in)")
     a = ap.parse_args()
 
     from ds_async.flops import newton_schulz_flops
@@ -132,7 +152,10 @@ def main() -> None:
     rows = []
     for name in a.optimizers.split(","):
         opt = make_optimizer(name, model)
-        done, host = median_ms(step_function(name, opt), a.steps, a.warmup)
+        step = step_function(name, opt)
+        done, host = median_ms(step, a.steps, a.warmup)
+        if a.profile:
+            print_host_profile(name, step)
         row = dict(base, optimizer=name, step_ms=round(done, 2), issue_ms=round(host, 2))
         if name.startswith("muon"):
             groups = [(g, row_blocks(g)) for g in opt.param_groups if g["use_muon"]]  # matrix, then gate_up
