@@ -164,7 +164,11 @@ def muon_pass_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffe
     _muon_directions(grads, list(momentum_buffers), directions, hyper, grad_scale.to(grad_dtype), grad_dtype,
                      nesterov)
     orthogonalised = orthogonalise_blocks(orthogonalise, directions, row_blocks, ns_steps, ns_coefficients, ns_eps)
-    return _muon_tail(params, list(orthogonalised), None if prev_updates is None else list(prev_updates),
+    # A tall matrix is orthogonalised as its transpose and comes back as a transposed view, which the compiled tail
+    # reads across its rows: on a Mixtral stage's fused expert stacks that cost 24 ms a step more than the copy
+    # (launch/bench/RESULTS.md, "A Mixtral stage"). Values are unchanged; a contiguous result is not copied.
+    orthogonalised = [o.contiguous() for o in orthogonalised]
+    return _muon_tail(params, orthogonalised, None if prev_updates is None else list(prev_updates),
                       [list(o) for o in outs], hyper)
 
 

@@ -10,9 +10,7 @@ pipeline's forward and backward kernels), and for Muon the Newton-Schulz part al
 ``muon-ef`` split each expert's gate and up (the default) and ``muon-fused`` / ``muon-ef-fused`` orthogonalise
 them as one matrix (``split_gate_up = false``). A ``-pass`` suffix (``muon-ef-pass``, ``muon-ef-fused-pass``) steps
 the same optimizer the way the engine's ``fused_optimizer_step`` does: ``hybrid_muon_step_`` from bf16 gradients
-into two bf16 outputs (the module's weights and a weight-version slot). A further ``-contiguous`` hands that pass
-Newton-Schulz's results made contiguous: a tall matrix's comes back as the transposed view of a wide one, which the
-compiled tail then reads across its rows.
+into two bf16 outputs (the module's weights and a weight-version slot).
 """
 from __future__ import annotations
 
@@ -95,7 +93,7 @@ def make_optimizer(name: str, model: torch.nn.Module):
 def muon_flags(name: str) -> set[str]:
     """The words after ``muon`` in a Muon variant's name (``muon-ef-fused-pass`` -> ef, fused, pass)."""
     base, *flags = name.split("-")
-    unknown = set(flags) - {"ef", "fused", "pass", "contiguous"}
+    unknown = set(flags) - {"ef", "fused", "pass"}
     if base != "muon" or unknown:
         raise SystemExit(f"unknown optimizer {name!r}")
     return set(flags)
@@ -105,18 +103,13 @@ def step_function(name: str, opt):
     """What one step of optimizer ``name`` runs: the class's ``step()``, or for ``-pass`` the bf16 fast path's."""
     if not name.startswith("muon") or "pass" not in muon_flags(name):
         return opt.step
-    from ds_async.optim.muon import orthogonalise_batched
     from ds_async.optim.muon_pass import hybrid_muon_step_
-
-    def contiguous(directions, *args):
-        return [o.contiguous() for o in orthogonalise_batched(directions, *args)]
 
     params = [p for g in opt.param_groups for p in g["params"]]
     grads = [p.grad.bfloat16() for p in params]
     outs = [[torch.empty_like(p, dtype=torch.bfloat16) for p in params] for _ in range(2)]
     scale = torch.ones((), device=params[0].device)
-    orthogonalise = contiguous if "contiguous" in muon_flags(name) else orthogonalise_batched
-    return lambda: hybrid_muon_step_(opt, grads, scale, outs, orthogonalise=orthogonalise)
+    return lambda: hybrid_muon_step_(opt, grads, scale, outs)
 
 
 def main() -> None:
