@@ -41,7 +41,7 @@ def median_ms(fn, steps: int, warmup: int) -> tuple[float, float]:
 def print_host_profile(name: str, fn, rows: int = 15) -> None:
     """One call of ``fn`` under torch's profiler (CPU and, on a GPU, the CUDA runtime's calls): its top ``rows``
     calls by self CPU time, the host's share of the step (a wait for the device shows as the runtime call that
-    blocks, e.g. cudaStreamSynchronize, cudaMalloc or cudaFree)."""
+    blocks, e.g. cudaStreamSynchronize or cudaFree, or as "Command Buffer Full" when the launch queue is full)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
