@@ -39,7 +39,6 @@ import argparse
 import collections
 import dataclasses
 import functools
-import json
 import math
 import os
 import sys
@@ -51,7 +50,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import jsonfile
 from .nonfinite import NonFiniteLoss
+from .models import hf_io
 from .optim.clip import clip_, clip_coefficient, squared_norm, sum_in_stage_order
 from .optim.master import MasterWeights
 from .pipe import version_rule
@@ -88,11 +89,12 @@ def stage_bounds(method: str, layers: Sequence[nn.Module], stages: int,
     n = len(layers)
     if not 1 <= stages <= n:
         raise ConfigError(f"ds_async.pipeline_stages: cannot split {n} layers into {stages} stages")
+    # DeepSpeed's partitions may hold numpy integers; the bounds are recorded in manifests, so as Python's own.
     if method == "uniform":
-        return list(partition_uniform(n, stages))
+        return [int(b) for b in partition_uniform(n, stages)]
     if method == "parameters":
         counts = [sum(q.numel() for q in layer.parameters() if q.requires_grad) for layer in layers]
-        return list(partition_balanced(weights=counts, num_parts=stages))
+        return [int(b) for b in partition_balanced(weights=counts, num_parts=stages)]
     if method == "explicit":
         return check_boundaries(boundaries, stages, n)
     raise ConfigError(f"ds_async.partition.method: unknown method {method!r}")
@@ -530,8 +532,7 @@ class Emulation:
         if not self.state_file.exists():
             return None
         state = torch.load(self.state_file, map_location="cpu", weights_only=True)
-        if (json.dumps(state["identity"], sort_keys=True, default=str)
-                != json.dumps(self._identity(), sort_keys=True, default=str)):
+        if jsonfile.dumps(state["identity"], sort_keys=True) != jsonfile.dumps(self._identity(), sort_keys=True):
             raise ConfigError(f"--resume: {self.state_file} was saved by a run of another config or length; "
                               "remove it to start again")
         self.layers.load_state_dict(state["layers"])
@@ -576,7 +577,7 @@ class Emulation:
         self.log.manifest(config_file=str(self.config_path), ds_async=cfgmod.resolved(cfg), deepspeed=self.ds_config,
                           world_size=cfg.pipeline_stages * dp, pipeline_stages=cfg.pipeline_stages, data_parallel=dp,
                           micro_batch_size=self.mbs, micro_batches=self.gas, tokens_per_step=self.tokens_per_step,
-                          total_steps=self.total_steps, model=self.hf_config.to_dict(),
+                          total_steps=self.total_steps, model=hf_io.config_dict(self.hf_config),
                           resumed_from=self.resumed_from,
                           emulation={"device": str(self.device), "card": metrics.card_name(self.device),
                                      "precision": self.precision,

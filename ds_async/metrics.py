@@ -17,6 +17,8 @@ from collections import deque
 from contextlib import nullcontext
 from pathlib import Path
 
+from . import jsonfile
+
 
 def card_name(device) -> str:
     """What ``device`` (a ``torch.device``) is, for the records: the GPU's name, or the CPU and its thread count."""
@@ -51,8 +53,9 @@ def code_version() -> dict:
     named = os.environ.get("DS_ASYNC_COMMIT")
     return {"ds_async": ds_async.__version__, "commit": named or git("rev-parse", "HEAD"),
             "dirty": None if named else bool(git("status", "--porcelain", "--untracked-files=no")),
-            "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version()}
+            # torch's version is a str subclass (TorchVersion): recorded as the plain string it prints as
+            "torch": str(torch.__version__), "deepspeed": str(deepspeed.__version__),
+            "transformers": str(transformers.__version__), "python": platform.python_version()}
 
 
 class HostValue:
@@ -151,8 +154,9 @@ class RunLogger:
         if not self.enabled:
             return
         doc = {"code": code_version(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **sections}
-        (self.run_dir / "manifest.json").write_text(json.dumps(doc, indent=2, default=str))
-        self.writer.add_text("manifest", "```\n" + json.dumps(doc, indent=2, default=str) + "\n```")
+        text = jsonfile.dumps(doc, indent=2)
+        (self.run_dir / "manifest.json").write_text(text)
+        self.writer.add_text("manifest", "```\n" + text + "\n```")
 
     def _scalar(self, tag: str, value, step: int) -> None:
         if value is None:

@@ -22,6 +22,7 @@ import torch
 from . import config as cfgmod
 from .cadence import Cadence
 from .config import ConfigError, DsAsyncConfig
+from .models import hf_io
 
 
 def seed_everything(seed: int) -> None:
@@ -472,7 +473,7 @@ class Trainer:
                           pipeline_stages=cfg.pipeline_stages, data_parallel=engine.grid.data_parallel_size,
                           micro_batch_size=self.mbs,
                           micro_batches=self.gas, tokens_per_step=self.tokens_per_step, total_steps=self.total_steps,
-                          model=self.hf_config.to_dict(),
+                          model=hf_io.config_dict(self.hf_config),
                           resumed_from=str(self.resume_from) if self.resume_from else None)
         # (step, loss and gradient norm on their way to the host, lr). Under flush-free schedules a step's loss is
         # read after the next step is queued (a drain reads at once), so the last stage's host never waits for its

@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
+from .. import jsonfile
+
 FORMAT = 1
 MANIFEST = "checkpoint.json"
 LOCK = ".lock"
@@ -292,8 +294,8 @@ def write(root: str | os.PathLike, step: int, write_files, manifest: dict, keep:
 
 
 def _finish(root: Path, tmp: Path, final: Path, step: int, manifest: dict, keep: int) -> None:
-    body = json.dumps({"format": FORMAT, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **manifest},
-                      indent=1, default=str)
+    body = jsonfile.dumps({"format": FORMAT, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                           **manifest}, indent=1)
     part = tmp / (MANIFEST + ".part")
     part.write_text(body)
     fsync(part)

@@ -85,7 +85,11 @@ class StagedPipelineModule(PipelineModule):
 
     def _partition_layers(self, method="uniform"):
         if self._explicit is None:
-            return super()._partition_layers(method)
+            super()._partition_layers(method)
+            # DeepSpeed's balanced partition holds numpy integers: the layout is recorded in checkpoint manifests and
+            # compared on resume, so it is kept as Python's own.
+            self.parts = [int(p) for p in self.parts]
+            return
         self.parts = list(self._explicit)
         stage_id = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])

@@ -88,6 +88,12 @@ def save_shard(tensors: dict[str, torch.Tensor], out_dir: str | os.PathLike, nam
               metadata={"format": "pt"})
 
 
+def config_dict(config) -> dict:
+    """``config`` as its ``config.json`` holds it (plain JSON: HF's own serialization, which writes the integer keys
+    of ``id2label`` as strings and dtypes by name), for manifests."""
+    return json.loads(config.to_json_string(use_diff=False))
+
+
 def match_tokenizer(config, tokenizer):
     """Point ``config``'s ``bos_token_id``/``eos_token_id`` at ``tokenizer``'s (in place; returns ``config``).
 

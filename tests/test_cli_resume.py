@@ -1,0 +1,148 @@
+"""Kill + ``--resume`` through the command line users run, with the layouts they run.
+
+``launch/train.py`` under torchrun on 2 CPU ranks (gloo), for the shipped CPU configs as they are (every one
+partitions by ``parameters``, the default) and for the other partition methods: a run is SIGKILLed once a periodic
+checkpoint exists, then ``--resume`` continues it from the newest checkpoint to the end. The shipped config's run
+resumed this way ends bit-equal to one that was never interrupted. Only the run's length, its cadences and the run
+folder differ from the shipped files.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from distributed import free_port, job_env
+
+from ds_async import checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, EVERY, END = 40, 2, 8  # a 40-step schedule, saved every 2 steps, killed mid-run, resumed up to step 8
+CASES = {  # name: (shipped config, ds_async.partition to set, or None to keep the shipped one)
+    "demo_cpu": ("demo_cpu.json", None),
+    "demo_cpu_2bw": ("demo_cpu_2bw.json", None),
+    "demo_cpu_mixtral": ("demo_cpu_mixtral.json", None),
+    "uniform": ("demo_cpu.json", {"method": "uniform"}),
+    "explicit": ("demo_cpu.json", {"method": "explicit", "boundaries": [0, 2, 6]}),
+}
+
+
+def shipped(file: str, folder: Path, name: str, partition: dict | None) -> Path:
+    """The shipped config with a run length, cadences and run folder for a test."""
+    config = json.loads((ROOT / "ds_configs" / file).read_text())
+    section = config["ds_async"]
+    assert section["partition"]["method"] == "parameters", "every shipped CPU config uses the default partition"
+    if partition is not None:
+        section["partition"] = partition
+    section["train"]["steps"] = STEPS
+    section["eval"] = {"every": 0, "batches": 2}
+    section["checkpoint"] = {"every": EVERY, "keep": 2}
+    section["logging"].update(dir=str(folder / "runs"), run_name=name, progress=False, plot=False)
+    config["scheduler"]["params"].pop("total_num_steps", None)  # filled in from the run length
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def start(config: Path, folder: Path, *args: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
+           str(ROOT / "launch" / "train.py"), "--config", str(config), *args]
+    return subprocess.Popen(cmd, env=job_env(), cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-5000:]
+    return out
+
+
+def kill_after_checkpoint(proc: subprocess.Popen, root: Path) -> None:
+    """SIGKILL the launcher and its ranks once step ``EVERY * 2``'s checkpoint is complete."""
+    deadline = time.time() + 300
+    while not (checkpoint.step_dir(root, 2 * EVERY) / checkpoint.MANIFEST).exists():
+        assert proc.poll() is None, proc.stdout.read()[-5000:]
+        assert time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+    family = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+    for pid in family:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.communicate(timeout=60)
+
+
+def weights(folder: Path) -> dict:
+    return {f"{f.name}:{k}": v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Every case killed after a checkpoint and resumed to step ``END``, and the default config uninterrupted.
+    Two jobs at a time (one per core)."""
+    folder = tmp_path_factory.mktemp("cli_resume")
+    configs = {name: shipped(file, folder, name, partition) for name, (file, partition) in CASES.items()}
+    configs["reference"] = shipped("demo_cpu.json", folder, "reference", None)
+    out = {}
+    names = list(CASES)
+    reference = start(configs["reference"], folder, "--max-steps", str(END))
+    for first in range(0, len(names), 2):
+        batch = names[first:first + 2]
+        procs = {n: start(configs[n], folder) for n in batch}
+        for n, proc in procs.items():
+            kill_after_checkpoint(proc, folder / "runs" / n / "checkpoints")
+        procs = {n: start(configs[n], folder, "--resume", "--max-steps", str(END)) for n in batch}
+        out.update({n: finish(proc) for n, proc in procs.items()})
+    out["reference"] = finish(reference)
+    return {"folder": folder, "out": out}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_killed_run_resumes_with_its_layout(runs, case):
+    run = runs["folder"] / "runs" / case
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == END and summary["resumed_from"] is not None, runs["out"][case][-3000:]
+    resumed_at = int(Path(summary["resumed_from"]).name.split("_")[1])
+    assert 2 * EVERY <= resumed_at < END
+    assert f"ds_async: resumed from {summary['resumed_from']} (step {resumed_at})" in runs["out"][case]
+    # The curve goes on from the checkpoint: one entry per step, the killed process's steps then the resumed ones.
+    assert [s for s, _ in summary["history"]["train"]] == list(range(1, END + 1))
+    manifest = json.loads((checkpoint.step_dir(run / "checkpoints", END) / checkpoint.MANIFEST).read_text())
+    assert all(type(p) is int for p in manifest["parts"]), manifest["parts"]
+    if case == "explicit":
+        assert manifest["parts"] == CASES[case][1]["boundaries"]
+
+
+def test_resumed_default_config_equals_an_uninterrupted_run(runs):
+    """The shipped default config, killed and resumed: the same weights at step ``END`` as a run never stopped."""
+    got = weights(checkpoint.step_dir(runs["folder"] / "runs" / "demo_cpu" / "checkpoints", END))
+    want = weights(checkpoint.step_dir(runs["folder"] / "runs" / "reference" / "checkpoints", END))
+    assert got.keys() == want.keys() and got
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+
+
+def test_manifest_values_that_are_not_plain_json_are_refused_naming_where():
+    """No value is stringified behind the writer's back: a numpy integer (what DeepSpeed's partition returns) or a
+    str subclass is refused with its path, the builtin types are written as themselves."""
+    import numpy as np
+
+    from ds_async import jsonfile
+
+    with pytest.raises(TypeError, match=r"\$\.parts\[1\]: 3 \(numpy.int64\) is not plain JSON"):
+        jsonfile.dumps({"parts": [0, np.int64(3), 6]})
+    with pytest.raises(TypeError, match=r"\$\.code\.torch: .*torch.torch_version.TorchVersion"):
+        jsonfile.dumps({"code": {"torch": torch.__version__}})
+    with pytest.raises(TypeError, match=r"\$\.id2label: key 0 \(int\) is not a JSON string"):
+        jsonfile.dumps({"id2label": {0: "a"}})
+    doc = {"parts": [0, 3, 6], "lr": 1e-3, "nan": float("nan"), "name": "x", "none": None, "pair": (1, 2)}
+    assert json.loads(jsonfile.dumps(doc))["parts"] == [0, 3, 6]
