@@ -138,7 +138,7 @@ def test_manifest_values_that_are_not_plain_json_are_refused_naming_where():
 
     from ds_async import jsonfile
 
-    with pytest.raises(TypeError, match=r"\$\.parts\[1\]: 3 \(numpy.int64\) is not plain JSON"):
+    with pytest.raises(TypeError, match=r"\$\.parts\[1\]: np.int64\(3\) \(numpy.int64\) is not plain JSON"):
         jsonfile.dumps({"parts": [0, np.int64(3), 6]})
     with pytest.raises(TypeError, match=r"\$\.code\.torch: .*torch.torch_version.TorchVersion"):
         jsonfile.dumps({"code": {"torch": torch.__version__}})
