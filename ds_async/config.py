@@ -163,6 +163,9 @@ class LoggingConfig:
     """Show a tqdm progress bar on the reporting rank."""
     plot: bool = True
     """Write ``loss.png`` with the train/validation curves at the end."""
+    deepspeed_log: bool = False
+    """Show DeepSpeed's own start-up output (its INFO and WARNING lines, the topology and layer listing) while the
+    pipeline and engine are built; off, only its errors (ds_async's lines always show)."""
 
     def __post_init__(self):
         for key, value, least in (("window", self.window, 1), ("stages_every", self.stages_every, 0),

@@ -17,7 +17,7 @@ from collections import deque
 from contextlib import nullcontext
 from pathlib import Path
 
-from . import jsonfile
+from . import console, jsonfile
 
 
 def card_name(device) -> str:
@@ -295,8 +295,7 @@ class RunLogger:
         (self.run_dir / "summary.json").write_text(json.dumps({**summary, "history": self.history}, indent=2))
         if plot:
             self._plot()
-        print("ds_async summary: " + " ".join(f"{k}={v}" for k, v in summary.items()) + f" run_dir={self.run_dir}",
-              flush=True)
+        print(console.summary_block(summary, self.run_dir), flush=True)
         return summary
 
     def _plot(self) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from . import config as cfgmod
+from . import console
 from .cadence import Cadence
 from .config import ConfigError, DsAsyncConfig
 from .models import hf_io
@@ -380,10 +381,12 @@ class Trainer:
         self.hf_config = model_config(cfg, self.tok)
         check_vocab(self.tok, self.hf_config, cfg.tokenizer)
         check_seq_len(cfg, self.hf_config)
-        module = build_pipeline(cfg, self.hf_config)
-        self.engine = engine = initialize(module, self.ds_config, schedule=cfg.schedule, correction=cfg.correction,
-                                          fused_optimizer_step=cfg.performance.fused_optimizer_step,
-                                          stats_every=cfg.logging.optimizer_every)
+        with console.deepspeed_quiet(cfg.logging.deepspeed_log):
+            module = build_pipeline(cfg, self.hf_config)
+            self.engine = engine = initialize(module, self.ds_config, schedule=cfg.schedule,
+                                              correction=cfg.correction,
+                                              fused_optimizer_step=cfg.performance.fused_optimizer_step,
+                                              stats_every=cfg.logging.optimizer_every)
         self.monitor = None
         if cfg.train.on_nonfinite == "skip":
             check_skip_supported(engine.optimizer)

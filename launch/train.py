@@ -1,14 +1,15 @@
 """Train from a DeepSpeed JSON config with a ``"ds_async"`` section.
 
     deepspeed --num_gpus 2 launch/train.py --config ds_configs/demo_cpu.json
-    deepspeed --num_gpus 2 launch/train.py --deepspeed_config ds_configs/demo_cpu.json   # DeepSpeed's flag name
+    deepspeed --num_gpus 2 launch/train.py --deepspeed --deepspeed_config ds_configs/demo_cpu.json  # DeepSpeed's flags
     torchrun --nproc_per_node 2 launch/train.py --config ds_configs/demo_cpu.json
     torchrun --nproc_per_node 2 launch/train.py --config ... --run-name NAME --resume   # after a crash
 
     python launch/train.py --config C.json      # no launcher: one process, for configs with pipeline_stages 1
 
 Bad input (config, data, tokenizer, checkpoint folder) is found at start, before training, and a NaN/inf loss or
-weights end the job at that step; either way with one line "ds_async: error: ..." on stderr and exit status 1.
+weights end the job at that step; either way with one line "ds_async: error: ..." on stderr (from the first rank:
+every rank stops with the same error) and exit status 1.
 """
 import argparse
 import os
@@ -17,12 +18,18 @@ import sys
 
 import torch
 
-from ds_async.checkpoint import CheckpointError
-from ds_async.config import ConfigError
-from ds_async.data import DataError
-from ds_async.nonfinite import NonFiniteLoss
-from ds_async.optim.client import OptimizerSetupError
-from ds_async.trainer import train
+from ds_async import console
+
+console.quiet_accelerator_detection()  # before DeepSpeed is imported, which the imports below do
+
+import deepspeed  # noqa: E402
+
+from ds_async.checkpoint import CheckpointError  # noqa: E402
+from ds_async.config import ConfigError  # noqa: E402
+from ds_async.data import DataError  # noqa: E402
+from ds_async.nonfinite import NonFiniteLoss  # noqa: E402
+from ds_async.optim.client import OptimizerSetupError  # noqa: E402
+from ds_async.trainer import train  # noqa: E402
 
 EXPECTED = (ConfigError, DataError, CheckpointError, NonFiniteLoss, OptimizerSetupError, FileNotFoundError)
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
@@ -49,10 +56,13 @@ def without_launcher(config: str) -> None:
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", "--deepspeed_config", "--deepspeed-config", dest="config", required=True,
-                        help="DeepSpeed JSON with a \"ds_async\" section (DeepSpeed's own flag name works too)")
+def parse_args(argv=None) -> argparse.Namespace:
+    """ds_async's flags and DeepSpeed's own (``deepspeed.add_config_arguments``: ``--deepspeed``,
+    ``--deepspeed_config``), so the launch lines of DeepSpeed's examples work as they are."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("--config", default=None,
+                        help="DeepSpeed JSON with a \"ds_async\" section (or DeepSpeed's --deepspeed_config)")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
     parser.add_argument("--run-name", default=None, help="override ds_async.logging.run_name")
     parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
@@ -61,18 +71,32 @@ def main() -> None:
                              "folder (its checkpoints/), which must hold one")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help="set by the deepspeed launcher; the rank is read from the environment")
-    args = parser.parse_args()
+    parser = deepspeed.add_config_arguments(parser)
+    args = parser.parse_args(argv)
+    named = {flag: value for flag, value in (("--config", args.config), ("--deepspeed_config", args.deepspeed_config),
+                                             ("--deepscale_config", args.deepscale_config)) if value is not None}
+    if not named:
+        parser.error("the config is required: --config C.json (or DeepSpeed's --deepspeed_config C.json)")
+    if len(set(named.values())) > 1:
+        parser.error("two configs given: " + ", ".join(f"{k} {v}" for k, v in named.items()) + "; pass one")
+    args.config = next(iter(named.values()))
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     try:
         if args.max_steps is not None and args.max_steps < 1:
             raise ConfigError(f"--max-steps: must be >= 1, got {args.max_steps}")
         without_launcher(args.config)
         train(args.config, max_steps=args.max_steps, run_name=args.run_name, resume=args.resume)
     except EXPECTED as e:
-        print(f"ds_async: error: {e}", file=sys.stderr, flush=True)
+        line = console.error_line(e)
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
         sys.exit(1)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()

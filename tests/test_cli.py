@@ -1,0 +1,79 @@
+"""``launch/train.py`` as users launch it: DeepSpeed's own launch line, what the console shows, one error line.
+
+Real runs under DeepSpeed's ``deepspeed`` launcher (``python -m deepspeed.launcher.runner``, what the console script
+runs) on 2 CPU ranks with the shipped default config, shortened by ``--max-steps``.
+"""
+from __future__ import annotations
+
+import json
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distributed import free_port, job_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def deepspeed_launch(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in job_env().items() if k != "DS_ACCELERATOR"}
+    return subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
+                           "--master_port", str(free_port()), str(ROOT / "launch" / "train.py"), *args],
+                          cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_deepspeed_examples_launch_line_runs_quietly_and_errors_print_once(tmp_path):
+    """``deepspeed launch/train.py --deepspeed --deepspeed_config C.json`` (DeepSpeedExamples' form) trains; the
+    ranks print none of DeepSpeed's start-up chatter (topology, seed settings, scheduler warnings, the CPU
+    accelerator fallback) and end with a short aligned summary; a config error is printed once, not once per
+    rank."""
+    config = json.loads((ROOT / "ds_configs" / "demo_cpu.json").read_text())
+    config["ds_async"]["logging"].update(dir=str(tmp_path / "runs"), run_name="demo", progress=False, plot=False)
+    config["ds_async"]["eval"]["batches"] = 2
+    path = tmp_path / "demo.json"
+    path.write_text(json.dumps(config))
+    proc = deepspeed_launch(tmp_path, "--deepspeed", "--deepspeed_config", str(path), "--max-steps", "2")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    summary = json.loads((tmp_path / "runs" / "demo" / "summary.json").read_text())
+    assert summary["steps"] == 2
+    # What the ranks print (the launcher's own lines name runner.py and launch.py, and its accelerator check).
+    ranks = [line for line in out.splitlines() if not re.search(r"\] \[\w+\] \[(runner|launch)\.py:", line)]
+    chatter = [line for line in ranks if re.search(r"SEED_LAYERS|Using topology|lr_schedules\.py|DecoderLayerPipe|"
+                                                   r"\[INFO\]", line)]
+    assert not chatter, chatter
+    assert sum("real_accelerator.py" in line for line in ranks) <= 2  # the runner's and launch.py's imports
+    block = out[out.index("ds_async summary:"):].splitlines()
+    body = [line for line in block[1:] if line.startswith("  ")]
+    assert 5 <= len(body) <= 12 and max(map(len, body)) < 160, block
+    assert re.match(r"  steps +2 \(", body[1]), body
+    columns = {len(re.match(r"  (\S+( \S+)? +)", line).group(1)) for line in body}
+    assert len(columns) == 1, body  # the values start in one column
+    assert f"train {summary['final_train_loss']:.4g} (last step)" in "\n".join(body)
+
+    config["ds_async"]["data"]["seq_lenght"] = 8
+    path.write_text(json.dumps(config))
+    proc = deepspeed_launch(tmp_path, "--deepspeed", "--deepspeed_config", str(path))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    errors = [line for line in out.splitlines() if line.startswith("ds_async: error:")]
+    assert errors == ["ds_async: error: ds_async.data.seq_lenght: unknown key (did you mean "
+                      "'ds_async.data.seq_len'?); known keys: ['min_chars', 'seq_len', 'shuffle_buffer', "
+                      "'text_field', 'train', 'validation']"], out[-3000:]
+
+
+def test_two_different_configs_are_refused(tmp_path, capsys):
+    """``--config`` and DeepSpeed's ``--deepspeed_config`` naming two files: refused by the argument parser."""
+    saved = sys.argv
+    sys.argv = ["train.py", "--config", "a.json", "--deepspeed_config", "b.json"]
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_path(str(ROOT / "launch" / "train.py"), run_name="__main__")
+    finally:
+        sys.argv = saved
+    assert exit_info.value.code == 2
+    assert "two configs given: --config a.json, --deepspeed_config b.json; pass one" in capsys.readouterr().err
