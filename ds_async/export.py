@@ -4,10 +4,10 @@
 taken). A checkpoint already stores the newest weights as Hugging Face names them, one safetensors shard per
 pipeline stage, with their index; these are checked against the checkpoint's manifest (size and sha256) and copied.
 ``config.json`` and the tokenizer's files are checked the same way, read, and written out as Hugging Face users need
-them (:func:`ds_async.models.hf_io.write_model_files`): BOS/EOS ids in ``config.json`` are the tokenizer's, the
-tokenizer has a pad token (its EOS if it has none), pads on the left and has ``model_max_length`` = the model's
-``max_position_embeddings``, and ``generation_config.json`` holds EOS, pad, BOS and that ``max_length``, whatever
-the checkpoint's own files say. Nothing is read from ``CKPT`` before it is checked: a
+them (:func:`ds_async.models.hf_io.write_model_files`): the tokenizer has a pad token (its EOS if it has none),
+pads on the left and has ``model_max_length`` = the model's ``max_position_embeddings``; BOS/EOS/pad ids in
+``config.json`` and ``generation_config.json`` are the tokenizer's, and the generation config holds no length,
+whatever the checkpoint's own files say. Nothing is read from ``CKPT`` before it is checked: a
 missing, truncated, corrupt or unreadable file is refused with its path. ``OUT`` then loads with
 ``AutoModelForCausalLM.from_pretrained(OUT)`` and ``AutoTokenizer``, and ``generate`` stops at the end of text and
 pads batches. One process, no GPU, no launcher. The optimizer, the older weight version of a 2BW run and the

@@ -130,13 +130,14 @@ def test_config_generation_config_and_tokenizer_agree_on_end_of_text(run, export
     assert eos == 0 and tok.eos_token == EOS_TOKEN
     assert model.config.eos_token_id == tok.eos_token_id == eos
     assert model.config.bos_token_id is None and tok.bos_token_id is None  # the BPE has no BOS
-    # pad_token_id stays out of config.json: LLaMA makes it the embedding's padding_idx (a frozen row)
-    assert model.config.pad_token_id is None
+    # The three name one pad (the EOS): config.json too, so that HF code reading the model's pad agrees
+    assert model.config.pad_token_id == eos
     assert tok.pad_token_id == eos and tok.padding_side == "left"
     assert tok.model_max_length == TINY["max_position_embeddings"]
     gen = GenerationConfig.from_pretrained(exported)
     assert (gen.eos_token_id, gen.pad_token_id, gen.bos_token_id) == (eos, eos, None)
-    assert gen.max_length == TINY["max_position_embeddings"]
+    # No stored length: with one, every generate(max_new_tokens=...) warns that both are set
+    assert "max_length" not in json.loads((exported / "generation_config.json").read_text())
     assert model.generation_config.eos_token_id == eos
     # The checkpoint itself is written right (not only fixed up by the export).
     saved = json.loads((run["folder"] / "config.json").read_text())
@@ -161,6 +162,34 @@ def test_model_config_takes_the_tokenizers_ids_and_leaves_pad_alone(run):
     assert (hf.eos_token_id, hf.bos_token_id, hf.pad_token_id) == (0, None, None)
     assert (model_config(cfg).eos_token_id, model_config(cfg).bos_token_id) == (2, 1)  # HF's defaults without it
     assert tok.pad_token is None, "the run's own tokenizer is not changed"
+
+
+def test_generate_with_max_new_tokens_is_quiet(hf, recwarn, caplog):
+    """``generate(max_new_tokens=...)`` on the export, single and batched: no warning from transformers (no stored
+    length to clash with, a pad for finished rows, an attention mask from the tokenizer)."""
+    import logging
+
+    model, tok = hf
+    caplog.set_level(logging.WARNING)
+    with torch.no_grad():
+        model.generate(**tok("Police said", return_tensors="pt"), max_new_tokens=4, do_sample=False)
+        model.generate(**tok(["Police said", "The government announced"], return_tensors="pt", padding=True),
+                       max_new_tokens=4, do_sample=False)
+    assert [str(w.message) for w in recwarn] == []
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_training_from_an_export_keeps_end_of_text_trainable(exported):
+    """``model.path`` = an export: its pad is its EOS, which ds_async's training does not take as the embedding's
+    padding row (packed rows pad nothing, and that row would get no gradient)."""
+    from ds_async import config as cfgmod
+    from ds_async.data import load_tokenizer
+    from ds_async.models import model_config
+
+    assert json.loads((exported / "config.json").read_text())["pad_token_id"] == 0
+    cfg = cfgmod.parse({"model": {"path": str(exported)}, "train": {"steps": 1}})
+    hf = model_config(cfg, load_tokenizer(str(exported)))
+    assert (hf.eos_token_id, hf.pad_token_id) == (0, None)
 
 
 def test_generate_stops_right_after_end_of_text(hf):
@@ -244,7 +273,8 @@ def test_checkpoint_written_before_the_fix_exports_right(run, tmp_path):
     assert AutoConfig.from_pretrained(tmp_path / "hf").eos_token_id == tok.eos_token_id == 0
     assert (tok.pad_token_id, tok.padding_side, tok.model_max_length) == (0, "left", 64)
     gen = GenerationConfig.from_pretrained(tmp_path / "hf")
-    assert (gen.eos_token_id, gen.pad_token_id, gen.max_length) == (0, 0, 64)
+    assert (gen.eos_token_id, gen.pad_token_id) == (0, 0)
+    assert "max_length" not in json.loads((tmp_path / "hf" / "generation_config.json").read_text())
 
 
 # ------------------------------------------------------------------------------------------ export targets

@@ -168,6 +168,10 @@ def model_config(cfg: DsAsyncConfig, tokenizer=None):
                           f"{layers - 2} decoder layers + head); a stage needs at least one layer")
     if tokenizer is not None:
         hf_io.match_tokenizer(hf, tokenizer)
+        if hf.pad_token_id is not None and hf.pad_token_id == tokenizer.eos_token_id:
+            # An export's pad is its EOS (for generate and batched prompts). Training pads nothing (rows are
+            # packed), and as the embedding's padding_idx it would stop EOS's row from learning.
+            hf.pad_token_id = None
     return hf
 
 

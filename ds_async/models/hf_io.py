@@ -4,8 +4,9 @@ Only the safetensors format is read, and only the tensors a stage owns: a sharde
 file holds each tensor, and ``safe_open`` reads single tensors without loading whole files.
 
 What is written next to the shards (:func:`write_model_files`) is what Hugging Face users need to run the model as
-is: ``config.json`` with the tokenizer's BOS/EOS ids, ``generation_config.json`` (EOS, pad, BOS, a ``max_length``
-the model's positions allow) and the tokenizer with a pad token, left padding and a real ``model_max_length``.
+is: ``config.json`` with the tokenizer's BOS/EOS/pad ids, ``generation_config.json`` (EOS, pad, BOS; no length, so
+``generate(max_new_tokens=...)`` runs without a warning) and the tokenizer with that pad token, left padding and a
+real ``model_max_length``.
 """
 from __future__ import annotations
 
@@ -113,7 +114,8 @@ def match_tokenizer(config, tokenizer):
 
 def generation_config(config, tokenizer=None):
     """The ``GenerationConfig`` of the model: BOS/EOS from ``config``, pad from ``tokenizer`` (else the config's
-    pad, else EOS), ``max_length`` the model's ``max_position_embeddings`` (HF's default is 20 tokens)."""
+    pad, else EOS). No length: ``generate`` callers give ``max_new_tokens``, and a stored ``max_length`` beside it
+    makes every such call warn."""
     from transformers import GenerationConfig
 
     eos = config.eos_token_id
@@ -122,10 +124,7 @@ def generation_config(config, tokenizer=None):
         pad = config.pad_token_id
     if pad is None:
         pad = eos[0] if isinstance(eos, (list, tuple)) else eos
-    kwargs = {"bos_token_id": config.bos_token_id, "eos_token_id": eos, "pad_token_id": pad}
-    if getattr(config, "max_position_embeddings", None):
-        kwargs["max_length"] = config.max_position_embeddings
-    return GenerationConfig(**kwargs)
+    return GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=pad)
 
 
 def write_model_files(out_dir: str | os.PathLike, config, tokenizer=None) -> list[str]:
@@ -139,6 +138,11 @@ def write_model_files(out_dir: str | os.PathLike, config, tokenizer=None) -> lis
 
         tokenizer = for_generation(tokenizer, getattr(config, "max_position_embeddings", None))
         match_tokenizer(config, tokenizer)
+        # config.json, generation_config.json and the tokenizer name one pad. HF's LLaMA/Mixtral make it the input
+        # embedding's padding_idx, whose row then gets no gradient when the export is fine-tuned with HF: with pad =
+        # EOS that row keeps its trained value (the output head, untied, still learns EOS). ds_async's own training
+        # from the export does not take it as padding (models.model_config).
+        config.pad_token_id = tokenizer.pad_token_id
     config.save_pretrained(root)
     generation_config(config, tokenizer).save_pretrained(root)
     names = ["config.json", "generation_config.json"]
