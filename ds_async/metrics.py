@@ -129,8 +129,8 @@ class RunLogger:
         self.window, self.warmup = window, warmup
         self.flops_per_step, self.peak_flops = flops_per_step, peak_flops
         self.monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
-        self.history = {"train": [], "validation": [], "validation_seconds": [], "grad_norm": [], "step_time_s": [],
-                        "tokens_per_s": []}
+        self.history = {"train": [], "train_seconds": [], "validation": [], "validation_seconds": [], "grad_norm": [],
+                        "step_time_s": [], "tokens_per_s": []}
         self.seconds_before = seconds_before
         self.last: dict = {}
         self.last_optimizer: dict | None = None
@@ -197,6 +197,9 @@ class RunLogger:
         rates = self.rates(step_time)
         self.last = {"loss": loss, "lr": lr, "grad_norm": grad_norm, **rates}
         self.history["train"].append((step, loss))
+        # The training clock when the step's loss reached the host (under a flush-free schedule up to a step after
+        # the step ended): loss against wall-clock.
+        self.history["train_seconds"].append((step, round(self.elapsed(), 3)))
         for key in ("grad_norm", "step_time_s", "tokens_per_s"):
             if self.last[key] is not None:
                 self.history[key].append((step, self.last[key]))

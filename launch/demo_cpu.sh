@@ -20,6 +20,8 @@ if ! "$PYTHON" -c "import importlib.metadata as m; m.version('ds_async')" 2>/dev
   "$PYTHON" -m pip install -e .
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# DeepSpeed's accelerator named up front: a CPU run is what this demo is, not a fallback to warn about.
+export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 name=demo
 args=()
 while [ $# -gt 0 ]; do

@@ -36,6 +36,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ds_async import report as your_runs  # `report` here is the results page's
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "launch" / "study" / "results"
 PAGE = ROOT / "launch" / "study" / "RESULTS.md"
@@ -350,7 +352,7 @@ def sweep(runs: pd.DataFrame, axis: str, ref: dict | None = None, labels: tuple[
             diff = (table[labels[1]] - table[labels[0]]).dropna()
             row["gap"], row["seeds"] = diff.mean(), int(diff.count())
         rows.append(row)
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows) if rows else pd.DataFrame(columns=["optimizer", axis])
 
 
 def depth_table(runs: pd.DataFrame, ref: dict | None = None) -> pd.DataFrame:
@@ -1365,9 +1367,15 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "table":
         runs = load_runs(args.roots)
         print(f"{len(runs)} runs")
-        if len(runs):
+        main = main_table(runs) if len(runs) else pd.DataFrame()
+        if len(runs) and main.empty:  # no study matrix in them (e.g. a user's own runs): every run side by side
+            mine = [your_runs.read_run(path) for path in runs["path"]]
+            print(your_runs.table(mine))
+            for sync, run in your_runs.pairs(mine):
+                print("\n".join(your_runs.comparison_lines(your_runs.compare(sync, run))))
+        elif len(runs):
             with pd.option_context("display.width", 200, "display.max_columns", 20):
-                print(main_table(runs).to_string())
+                print(main.to_string())
                 engine = engine_table(runs)
                 if len(engine):
                     print("\nThe engine vs the emulation (final validation loss, same config):")
