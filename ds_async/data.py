@@ -33,7 +33,7 @@ from datasets.distributed import split_dataset_by_node
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from . import corpus
+from . import corpus, hub
 from .config import ConfigError, DataConfig, DataSource, from_dict
 from .corpus import EMBEDDED_CORPUS  # ships with Python itself: the default, nothing to install
 from .hub import one_line, refuse_remote_code
@@ -269,6 +269,13 @@ def load_text_stream(source: str | Sequence[str] | DataSource, split: str, text_
         raise FileNotFoundError(f"{label}{e}") from None
     except ValueError as e:
         raise DataError(f"{label}{e}") from None
+    on_hub = (files is None and not os.path.exists(builder)) or any(
+        str(f).startswith("hf://") for f in ([files] if isinstance(files, str) else files or []))
+    why = hub.unreachable() if on_hub else None
+    if why is not None:
+        raise DataError(f"{label}{describe(src or source)}: cannot reach the Hugging Face hub ({why}); without a "
+                        "network set HF_HUB_OFFLINE=1 to read a dataset from the local cache, or point the key at "
+                        "local files")
     if files is None:  # a dataset: load_dataset(path, name=..., revision=..., data_files=..., data_dir=...)
         fields = dataclasses.asdict(src) if src is not None else {}
         kwargs = {k: fields[k] for k in ("name", "revision", "data_files", "data_dir") if fields.get(k) is not None}

@@ -210,8 +210,12 @@ def train(config_path: str, max_steps: int | None = None, run_name: str | None =
     starts afresh if there is none); a path names a checkpoint or a folder of them.
     """
     trainer = Trainer(config_path, max_steps=max_steps, run_name=run_name)
-    trainer.setup(resume)
-    return trainer.run()
+    try:
+        trainer.setup(resume)
+        return trainer.run()
+    except BaseException:
+        trainer.discard_unused_folders()
+        raise
 
 
 class Trainer:
@@ -230,10 +234,25 @@ class Trainer:
         check_optimizer_block(self.ds_config, cfg.correction)
         self.cfg = cfg if run_name is None else replace(cfg, logging=replace(cfg.logging, run_name=run_name))
         self.max_steps = max_steps
+        self.run_dir: Path | None = None  # set by setup, on every rank (rank 0 creates them)
+        self.ckpt_root: Path | None = None
         init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         tbs, self.mbs, self.gas = cfgmod.check_batch(self.ds_config, self.cfg, self.world)
         self.ds_config = cfgmod.with_schedule_length(self.ds_config, steps_for(self.cfg, tbs * self.cfg.data.seq_len))
+
+    def discard_unused_folders(self) -> None:
+        """After a failure: the checkpoint folder if this job created it and saved nothing in it, then the run
+        folder if nothing else is left in it (a trained tokenizer, logs of steps that ran, are kept)."""
+        from .checkpoint import folder
+
+        if self.rank != 0 or self.ckpt_root is None:
+            return
+        if folder.discard_if_unused(self.ckpt_root) and self.run_dir is not None:
+            try:
+                self.run_dir.rmdir()  # only if empty
+            except OSError:
+                pass
 
     # ------------------------------------------------------------------------------------------------ setup
     def setup(self, resume: str | None = None) -> None:

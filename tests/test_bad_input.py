@@ -22,7 +22,7 @@ import pytest
 from ds_async import config
 from ds_async.config import ConfigError
 
-from distributed import train_py_error
+from distributed import free_port, train_py_error
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
@@ -150,6 +150,54 @@ def test_hub_names_that_cannot_be_fetched_name_the_key(tmp_path):
             assert all("\n" not in e for e in (model, tokenizer, data))
     finally:
         server.shutdown()
+
+
+def test_a_run_that_fails_at_start_leaves_no_empty_folders(tmp_path):
+    """A job stopped at start (here: a training file without usable text, found after the run and checkpoint
+    folders were made) removes the checkpoint folder it made and the then empty run folder; one that had trained a
+    tokenizer keeps it."""
+    (tmp_path / "empty.txt").write_text("\n \n")
+    runs = tmp_path / "runs"
+    for name, tokenizer in (("plain", str(ROOT.parent / "shared" / "corpus" / "tokenizers" / "bpe8192.json")),
+                            ("trained", "train:300")):
+        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
+               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
+               "ds_async": {"model": {"config": {**TINY, "vocab_size": 8192}}, "tokenizer": tokenizer,
+                            "pipeline_stages": 1,
+                            "data": {"train": str(tmp_path / "empty.txt") if name == "plain" else "python:docs",
+                                     "validation": str(tmp_path / "empty.txt"), "seq_len": 16},
+                            "train": {"steps": 2}, "eval": {"every": 0, "batches": 1},
+                            "logging": {"dir": str(runs), "run_name": name, "progress": False}}}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(cfg))
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+        env.update(OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
+        proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(path)], env=env,
+                              cwd=tmp_path, text=True, capture_output=True, timeout=300)
+        assert proc.returncode == 1 and "ds_async: error: ds_async.data." in proc.stderr, proc.stderr[-3000:]
+    assert not (runs / "plain").exists()
+    assert sorted(p.name for p in (runs / "trained").iterdir()) == ["tokenizer.json"]
+
+
+def test_a_hub_dataset_with_the_hub_unreachable_fails_at_once(tmp_path):
+    """A hub dataset (a name, or an hf:// URL) when the hub cannot be reached: one line naming the key, the hub and
+    what to do, within seconds (datasets alone retries with growing pauses for half a minute before saying it)."""
+    code = ("import json, sys\nfrom ds_async.data import DataError, load_text_stream\nout = []\n"
+            "for source in sys.argv[1:]:\n    try:\n        load_text_stream(source, 'train', key='ds_async.data.train')\n"
+            "    except DataError as e:\n        out.append(str(e))\nprint(json.dumps(out))\n")
+    port = free_port()  # nothing listens there: connections are refused
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0",
+           "HF_ENDPOINT": f"http://127.0.0.1:{port}"}
+    sources = ["someorg/somedata", "hf://datasets/someorg/somedata/data/*.parquet"]
+    proc = subprocess.run([sys.executable, "-c", code, *sources], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errors = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [e.split(": cannot reach")[0] for e in errors] == [f"ds_async.data.train: {s}" for s in sources]
+    for e in errors:
+        assert f"cannot reach the Hugging Face hub (127.0.0.1:{port}: Connection refused); without a network set " \
+               "HF_HUB_OFFLINE=1" in e, e
+    assert "Retrying" not in proc.stderr, proc.stderr[-2000:]  # datasets' retries with growing pauses never start
 
 
 @pytest.mark.parametrize("block, message", [

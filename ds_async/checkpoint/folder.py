@@ -174,6 +174,21 @@ def release(root: str | os.PathLike) -> None:
         os.close(fd)  # closing the only descriptor of the open file releases the flock
 
 
+def discard_if_unused(root: str | os.PathLike) -> bool:
+    """Remove checkpoint folder ``root`` if it holds nothing but its lock (a job that stopped before its first
+    save, which :func:`prepare` had created), releasing this process's lock; returns whether it did."""
+    root = Path(root)
+    try:
+        if {p.name for p in root.iterdir()} - {LOCK}:
+            return False
+        release(root)
+        (root / LOCK).unlink(missing_ok=True)
+        root.rmdir()
+    except OSError:  # gone already, or another job's files appeared in it: leave it
+        return False
+    return True
+
+
 def read_manifest(path: str | os.PathLike) -> dict:
     """The manifest of the checkpoint folder ``path``; CheckpointError naming the file if it is not readable."""
     file = Path(path) / MANIFEST
