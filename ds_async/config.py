@@ -204,7 +204,8 @@ class CorrectionConfig:
 
 @dataclass
 class PerformanceConfig:
-    """Speed levers; each is off by default and changes no result beyond floating-point rounding."""
+    """Speed levers; each is off by default and changes no result beyond floating-point rounding (``fp8`` rounds
+    the decoder layers' products to FP8)."""
 
     compile: bool = False
     """``torch.compile`` the model's layers (each decoder layer and the head, or the stage's layers as one region:
@@ -233,6 +234,12 @@ class PerformanceConfig:
     (:mod:`ds_async.optim.adamw_pass`); and ds_async's Muon (with or without EF) under ``"bf16"``, any schedule,
     ZeRO stage 0 (:mod:`ds_async.optim.muon_pass`). Bit-equal to the unfused step on CPU; compiled on GPUs, where its
     rounding may differ in the last bit. Refused where it does not apply."""
+    fp8: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = None
+    """FP8 matrix products in the decoder layers (attention projections, dense MLP) through torchao's float8
+    training with this scaling recipe; embedding, head, norms, Mixtral's router and experts stay in the training
+    precision (:mod:`ds_async.fp8` says why). Dynamic scaling: each weight version is scaled from its own values.
+    Needs torchao (``pip install -e ".[fp8]"``), a GPU with FP8 tensor cores, ``compile`` and no fp16; this
+    changes results (FP8 rounding), unlike the other levers. null: off."""
 
 
 @dataclass

@@ -50,9 +50,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import jsonfile
+from . import fp8, jsonfile
 from .nonfinite import NonFiniteLoss
-from .models import hf_io
+from .models import decoder_layers, hf_io
 from .optim.clip import clip_, clip_coefficient, squared_norm, sum_in_stage_order
 from .optim.master import MasterWeights
 from .pipe import version_rule
@@ -431,6 +431,7 @@ class Emulation:
             torch.cuda.set_device(dev)
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         self.device, self.precision = dev, precision(self.ds_config, dev)
+        fp8.check(self.cfg.performance.fp8, self.ds_config, self.cfg.performance.compile, dev)
         if self.precision == "bf16" and self.cfg.train.on_nonfinite == "skip":
             raise ConfigError("ds_async.train.on_nonfinite: 'skip' needs fp32 or torch_autocast weights, not bf16")
         seed_everything(self.cfg.seed)
@@ -448,6 +449,9 @@ class Emulation:
         self.state_file = self.run_dir / STATE_FILE
         self.tokenizer = resolve_tokenizer(cfg, self.run_dir, _OneProcess)
         layers, loss_fn, self.hf_config = build_layers(cfg.model, seed=cfg.seed, loss_chunk=cfg.performance.loss_chunk)
+        if cfg.performance.fp8:  # as the pipeline converts its stages (models.build_pipeline)
+            for layer in decoder_layers(layers):
+                fp8.convert(layer, cfg.performance.fp8)
         check_vocab(self.tokenizer, self.hf_config, cfg.tokenizer)
         check_seq_len(cfg, self.hf_config)
         self.bounds = stage_bounds(cfg.partition.method, layers, cfg.pipeline_stages, cfg.partition.boundaries)

@@ -139,6 +139,7 @@ class Job:
     recompute: tuple[int, ...] = ()  # activation_checkpoint_layers per stage (empty: none)
     compiled: bool = False    # performance.compile: inductor's saved tensors (see compiled_decoder_bytes)
     clip: float = 0.0         # gradient_clipping
+    fp8: bool = False         # performance.fp8: the decoder layers' products in FP8 (fp8_workspace)
 
     @property
     def weight_bytes(self) -> int:
@@ -205,7 +206,7 @@ def job_of(ds_config: dict, cfg, world: int):
                recompute=tuple(recomputed_layers(cfg.performance, cfg.pipeline_stages))
                if cfg.performance.activation_checkpoint_layers else (),
                loss_chunk=cfg.performance.loss_chunk, compiled=bool(cfg.performance.compile),
-               clip=gradient_clipping(ds_config), split_gate_up=split)
+               clip=gradient_clipping(ds_config), split_gate_up=split, fp8=cfg.performance.fp8 is not None)
 
 
 # ---------------------------------------------------------------------------------------------------- layers
@@ -518,12 +519,23 @@ def activation_memory(job: Job, hf, kinds: list[str], stage: int) -> tuple[int, 
         else:
             held += full
     working += 3 * e * f * t
+    if job.fp8 and "decoder" in kinds:
+        working += fp8_workspace(job, hf)
     if last:  # the logits' gradient; eager (or chunked) the loss's fp32 rows beside it, compiled one fused kernel
         rows = min(job.loss_chunk, t) if job.loss_chunk else 0 if job.compiled else t
         working += e * hf.vocab_size * t + 4 * hf.vocab_size * rows
     else:
         working += r * h * t  # the received gradient
     return held, working
+
+
+def fp8_workspace(job: Job, hf) -> int:
+    """FP8's casts beside one decoder-layer product (``performance.fp8``), a byte an element: the weight and its
+    transpose, the input and the output's gradient, of the largest product (the MLP's, else attention's). Upper
+    bound: what the product saves for backward is counted as in bf16, though compiled it may keep the FP8 input."""
+    h, f = hf.hidden_size, hf.intermediate_size
+    largest = h * f if job.family == "llama" else h * h  # Mixtral's experts stay in bf16 (ds_async.fp8)
+    return 2 * largest + 2 * job.tokens * (max(h, f) if job.family == "llama" else h)
 
 
 def in_flight(job: Job, stage: int) -> int:

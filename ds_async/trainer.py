@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from . import config as cfgmod
-from . import console
+from . import console, fp8
 from .cadence import Cadence
 from .config import ConfigError, DsAsyncConfig
 from .models import hf_io
@@ -224,6 +224,7 @@ class Trainer:
 
     def __init__(self, config_path: str, max_steps: int | None = None, run_name: str | None = None):
         from deepspeed import comm as dist
+        from deepspeed.accelerator import get_accelerator
 
         from .builder import init_distributed
         from .optim.client import check_optimizer_block
@@ -238,6 +239,8 @@ class Trainer:
         self.ckpt_root: Path | None = None
         init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        fp8.check(cfg.performance.fp8, self.ds_config, cfg.performance.compile,
+                  torch.device(get_accelerator().current_device_name()))
         tbs, self.mbs, self.gas = cfgmod.check_batch(self.ds_config, self.cfg, self.world)
         self.ds_config = cfgmod.with_schedule_length(self.ds_config, steps_for(self.cfg, tbs * self.cfg.data.seq_len))
 

@@ -13,7 +13,7 @@ import torch
 from deepspeed.pipe import PipelineModule
 
 from ..config import ConfigError, DsAsyncConfig, check_boundaries, check_recompute, recomputed_layers
-from .. import hub
+from .. import fp8, hub
 from . import hf_io, llama, mixtral
 
 FAMILIES = {"llama": llama, "mixtral": mixtral}
@@ -93,6 +93,11 @@ class StagedPipelineModule(PipelineModule):
         self.parts = list(self._explicit)
         stage_id = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+
+def decoder_layers(layers) -> list[torch.nn.Module]:
+    """The decoder layers among built pipeline ``layers`` (LLaMA's and Mixtral's)."""
+    return [layer for layer in layers if isinstance(layer, llama.DecoderLayerPipe)]
 
 
 def _recomputable(layer) -> bool:
@@ -242,6 +247,9 @@ def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineMod
                                   # needs no gradient: recompute decoder layers only (DeepSpeed matches by name).
                                   checkpointable_layers=[llama.DecoderLayerPipe.__name__,
                                                          mixtral.MoeDecoderLayerPipe.__name__], **kwargs)
+    if perf.fp8:  # before compiling, which then fuses torchao's casts into the layers
+        for layer in decoder_layers(module.forward_funcs):
+            fp8.convert(layer, perf.fp8)
     if perf.compile:  # the loss too, so it fuses with the softmax
         if perf.compile_scope == "stage":
             module.compile_stage()
