@@ -162,7 +162,7 @@ def job_of(ds_config: dict, cfg, world: int):
     """The :class:`Job` of a parsed config at world size ``world``; raises ``ConfigError`` naming the key."""
     from .config import ConfigError, check_batch, gradient_clipping, recomputed_layers
     from .optim import needs_client_optimizer
-    from .optim.optimizers import SPLIT_GATE_UP, check_split_gate_up
+    from .optim.muon import SPLIT_GATE_UP, check_split_gate_up
 
     from .pipe.version_rule import get
 
@@ -390,7 +390,7 @@ def muon_step_workspace(job: Job, layers: list[Layer]) -> int:
 
 def muon_groups(job: Job, layers: list[Layer]) -> list[list[tuple[int, ...]]]:
     """The shapes Newton-Schulz is given for each of a stage's Muon groups, in step order, as
-    :func:`ds_async.optim.optimizers.muon_param_groups` builds them: the ``matrix`` parameters, then under
+    :func:`ds_async.optim.muon.muon_param_groups` builds them: the ``matrix`` parameters, then under
     ``split_gate_up`` the fused ``[gate; up]`` stacks as ``[..., 2, rows / 2, cols]`` (their ``gate_up`` group,
     viewed by :func:`ds_async.optim.muon.split_rows`)."""
     from .optim.muon import split_rows

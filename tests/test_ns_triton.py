@@ -36,8 +36,8 @@ def _newton_schulz_fp32(g: torch.Tensor, steps: int) -> torch.Tensor:
 
 
 def _check() -> None:
-    from ds_async.optim.muon import zeropower_matmul
-    from ds_async.optim.ns_triton import sym_product, zeropower_symmetric
+    from ds_async.optim.muon import zeropower_matmul, zeropower_symmetric
+    from ds_async.optim.ns_triton import sym_product
 
     gen = torch.Generator().manual_seed(0)
     for batch, m, k in ((2, 70, 150), (1, 130, 64)):

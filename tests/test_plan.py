@@ -206,7 +206,7 @@ def test_muon_workspace_of_a_stage_follows_its_groups(tmp_path, split, fused_ste
     from ds_async import config as cfgmod
     from ds_async.models import FAMILIES, model_config
     from ds_async.optim.muon import orthogonalise_batched, orthogonalise_blocks
-    from ds_async.optim.optimizers import muon_param_groups, row_blocks
+    from ds_async.optim.muon import muon_param_groups, row_blocks
 
     optimizer = {"type": "Muon", "params": {**MUON["params"], "split_gate_up": split}}
     path = write_config(tmp_path, "mixtral", optimizer=optimizer, performance={"fused_optimizer_step": fused_step})

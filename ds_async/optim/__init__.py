@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from .corrections import Correction, ErrorFeedback, NesterovLookahead, build_correction, is_correction
-from .optimizers import SGD, AdamW, Lion, Muon, UpdateOptimizer, muon_param_groups
+from .muon import Muon, muon_param_groups
+from .optimizers import SGD, AdamW, Lion, UpdateOptimizer
 from .roles import ROLES, param_roles, role_groups
 
 __all__ = ["build_optimizer", "needs_client_optimizer", "UpdateOptimizer", "AdamW", "SGD", "Lion", "Muon",

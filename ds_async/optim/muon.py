@@ -1,4 +1,5 @@
-"""Muon's update for hidden-layer matrices as pure functions (Jordan et al. 2024, "Muon: An optimizer for hidden
+"""Muon: its update for hidden-layer matrices as pure functions, and the hybrid optimizer :class:`Muon` (Muon for
+the matrices, AdamW for the rest) over them (Jordan et al. 2024, "Muon: An optimizer for hidden
 layers in neural networks"; the lr rules of Liu et al. 2025, "Muon is Scalable for LLM Training").
 
 Momentum and orthogonalisation follow ``torch.optim.Muon`` op for op (same bf16 Newton-Schulz, same ``addmm``
@@ -21,6 +22,9 @@ import math
 import torch
 from torch import Tensor
 
+from .corrections import Correction
+from .optimizers import UpdateOptimizer, adamw_new_value
+from .roles import fused_gate_up, role_groups
 from .updates import decayed
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -59,15 +63,30 @@ def zeropower_via_newtonschulz(grad: Tensor, steps: int = NS_STEPS,
 
 @functools.cache
 def _zeropower_symmetric(device_index: int | None):
-    """:func:`ds_async.optim.ns_triton.zeropower_symmetric` for that CUDA device, or None where Triton does not
-    import or the card has no bf16 tensor cores (Triton's bf16 ``tl.dot`` needs compute capability 8.0)."""
+    """:func:`zeropower_symmetric` for that CUDA device, or None where Triton does not import or the card has no
+    bf16 tensor cores (Triton's bf16 ``tl.dot`` needs compute capability 8.0)."""
     if torch.cuda.get_device_capability(device_index) < (8, 0):
         return None
     try:
-        from .ns_triton import zeropower_symmetric
+        from . import ns_triton  # noqa: F401 - Triton, a slow and optional import: only where it may be used
     except ImportError:
         return None
     return zeropower_symmetric
+
+
+def zeropower_symmetric(grad: Tensor, steps: int = NS_STEPS,
+                        coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS,
+                        blocks: tuple[int, int] | None = None, upcast: bool = False) -> Tensor:
+    """:func:`zeropower_matmul`'s iteration with the two symmetric products computed one triangle each by Triton
+    (:func:`ds_async.optim.ns_triton.iterate`; ``blocks``, ``upcast``: as there, for Triton's interpreter)."""
+    from . import ns_triton
+
+    x, tall = wide_and_normalised(grad, eps)
+    lead = x.shape[:-2]
+    x = x.reshape(-1, *x.shape[-2:]).contiguous()  # a tall matrix's transpose: rows made contiguous along k
+    x = ns_triton.iterate(x, steps, coefficients, blocks=blocks, upcast=upcast)
+    x = x.reshape(*lead, *x.shape[-2:])
+    return x.mT if tall else x
 
 
 def zeropower_matmul(grad: Tensor, steps: int = NS_STEPS,
@@ -183,3 +202,134 @@ def muon_apply(param: Tensor, orthogonalised: Tensor, *, lr: float, weight_decay
     shape = block_shape(param.shape, row_blocks)
     return decayed(param, lr, weight_decay).add_(orthogonalised, alpha=-adjusted_lr(lr, shape, lr_rule))
 
+
+# ------------------------------------------------------------------------------------------------ the optimizer
+
+class Muon(UpdateOptimizer):
+    """Hybrid Muon: groups with ``use_muon=True`` (hidden matrices and expert stacks) get Muon, the others AdamW.
+
+    Build the groups with :func:`muon_param_groups` from the model (roles, not names, decide). A Muon group's
+    hyper-parameters: ``lr, momentum, nesterov, ns_steps, weight_decay, lr_rule`` (``original`` or
+    ``match_rms_adamw``) and, optionally, ``row_blocks`` (default 1): each of the group's matrices is
+    orthogonalised as that many equal blocks of rows, each block a matrix of its own with its own lr adjustment
+    (bit-equal to Muon on the blocks as separate tensors; ``muon_param_groups(split_gate_up=True)`` puts fused
+    ``[gate; up]`` expert stacks in such a group, 2 blocks, by default; why is said there). An
+    AdamW group's: ``lr, betas, eps, weight_decay``. Muon refuses parameters that are not at least 2-D (a flat ZeRO
+    partition) with an explanation, and matrices whose rows do not split into ``row_blocks`` equal blocks.
+    """
+
+    def __init__(self, param_groups: list[dict], lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
+                 ns_steps: int = NS_STEPS, weight_decay: float = 0.0, lr_rule: str = "original",
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, ns_eps: float = NS_EPS,
+                 correction: Correction | None = None, orthogonalise=orthogonalise_batched):
+        if lr_rule not in LR_RULES:
+            raise ValueError(f"Muon: lr_rule must be one of {list(LR_RULES)}, got {lr_rule!r}")
+        param_groups = list(param_groups)
+        for group in param_groups:
+            if not isinstance(group, dict) or "use_muon" not in group:
+                raise ValueError("Muon takes param groups that each say use_muon=True/False; build them with "
+                                 "ds_async.optim.muon.muon_param_groups(model, ...)")
+        super().__init__(param_groups, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                                            weight_decay=weight_decay, lr_rule=lr_rule, betas=tuple(betas), eps=eps,
+                                            ns_coefficients=tuple(ns_coefficients), ns_eps=ns_eps), correction)
+        for group in self.param_groups:
+            if group["use_muon"]:
+                blocks = row_blocks(group)
+                for p in group["params"]:
+                    require_matrix(p)
+                    block_shape(p.shape, blocks)
+        # Newton-Schulz over a list of directions (orthogonalise_batched's contract); replicas that each hold every
+        # matrix (ZeRO-0) share the work with ds_async.optim.ns_split.orthogonalise_split (the client's choice).
+        self.orthogonalise = orthogonalise
+
+    def _prepare_step(self) -> dict:
+        # Orthogonalise every matrix first, same shapes batched (one Newton-Schulz per shape, not per matrix);
+        # the per-parameter pass then applies them through the update hook.
+        orthogonalised = {}
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                continue
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:  # e.g. a ZeRO-1 shard owning none of this group's matrices
+                continue
+            for p in params:
+                require_matrix(p)
+                state = self.state[p]
+                if not state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+            directions = momentum_directions([p.grad for p in params],
+                                             [self.state[p]["momentum_buffer"] for p in params],
+                                             momentum=group["momentum"], nesterov=group["nesterov"])
+            ortho = orthogonalise_blocks(self.orthogonalise, directions, row_blocks(group), group["ns_steps"],
+                                         group["ns_coefficients"], group["ns_eps"])
+            orthogonalised.update(zip(params, ortho))
+        return orthogonalised
+
+    def _new_value(self, param, grad, state, group, prepared):
+        if not group["use_muon"]:
+            return adamw_new_value(param, grad, state, group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        return muon_apply(param, prepared, lr=group["lr"],
+                          weight_decay=group["weight_decay"], lr_rule=group["lr_rule"], row_blocks=row_blocks(group))
+
+
+def row_blocks(group: dict) -> int:
+    """A Muon group's ``row_blocks`` (1 when absent: a group whose matrices are not split into row blocks)."""
+    blocks = group.get("row_blocks", 1)
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+        raise ValueError(f"Muon: row_blocks must be a positive integer, got {blocks!r}")
+    return blocks
+
+
+def require_matrix(p: Tensor) -> None:
+    if p.ndim < 2:
+        raise ValueError(
+            f"Muon: a parameter in a Muon ('matrix') group has shape {tuple(p.shape)}. Muon orthogonalises whole "
+            "matrices; a 1-D tensor here is usually a flat partition that DeepSpeed's ZeRO or bf16 optimizer "
+            "substituted for the model's parameters. Use zero_optimization stage 0 without DeepSpeed's bf16 "
+            "optimizer, and ds_async.optim.sharded.ShardedOptimizer for tensor-granular ZeRO-1.")
+
+
+# muon_param_groups' default for fused [gate; up] expert stacks, which the memory planner (ds_async.plan) follows.
+SPLIT_GATE_UP = True
+
+
+def check_split_gate_up(value) -> None:
+    """Refuse an ``optimizer.params.split_gate_up`` that is not a JSON boolean (a ValueError naming the key)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"optimizer.params.split_gate_up: must be true or false, got {value!r}")
+
+
+def muon_param_groups(model: torch.nn.Module, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
+                      ns_steps: int = NS_STEPS, weight_decay: float = 0.0, lr_rule: str = "original",
+                      adam_lr: float = 3e-4, adam_betas: tuple[float, float] = (0.9, 0.95), adam_eps: float = 1e-8,
+                      adam_weight_decay: float = 0.0, split_gate_up: bool = SPLIT_GATE_UP) -> list[dict]:
+    """Param groups for :class:`Muon`, one per role present in ``model`` (named after it): ``matrix`` with Muon's
+    hyper-parameters, ``embedding``, ``head`` and ``vector`` with AdamW's (``adam_*``).
+
+    ``split_gate_up``: how a fused ``[gate; up]`` matrix (:func:`ds_async.optim.roles.fused_gate_up`: Mixtral's
+    expert ``gate_up_proj``, ``[E, 2I, H]``) is orthogonalised. ``True`` (default): its gate and up halves as two
+    ``I x H`` matrices each, with the lr adjusted for ``I x H``, exactly as the dense LLaMA path orthogonalises its
+    separate ``gate_proj`` and ``up_proj``; these stacks then form a Muon group of their own, ``gate_up`` (right
+    after ``matrix``, ``row_blocks=2``, the same hyper-parameters). The halves are two linear maps (the gate's goes
+    through SiLU, the up's multiplies it), so splitting makes the update independent of how transformers stores
+    them. ``False``: as one ``2I x H`` matrix per expert, in the ``matrix`` group (no ``gate_up`` group: the layout
+    a checkpoint without one holds). docs/DESIGN.md ("Muon on fused expert matrices") says why
+    split is the default. Models without fused matrices get the same groups either way."""
+    check_split_gate_up(split_gate_up)
+    muon = dict(use_muon=True, lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                weight_decay=weight_decay, lr_rule=lr_rule)
+    adam = dict(use_muon=False, lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps, weight_decay=adam_weight_decay)
+    groups = []
+    for role, params in role_groups(model).items():
+        if role == "matrix" and split_gate_up:
+            fused = {id(p) for p in fused_gate_up(model)}
+            plain = [p for p in params if id(p) not in fused]
+            if plain:
+                groups.append(dict(params=plain, name="matrix", **muon))
+            if len(plain) < len(params):
+                groups.append(dict(params=[p for p in params if id(p) in fused], name="gate_up", row_blocks=2,
+                                   **muon))
+        elif params:
+            groups.append(dict(params=params, name=role, **(muon if role == "matrix" else adam)))
+    return groups

@@ -8,12 +8,13 @@ mirror), about half the FLOPs of the full product. With ``X`` of ``m x n`` (``m 
 benchmark model, 31% fewer; for that stage's 28 matrices 1.14x cuBLAS's speed on an H100 and 1.23x on an H200
 (``launch/bench/RESULTS.md``).
 
-Contract: :func:`zeropower_symmetric` takes and returns what ``ds_async.optim.muon.zeropower_matmul`` does (bf16,
-same shape), with the same arithmetic: fp32 accumulation of each product, ``alpha * acc + beta * D`` rounded once to
+The kernel alone: :func:`iterate` is Newton-Schulz's loop on a normalised batch, which
+``ds_async.optim.muon.zeropower_symmetric`` prepares as ``zeropower_matmul`` does and takes and returns what that
+does (bf16, same shape), with the same arithmetic: fp32 accumulation of each product, ``alpha * acc + beta * D`` rounded once to
 bf16 as ``torch.baddbmm`` does. On an H100 and an H200 the results were bit-equal to cuBLAS's for the benchmark
 stage's shapes; other cards or shapes may differ in the last bits.
 ``ds_async.optim.muon.zeropower_via_newtonschulz`` takes this path for CUDA tensors where Triton imports (the matmul
-path elsewhere); ``tests/test_ns_triton.py`` runs it under Triton's CPU interpreter against fp32 products, the fp32
+path elsewhere); this module imports nothing of ds_async's; ``tests/test_ns_triton.py`` runs it under Triton's CPU interpreter against fp32 products, the fp32
 iteration and the matmul path.
 """
 from __future__ import annotations
@@ -21,8 +22,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from .muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, wide_and_normalised
 
 CONFIGS = [triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
            triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
@@ -101,18 +100,14 @@ def sym_product(x: torch.Tensor, d: torch.Tensor | None = None, alpha: float = 1
     return c.to(x.dtype)
 
 
-def zeropower_symmetric(grad: torch.Tensor, steps: int = NS_STEPS,
-                        coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS,
-                        blocks: tuple[int, int] | None = None, upcast: bool = False) -> torch.Tensor:
-    """``ds_async.optim.muon.zeropower_matmul``'s iteration with the two symmetric products by :func:`sym_product`
+def iterate(x: torch.Tensor, steps: int, coefficients: tuple[float, float, float],
+            blocks: tuple[int, int] | None = None, upcast: bool = False) -> torch.Tensor:
+    """The quintic iteration ``X <- a X + (b A + c A A^T) X``, ``A = X X^T``, ``steps`` times on a batch ``x`` of
+    ``[B, M, K]`` (``M <= K``, rows contiguous along ``K``), the two symmetric products by :func:`sym_product`
     (``blocks``, ``upcast``: as there, for Triton's interpreter)."""
     a, b, c = coefficients
-    x, tall = wide_and_normalised(grad, eps)
-    lead = x.shape[:-2]
-    x = x.reshape(-1, *x.shape[-2:]).contiguous()  # a tall matrix's transpose: rows made contiguous along k
     for _ in range(steps):
         gram = sym_product(x, blocks=blocks, upcast=upcast)
         poly = sym_product(gram, gram, alpha=c, beta=b, blocks=blocks, upcast=upcast)  # b A + c A A^T, A symmetric
         x = torch.baddbmm(x, poly, x, beta=a)
-    x = x.reshape(*lead, *x.shape[-2:])
-    return x.mT if tall else x
+    return x

@@ -1,4 +1,5 @@
-"""Thin ``torch.optim.Optimizer`` classes over the pure update rules: AdamW, SGD, Lion and the hybrid Muon.
+"""Thin ``torch.optim.Optimizer`` classes over the pure update rules: AdamW, SGD, Lion (the hybrid Muon, built on
+:class:`UpdateOptimizer` too, lives with its rule in :mod:`ds_async.optim.muon`).
 
 Every step computes, per parameter, the new value the base rule gives (torch's op order, so bit-equal to torch
 where torch has the optimizer) and applies it in one place, :meth:`UpdateOptimizer._apply`: there the full update
@@ -18,8 +19,6 @@ import torch
 from torch import Tensor
 
 from .corrections import Correction
-from .muon import (LR_RULES, NS_COEFFICIENTS, NS_EPS, NS_STEPS, block_shape, momentum_directions, muon_apply,
-                   orthogonalise_batched, orthogonalise_blocks)
 from .updates import adamw_step, lion_step, sgd_step
 
 
@@ -190,7 +189,7 @@ class AdamW(UpdateOptimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), correction)
 
     def _new_value(self, param, grad, state, group, prepared):
-        return _adamw_step(param, grad, state, group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        return adamw_new_value(param, grad, state, group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
 
 def advance_adamw_state(param: Tensor, state: dict) -> None:
@@ -203,7 +202,7 @@ def advance_adamw_state(param: Tensor, state: dict) -> None:
     state["step"] += 1
 
 
-def _adamw_step(param, grad, state, lr, betas, eps, weight_decay) -> Tensor:
+def adamw_new_value(param, grad, state, lr, betas, eps, weight_decay) -> Tensor:
     advance_adamw_state(param, state)
     return adamw_step(param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr=lr, betas=betas,
                         eps=eps, weight_decay=weight_decay)
@@ -241,135 +240,3 @@ class Lion(UpdateOptimizer):
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         return lion_step(param, grad, state["exp_avg"], lr=group["lr"], betas=group["betas"],
                            weight_decay=group["weight_decay"])
-
-
-class Muon(UpdateOptimizer):
-    """Hybrid Muon: groups with ``use_muon=True`` (hidden matrices and expert stacks) get Muon, the others AdamW.
-
-    Build the groups with :func:`muon_param_groups` from the model (roles, not names, decide). A Muon group's
-    hyper-parameters: ``lr, momentum, nesterov, ns_steps, weight_decay, lr_rule`` (``original`` or
-    ``match_rms_adamw``) and, optionally, ``row_blocks`` (default 1): each of the group's matrices is
-    orthogonalised as that many equal blocks of rows, each block a matrix of its own with its own lr adjustment
-    (bit-equal to Muon on the blocks as separate tensors; ``muon_param_groups(split_gate_up=True)`` puts fused
-    ``[gate; up]`` expert stacks in such a group, 2 blocks, by default; why is said there). An
-    AdamW group's: ``lr, betas, eps, weight_decay``. Muon refuses parameters that are not at least 2-D (a flat ZeRO
-    partition) with an explanation, and matrices whose rows do not split into ``row_blocks`` equal blocks.
-    """
-
-    def __init__(self, param_groups: list[dict], lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
-                 ns_steps: int = NS_STEPS, weight_decay: float = 0.0, lr_rule: str = "original",
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, ns_eps: float = NS_EPS,
-                 correction: Correction | None = None, orthogonalise=orthogonalise_batched):
-        if lr_rule not in LR_RULES:
-            raise ValueError(f"Muon: lr_rule must be one of {list(LR_RULES)}, got {lr_rule!r}")
-        param_groups = list(param_groups)
-        for group in param_groups:
-            if not isinstance(group, dict) or "use_muon" not in group:
-                raise ValueError("Muon takes param groups that each say use_muon=True/False; build them with "
-                                 "ds_async.optim.optimizers.muon_param_groups(model, ...)")
-        super().__init__(param_groups, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                                            weight_decay=weight_decay, lr_rule=lr_rule, betas=tuple(betas), eps=eps,
-                                            ns_coefficients=tuple(ns_coefficients), ns_eps=ns_eps), correction)
-        for group in self.param_groups:
-            if group["use_muon"]:
-                blocks = row_blocks(group)
-                for p in group["params"]:
-                    require_matrix(p)
-                    block_shape(p.shape, blocks)
-        # Newton-Schulz over a list of directions (orthogonalise_batched's contract); replicas that each hold every
-        # matrix (ZeRO-0) share the work with ds_async.optim.ns_split.orthogonalise_split (the client's choice).
-        self.orthogonalise = orthogonalise
-
-    def _prepare_step(self) -> dict:
-        # Orthogonalise every matrix first, same shapes batched (one Newton-Schulz per shape, not per matrix);
-        # the per-parameter pass then applies them through the update hook.
-        orthogonalised = {}
-        for group in self.param_groups:
-            if not group["use_muon"]:
-                continue
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:  # e.g. a ZeRO-1 shard owning none of this group's matrices
-                continue
-            for p in params:
-                require_matrix(p)
-                state = self.state[p]
-                if not state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            directions = momentum_directions([p.grad for p in params],
-                                             [self.state[p]["momentum_buffer"] for p in params],
-                                             momentum=group["momentum"], nesterov=group["nesterov"])
-            ortho = orthogonalise_blocks(self.orthogonalise, directions, row_blocks(group), group["ns_steps"],
-                                         group["ns_coefficients"], group["ns_eps"])
-            orthogonalised.update(zip(params, ortho))
-        return orthogonalised
-
-    def _new_value(self, param, grad, state, group, prepared):
-        if not group["use_muon"]:
-            return _adamw_step(param, grad, state, group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        return muon_apply(param, prepared, lr=group["lr"],
-                          weight_decay=group["weight_decay"], lr_rule=group["lr_rule"], row_blocks=row_blocks(group))
-
-
-def row_blocks(group: dict) -> int:
-    """A Muon group's ``row_blocks`` (1 when absent: a group whose matrices are not split into row blocks)."""
-    blocks = group.get("row_blocks", 1)
-    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
-        raise ValueError(f"Muon: row_blocks must be a positive integer, got {blocks!r}")
-    return blocks
-
-
-def require_matrix(p: Tensor) -> None:
-    if p.ndim < 2:
-        raise ValueError(
-            f"Muon: a parameter in a Muon ('matrix') group has shape {tuple(p.shape)}. Muon orthogonalises whole "
-            "matrices; a 1-D tensor here is usually a flat partition that DeepSpeed's ZeRO or bf16 optimizer "
-            "substituted for the model's parameters. Use zero_optimization stage 0 without DeepSpeed's bf16 "
-            "optimizer, and ds_async.optim.sharded.ShardedOptimizer for tensor-granular ZeRO-1.")
-
-
-# muon_param_groups' default for fused [gate; up] expert stacks, which the memory planner (ds_async.plan) follows.
-SPLIT_GATE_UP = True
-
-
-def check_split_gate_up(value) -> None:
-    """Refuse an ``optimizer.params.split_gate_up`` that is not a JSON boolean (a ValueError naming the key)."""
-    if not isinstance(value, bool):
-        raise ValueError(f"optimizer.params.split_gate_up: must be true or false, got {value!r}")
-
-
-def muon_param_groups(model: torch.nn.Module, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
-                      ns_steps: int = NS_STEPS, weight_decay: float = 0.0, lr_rule: str = "original",
-                      adam_lr: float = 3e-4, adam_betas: tuple[float, float] = (0.9, 0.95), adam_eps: float = 1e-8,
-                      adam_weight_decay: float = 0.0, split_gate_up: bool = SPLIT_GATE_UP) -> list[dict]:
-    """Param groups for :class:`Muon`, one per role present in ``model`` (named after it): ``matrix`` with Muon's
-    hyper-parameters, ``embedding``, ``head`` and ``vector`` with AdamW's (``adam_*``).
-
-    ``split_gate_up``: how a fused ``[gate; up]`` matrix (:func:`ds_async.optim.roles.fused_gate_up`: Mixtral's
-    expert ``gate_up_proj``, ``[E, 2I, H]``) is orthogonalised. ``True`` (default): its gate and up halves as two
-    ``I x H`` matrices each, with the lr adjusted for ``I x H``, exactly as the dense LLaMA path orthogonalises its
-    separate ``gate_proj`` and ``up_proj``; these stacks then form a Muon group of their own, ``gate_up`` (right
-    after ``matrix``, ``row_blocks=2``, the same hyper-parameters). The halves are two linear maps (the gate's goes
-    through SiLU, the up's multiplies it), so splitting makes the update independent of how transformers stores
-    them. ``False``: as one ``2I x H`` matrix per expert, in the ``matrix`` group (no ``gate_up`` group: the layout
-    a checkpoint without one holds). docs/DESIGN.md ("Muon on fused expert matrices") says why
-    split is the default. Models without fused matrices get the same groups either way."""
-    from .roles import fused_gate_up, role_groups
-
-    check_split_gate_up(split_gate_up)
-    muon = dict(use_muon=True, lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                weight_decay=weight_decay, lr_rule=lr_rule)
-    adam = dict(use_muon=False, lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps, weight_decay=adam_weight_decay)
-    groups = []
-    for role, params in role_groups(model).items():
-        if role == "matrix" and split_gate_up:
-            fused = {id(p) for p in fused_gate_up(model)}
-            plain = [p for p in params if id(p) not in fused]
-            if plain:
-                groups.append(dict(params=plain, name="matrix", **muon))
-            if len(plain) < len(params):
-                groups.append(dict(params=[p for p in params if id(p) in fused], name="gate_up", row_blocks=2,
-                                   **muon))
-        elif params:
-            groups.append(dict(params=params, name=role, **(muon if role == "matrix" else adam)))
-    return groups

@@ -78,7 +78,8 @@ def build_stage(a) -> torch.nn.Module:
 
 def make_optimizer(name: str, model: torch.nn.Module):
     from ds_async.optim.corrections import ErrorFeedback
-    from ds_async.optim.optimizers import AdamW, Muon, muon_param_groups
+    from ds_async.optim.muon import Muon, muon_param_groups
+    from ds_async.optim.optimizers import AdamW
 
     if name == "torch-adamw-fused":
         return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
@@ -133,7 +134,7 @@ def main() -> None:
     from ds_async.flops import newton_schulz_flops
     from ds_async.metrics import code_version
     from ds_async.optim.muon import momentum_directions, orthogonalise_batched, orthogonalise_blocks, split_rows
-    from ds_async.optim.optimizers import row_blocks
+    from ds_async.optim.muon import row_blocks
 
     torch.manual_seed(0)
     model = build_stage(a)
