@@ -32,11 +32,7 @@ way: Muon groups by :func:`muon_pass_`, AdamW groups (embeddings, head, norms) b
 ``.grad = g`` and calling ``Muon.step()``. Its state stays the class's (same keys), so ``state_dict`` and
 checkpoints are unchanged. It keeps the class's update statistics (``stats()``: the update's and, with EF, the
 base update's and the buffer's squares), summed per tensor where the class sums per chunk of norms, so equal up to
-the order of the additions.
-
-Measured (``launch/bench/bench_newton_schulz.py``, one H100, torch 2.11, the 28 matrices of a 902M-LLaMA stage of
-4 layers): Muon + EF 22.6 ms a step here against 29.8 ms for ``Muon.step()`` on fp32 parameters; Newton-Schulz
-alone 20.0 ms (~540 TFLOP/s), so the passes around it cost ~2.6 ms instead of ~10.
+the order of the additions. Its speed against the class's step: ``launch/bench/RESULTS.md``, "Newton-Schulz".
 """
 from __future__ import annotations
 
@@ -86,8 +82,8 @@ def _add_scaled(x: Tensor, o: Tensor, alpha: Tensor) -> Tensor:
     """``x + alpha * o`` (``alpha`` 0-dim), rounded once as ``torch.add(x, o, alpha=...)`` rounds it (a fused
     multiply-add on CPU), the op the class runs. Eagerly it is that op (which reads ``alpha`` on the host: the eager
     pass runs on CPUs only); under ``torch.compile`` a tensor product that the compiler may fuse into the addition,
-    since reading a tensor ``alpha`` on the host there costs a graph break and a device sync per tensor (seen with
-    torch 2.11 on an H100: the tail ran eagerly)."""
+    since reading a tensor ``alpha`` on the host there costs a graph break and a device sync per tensor (the tail
+    would run eagerly)."""
     if torch.compiler.is_compiling():
         return torch.addcmul(x, o, alpha)
     return torch.add(x, o, alpha=alpha)
@@ -165,8 +161,8 @@ def muon_pass_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffe
                      nesterov)
     orthogonalised = orthogonalise_blocks(orthogonalise, directions, row_blocks, ns_steps, ns_coefficients, ns_eps)
     # A tall matrix is orthogonalised as its transpose and comes back as a transposed view, which the compiled tail
-    # reads across its rows: on a Mixtral stage's fused expert stacks that cost 24 ms a step more than the copy
-    # (launch/bench/RESULTS.md, "A Mixtral stage"). Values are unchanged; a contiguous result is not copied.
+    # would read across its rows, slower than a copy (launch/bench/RESULTS.md, "A Mixtral stage"). Values are
+    # unchanged; a contiguous result is not copied.
     orthogonalised = [o.contiguous() for o in orthogonalised]
     return _muon_tail(params, orthogonalised, None if prev_updates is None else list(prev_updates),
                       [list(o) for o in outs], hyper)

@@ -18,11 +18,8 @@ kernel, independent of the batch size and of its place in the batch (verified on
 results travel in bf16 (Newton-Schulz's own precision), per shape one flat buffer per owner in one
 ``all_gather_into_tensor`` (``all_gather_single`` from torch 2.13).
 
-Measured (``launch/bench/bench_newton_schulz.py``, 902M-LLaMA stage of 4 layers, 28 matrices, 10.8 TFLOP): on
-2 H100s over NCCL 11.4 ms including the all-gather of ~392 MiB, against 20.0 ms unsplit, bit-equal on both ranks;
-each replica's own share on 2 / 4 / 8 replicas 10.2-10.6 / 5.3 / 2.8 ms (one H100, results bit-equal). On 2 H200s
-one gather per shape, overlapped with the next shape's Newton-Schulz, took 9.01 / 9.12 ms against 9.29 / 9.49 ms
-for one gather after all of them (two calls), so that is what :func:`orthogonalise_split` does.
+Each shape's gather is issued as soon as its Newton-Schulz is done, overlapping the next shape's, rather than one
+gather after all of them, which measured slower (``launch/bench/RESULTS.md``, "Newton-Schulz").
 """
 from __future__ import annotations
 

@@ -4,15 +4,14 @@ Each quintic iteration ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` has two
 symmetric: ``A`` itself and ``A^2 = A A^T``. cuBLAS has no bf16 SYRK, so the matmul path computes them whole;
 :func:`sym_product` computes only the tiles on and above the diagonal and writes each one twice (itself and its
 mirror), about half the FLOPs of the full product. With ``X`` of ``m x n`` (``m <= n``) an iteration costs
-``2 m^2 n + 2 m^3 + 2 m^2 n`` FLOPs whole and about ``m^2 n + m^3 + 2 m^2 n`` this way: for a stage of the 0.9B
-benchmark model, 31% fewer; for that stage's 28 matrices 1.14x cuBLAS's speed on an H100 and 1.23x on an H200
-(``launch/bench/RESULTS.md``).
+``2 m^2 n + 2 m^3 + 2 m^2 n`` FLOPs whole and about ``m^2 n + m^3 + 2 m^2 n`` this way (for a stage of the 0.9B
+benchmark model, 31% fewer; its speed against cuBLAS: ``launch/bench/RESULTS.md``, "Newton-Schulz").
 
 The kernel alone: :func:`iterate` is Newton-Schulz's loop on a normalised batch, which
 ``ds_async.optim.muon.zeropower_symmetric`` prepares as ``zeropower_matmul`` does and takes and returns what that
 does (bf16, same shape), with the same arithmetic: fp32 accumulation of each product, ``alpha * acc + beta * D`` rounded once to
-bf16 as ``torch.baddbmm`` does. On an H100 and an H200 the results were bit-equal to cuBLAS's for the benchmark
-stage's shapes; other cards or shapes may differ in the last bits.
+bf16 as ``torch.baddbmm`` does; bit-equal to cuBLAS's where ``launch/bench/bench_newton_schulz.py`` checked it
+(the results page says where), other cards or shapes may differ in the last bits.
 ``ds_async.optim.muon.zeropower_via_newtonschulz`` takes this path for CUDA tensors where Triton imports (the matmul
 path elsewhere); this module imports nothing of ds_async's; ``tests/test_ns_triton.py`` runs it under Triton's CPU interpreter against fp32 products, the fp32
 iteration and the matmul path.
