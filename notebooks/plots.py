@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-import runs as study
+from ds_async.study import runs as study
 
 
 

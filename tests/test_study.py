@@ -6,7 +6,6 @@ import importlib.util
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -16,23 +15,22 @@ import torch
 from distributed import free_port
 from ds_async import config as cfgmod
 from ds_async.emulate import data_parallel_degree
+from ds_async.study import driver
+from ds_async.study import runs as study
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "corpus"
 
 
-def _module(name: str, path: Path):
-    """A script of the repository (not a package module) imported by path."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+def _notebook_helper(name: str):
+    """A module beside the notebooks (not a package module: the notebooks import it from their folder)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "notebooks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-study = _module("runs", ROOT / "notebooks" / "runs.py")  # the name plots.py imports it by
-plots = _module("plots", ROOT / "notebooks" / "plots.py")
-driver = _module("study_driver", ROOT / "launch" / "study" / "run.py")
+plots = _notebook_helper("plots")
 
 
 def _runs(rows) -> pd.DataFrame:
@@ -585,7 +583,7 @@ def test_override_sets_dotted_keys_and_names_what_is_not_an_object():
 
 
 def test_results_page_shows_what_the_committed_results_give():
-    """Every table of launch/study/RESULTS.md is what ``python notebooks/runs.py report`` computes from
+    """Every table of launch/study/RESULTS.md is what ``python -m ds_async.study.runs report`` computes from
     launch/study/results/, and the main table is the study's headline (AdamW and Muon, 3 seeds each)."""
     assert study.main(["report", "--check"]) == 0
     runs = study.load_results()

@@ -1,6 +1,5 @@
 """Time to loss: ``runs.time_to_loss`` (when a validation curve first reaches a target loss) by hand, and the driver
 ``launch/study/time_to_loss.py`` end to end on 2 gloo ranks."""
-import importlib.util
 import json
 import math
 import subprocess
@@ -11,10 +10,9 @@ import pytest
 
 from distributed import SHARED, free_port, job_env
 
+from ds_async.study import runs
+
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("runs_ttl", ROOT / "notebooks" / "runs.py")
-runs = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(runs)
 
 
 def test_first_crossing_interpolated_between_evaluations():

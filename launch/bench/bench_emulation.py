@@ -22,13 +22,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ds_async.study import driver as study
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "launch" / "study"))
 
 
 def row_config(spec: str, sets: dict) -> tuple[str, dict]:
-    import run as study
-
     path, _, variant = spec.partition(":")
     config = json.loads((ROOT / path).read_text())
     if variant:
@@ -53,7 +52,6 @@ def steady_step_time(history: list, window: int, start: int = STEADY_FROM) -> fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    import run as study
     import torch
 
     from ds_async import emulate

@@ -16,7 +16,6 @@ import dataclasses
 import gc
 import json
 import os
-import sys
 import time
 
 import torch
@@ -272,8 +271,7 @@ def bench_config(a, world: int) -> None:
 
     raw = json.loads(open(a.config).read())
     if a.sets:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "study"))
-        from run import override, parse_set
+        from ds_async.study.driver import override, parse_set
 
         raw = override(raw, dict(parse_set(x) for x in a.sets))
     if a.schedule:

@@ -16,11 +16,12 @@ The engine comparison pairs each ``launch/train.py`` run with the emulation run 
 (:func:`engine_table`) and sets the difference against the seed noise of the main matrix. The figures are
 ``plots.py``'s, beside this file.
 
-    python notebooks/runs.py report [--check]      # (re)write or check the tables of launch/study/RESULTS.md
-    python notebooks/runs.py table RUNS...         # the main table of the run folders below RUNS
-    python notebooks/runs.py collect RUNS...       # add run folders to the committed results (replacing same ids)
+    python -m ds_async.study.runs report [--check]      # (re)write or check the tables of launch/study/RESULTS.md
+    python -m ds_async.study.runs table RUNS...         # the main table of the run folders below RUNS
+    python -m ds_async.study.runs collect RUNS...       # add run folders to the committed results (replacing same ids)
 
-pandas is needed here (``pip install ds_async[notebooks]``); the ``ds_async`` package never imports this.
+pandas is needed here (``pip install ds_async[notebooks]``); nothing in ``ds_async`` outside :mod:`ds_async.study`
+imports this.
 """
 from __future__ import annotations
 
@@ -36,9 +37,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ds_async import report as your_runs  # `report` here is the results page's
+from .. import report as your_runs  # `report` here is the results page's
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "launch" / "study" / "results"
 PAGE = ROOT / "launch" / "study" / "RESULTS.md"
 
@@ -1332,7 +1333,7 @@ def execute_notebook(path: str | Path, runs: str | None = None, timeout: int = 6
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python notebooks/runs.py", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m ds_async.study.runs", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     rep = sub.add_parser("report", help="write the generated tables of the results page from the committed results")

@@ -1,0 +1,142 @@
+"""Time to loss through the real engine: synchronous 1F1B + Muon against 2BW + Muon + EF with the same wall-clock.
+
+The number a user decides by: on the same GPUs, model and data, how soon does each schedule reach the loss the
+synchronous run ends at? Both runs get the same training time, ``--budget`` seconds: each variant first runs
+``--calibrate-steps`` steps to measure its steady step time (``summary.json``'s ``step_time_s``, warm-up left out),
+then trains ``budget / step_time`` steps with its own LR schedule of that length (the config's warm-up, cosine to
+the end). Each full run validates ``--evals`` times on the same held-out micro-batches, its manifest and summary
+recording the wall-clock of every evaluation (``history["validation_seconds"]``).
+
+    python launch/study/time_to_loss.py --budget 300 --gpus 4 --out runs/ttl
+    python launch/study/time_to_loss.py --budget 300 --gpus 4 --out runs/ttl --set ds_async.data.train=...
+    python launch/study/time_to_loss.py --budget 300 --gpus 4 --out runs/ttl-s1 --set ds_async.seed=1 \
+        --calibration runs/ttl/time_to_loss.json      # another seed, the same steps: no calibration runs
+
+``tests/test_time_to_loss.py`` runs it end to end on 2 CPU ranks with the model shrunk (``--set``).
+
+Writes ``OUT/time_to_loss.json``: the command, the model's parameter count, the target (the sync run's final
+validation loss) and per run its card, commit, steps, tokens, step time, final loss, ``time_to_loss`` (seconds from
+the start of training to the target, linear between evaluations; null if never reached), ``tokens_to_loss`` and
+its validation curve against steps and seconds; the run folders are ``OUT/<variant>`` as
+``launch/train.py`` writes them. The base config is ``engine_ttl.json`` beside this file (``--config`` for another).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from . import driver
+from .driver import override, parse_set
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = ROOT / "launch" / "study"  # the base config beside the study's others
+
+# The study's two variants; sync also says "no correction", for a job config that carries one (the shipped 2BW ones).
+VARIANTS = {"sync": {**driver.VARIANTS["sync"], "ds_async.correction": {"type": "none"}},
+            "2bw+ef": driver.VARIANTS["2bw+ef"]}
+
+
+def train(config: dict, out: Path, name: str, gpus: int, port: int = 29500) -> dict:
+    """One ``launch/train.py`` run of ``config`` as ``out/name``; returns its summary.json. A run that already
+    finished with this very config (its ``out/name.json`` and ``summary.json`` are there) is not run again, so the
+    whole comparison can be spread over several calls of a time-limited machine: run the same command again."""
+    folder = out / name
+    config = override(config, {"ds_async.logging.dir": str(out), "ds_async.logging.run_name": name})
+    out.mkdir(parents=True, exist_ok=True)
+    path, text = out / f"{name}.json", json.dumps(config, indent=2) + "\n"
+    done = folder / "summary.json"
+    if done.exists() and path.exists() and path.read_text() == text:
+        print(f"[done] {name}: {done}", flush=True)
+        return json.loads(done.read_text())
+    path.write_text(text)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus), "--master_port", str(port),
+           str(ROOT / "launch" / "train.py"), "--config", str(path)]
+    print("$ " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    return json.loads((folder / "summary.json").read_text())
+
+
+def length(steps: int, evals: int) -> dict:
+    return {"ds_async.train.steps": steps, "ds_async.eval.every": max(1, steps // evals)}
+
+
+def result(summary: dict, manifest: dict, tokens_per_step: int, target: float) -> dict:
+    from .runs import time_to_loss  # pandas: only when the comparison is made
+
+    history = summary["history"]
+    val, seconds = history["validation"], history["validation_seconds"]
+    losses = [v for _, v in val]
+    at = time_to_loss([t for _, t in seconds], losses, target)
+    step = time_to_loss([s for s, _ in val], losses, target)  # the same crossing, in steps
+    tokens = None if step is None else round(step * tokens_per_step)
+    return {"card": f"{manifest['world_size']}x {manifest.get('card')}", "commit": manifest["code"]["commit"],
+            "steps": summary["steps"], "tokens": summary["tokens"], "step_time_s": summary["step_time_s"],
+            "final_validation_loss": summary["final_validation_loss"], "seconds": summary["seconds"],
+            "time_to_loss": None if at is None else round(at, 1), "tokens_to_loss": tokens,
+            "validation": val, "validation_seconds": seconds}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=HERE / "engine_ttl.json")
+    p.add_argument("--budget", type=float, required=True, help="training seconds each run gets")
+    p.add_argument("--gpus", type=int, required=True, help="processes per run (pipeline stages x replicas)")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "ttl")
+    p.add_argument("--calibrate-steps", type=int, default=30)
+    p.add_argument("--calibration", type=Path, default=None, metavar="JSON",
+                   help="take each variant's step time from an earlier OUT/time_to_loss.json (the same config and "
+                        "card, e.g. another seed: --set ds_async.seed=1) instead of calibrating again")
+    p.add_argument("--evals", type=int, default=20, help="validations per full run")
+    p.add_argument("--set", dest="sets", type=parse_set, action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--port", type=int, default=29500, help="torchrun's master port")
+    args = p.parse_args(argv)
+
+    base = override(json.loads(args.config.read_text()), dict(args.sets))
+    # Each run's length sets its LR schedule's (ds_async fills it in); a length written there would be refused.
+    base.get("scheduler", {}).get("params", {}).pop("total_num_steps", None)
+    out = args.out.resolve()
+    plans = {}
+    earlier = json.loads(args.calibration.read_text())["calibration_step_time_s"] if args.calibration else {}
+    for name, variant in VARIANTS.items():
+        if name in earlier:
+            step_time = earlier[name]
+        else:
+            config = override(base, {**variant, **length(args.calibrate_steps, 1), "ds_async.eval.every": 0,
+                                     "ds_async.data.validation": None})
+            step_time = train(config, out, f"{name}-calibrate", args.gpus, args.port)["step_time_s"]
+        steps = max(1, math.floor(args.budget / step_time))
+        plans[name] = (steps, step_time)
+        print(f"[calibrate] {name}: {step_time:.4f} s a step -> {steps} steps in {args.budget:g} s", flush=True)
+    summaries = {}
+    for name, variant in VARIANTS.items():
+        steps, _ = plans[name]
+        summaries[name] = train(override(base, {**variant, **length(steps, args.evals)}), out, name, args.gpus,
+                                args.port)
+    tokens_per_step = summaries["sync"]["tokens"] // summaries["sync"]["steps"]
+    target = summaries["sync"]["final_validation_loss"]
+    from .runs import model_parameters  # pandas, as above
+
+    manifests = {name: json.loads((out / name / "manifest.json").read_text()) for name in summaries}
+    config = args.config.resolve()
+    command = ["python", "launch/study/time_to_loss.py", *(argv if argv is not None else sys.argv[1:])]
+    doc = {"budget_s": args.budget, "gpus": args.gpus,
+           "config": str(config.relative_to(ROOT) if config.is_relative_to(ROOT) else config),
+           "sets": dict(args.sets), "command": shlex.join(command),
+           "parameters": model_parameters(manifests["sync"]["model"]), "target": target,
+           "calibration_step_time_s": {k: v[1] for k, v in plans.items()},
+           "calibration_from": str(args.calibration) if args.calibration else None,
+           "runs": {name: result(s, manifests[name], tokens_per_step, target) for name, s in summaries.items()}}
+    (out / "time_to_loss.json").write_text(json.dumps(doc, indent=1) + "\n")
+    for name, r in doc["runs"].items():
+        print(f"[result] {name}: {r['steps']} steps, final {r['final_validation_loss']:.4f}, reaches {target:.4f} "
+              f"after {r['time_to_loss']} s ({r['tokens_to_loss']} tokens)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
