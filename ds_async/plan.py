@@ -12,89 +12,9 @@ counts are exact: embedding, each decoder layer, head, Mixtral's expert stacks (
 ``E`` experts a token uses). Prints a table per stage (``--json``: the same as one JSON object) and exits 0 whether
 or not it fits; ``fits`` says which.
 
-Bytes per stage of ``N`` parameters (``w`` = 2 under ``bf16.enabled``, else 4; ``d`` replicas):
-
-- weights ``w N``; weight versions ``k w N`` where ``k`` = the rule's ``max_versions`` slots a flush-free engine
-  keeps beside the module's own weights (``ds_async.pipe.versions``: 2 under 2BW; none under 1F1B);
-- gradients ``w N`` on the module (or the version slot a backward ran on), plus, under DeepSpeed's bf16 optimizer,
-  its full-size gradient buffer (``2 N``: DeepSpeed accumulates a pipeline's gradients in bf16; ``4 N`` with
-  ``data_types.grad_accum_dtype`` fp32);
-- fp32 master weights under bf16: DeepSpeed's bf16 optimizer (DeepSpeed-built AdamW) keeps ``4 N / d`` (flat,
-  partitioned over replicas, padded as DeepSpeed pads); ds_async's :class:`~ds_async.optim.master.MasterWeights`
-  (Muon, Lion, anything with a correction) keeps ``4 N`` per whole tensor;
-- optimizer state, fp32: AdamW two moments (``8`` bytes a parameter), Muon a momentum for ``matrix`` parameters
-  (``4``) and AdamW's moments for the rest (``ds_async.optim.roles``), Lion ``4``, SGD ``4`` with momentum;
-  correction buffers (EF's previous update, Nesterov's velocity) ``4`` each. Sharding: DeepSpeed's bf16 optimizer
-  divides masters and moments by ``d``; ZeRO-1 does for the rest, by whole tensors where ds_async shards
-  (``ds_async.optim.sharded.partition_params``; the busiest replica is reported), flat where DeepSpeed does;
-- step workspace (estimate): the transient tensors of the optimizer step; per Muon group (``matrix``, then
-  ``gate_up`` where experts' fused ``[gate; up]`` stacks are split, :func:`muon_groups`) its bf16 directions (``2``
-  bytes a parameter) beside, at the largest moment, one same-shape stack's Newton-Schulz iterates and the results of
-  the stacks orthogonalised before it (:func:`muon_workspace`: byte for byte the tensors alive at once on CPU,
-  ``tests/test_plan.py``); the fused step frees a group's tensors before the next, the unfused one keeps each
-  group's results until it applies them all; the unfused steps' fp32 gradients;
-- activations (estimate, below) times the micro-batches a stage holds: ``p - s`` on stage ``s`` under a flush-free
-  rule (steady 1F1B across batches), ``min(p - s, m)`` under 1F1B, plus one working set;
-- the next batch's gradients (``grads_next``, ``w N``) where they coexist with the waiting ones: under a flush-free
-  rule a batch's gradients wait on the optimizer's parameters from its reduce to its step (every path but DeepSpeed's
-  bf16 optimizer with replicas, ZeRO or no clipping, whose hand-over moves them into its buffer at the reduce:
-  ``pipe.steps``), and under 2BW stage ``s`` issues its step ``s`` schedule steps after its reduce, so stages 2 and
-  up backward a micro-batch of the next batch, into a version slot's gradients, meanwhile (:func:`step_phase` reads
-  this off ``pipe.schedule.FlushFreeSchedule``);
-- a fixed allowance of :data:`CONTEXT_GIB` for the CUDA context, cuBLAS/NCCL workspaces and fragmentation.
-
-The peak is a maximum over time, not the sum of every row: ``total`` = the state (weights to correction buffers) +
-the larger of the passes' peak (activations + ``grads_next``) and the step's (step workspace + the activations of
-the ``at_step`` micro-batches held when the step is issued + ``grads_next``) + the context. The step's transients
-live only inside the step: 1F1B steps after its flush (nothing in flight), 2BW on stage ``s`` with ``p - s - 1``
-(``s`` even) or ``p - s`` (``s`` odd) micro-batches held (:func:`step_phase`).
-
-Activations, bytes per token (``T = b s`` tokens of a micro-batch; ``e`` the matmul activations' bytes, ``r`` the
-residual stream's: 2 under bf16, 4 in fp32, ``r = 4, e = 2`` under torch_autocast). The tensors autograd saves in a
-Hugging Face LLaMA/Mixtral layer with SDPA (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models", counted for pre-norm RMSNorm, rotary GQA attention, SwiGLU and no dropout; flash/SDPA attention
-keeps ``q, k, v``, its output and a log-sum-exp, never the ``s x s`` scores):
-
-- RMSNorm, twice per layer: fp32 input ``4 h`` + ``rsqrt`` ``4`` + normalised ``r h`` + weighted ``r h``;
-- attention: ``e (2 h_q + 2 h_kv) + 4 a`` (q, output, k, v; ``h_q = a d``, ``h_kv = a_kv d``) and rotary
-  ``cos, sin`` (``2 s d e`` per micro-batch);
-- SwiGLU MLP: ``4 e f`` (gate, SiLU, up, their product); Mixtral's experts per token and choice (``k`` of ``E``):
-  ``2 e h + 4 e f`` (gathered input, gate-up, SiLU, product, output) plus ``(4 + e) E + 48 k + 4`` of routing.
-
-Compiled (``performance.compile``, LLaMA; either ``compile_scope``): inductor's min-cut partitioner keeps the matmul
-inputs and recomputes pointwise ops in backward, so a decoder layer saves per token its input ``r h``, per RMSNorm
-the ``rsqrt`` (``4``) and the normalised, weighted matmul input (``e h``), ``q, k, v`` and the attention output
-(``e (2 h_q + 2 h_kv)``), the log-sum-exp ``4 a``, the ``o_proj`` input (``e h_q``) and gate, up and their product
-(``3 e f``; SiLU recomputed), plus the rotary frequencies (``2 s d`` a micro-batch): for the 902M benchmark
-(h 2048, f 5632) 66,632 bytes a token against 94,280 eager (0.71x). The head saves its input, ``rsqrt``, normalised
-input and logits (``r h + 4 + e h + e V``) and the compiled loss two fp32 per row (``8``; chunked ``13``) instead of
-the eager ``4 V`` log-softmax, and its backward writes the logits' gradient in one fused kernel (no fp32 rows in
-the working set). Measured, not assumed: ``tests/test_plan.py`` counts what inductor's partitioner saves on CPU
-(``torch._inductor.compile_fx``) for a middle and a last stage, bf16, within 1% of this. A stage's input is held
-twice (DeepSpeed's forward clones the received buffer, and the compiled region saves the clone). torch_autocast
-takes the same tensors with its ``r = 4, e = 2`` (not counted on CPU; its GPU row agrees within 7%). A compiled
-Mixtral layer keeps the same attention tensors and, per token and choice, the gathered input, gate-up (``2 e f``),
-their product and the expert's output (``2 e h + 3 e f``), with ``(4 + e) E + 36 k`` of routing (counted on CPU
-the same way: exact).
-
-Without checkpointing a stage holds per micro-batch its layers' tensors, its input (``r h``; ``input_ids`` on stage
-0) and its output (``r h``; logits ``e V`` on the last stage, plus the loss's ``4 V`` fp32 log-softmax, or ``13``
-bytes a token chunked). ``activation_checkpoint_interval = c`` splits a stage's layers in chunks of ``c`` as
-DeepSpeed does; a chunk of decoder layers only keeps its input, any other runs normally.
-``activation_checkpoint_layers`` checkpoints a stage's first ``k`` decoder layers one by one instead; the plan
-suggests the fewest per stage that keep every stage under :data:`RECOMPUTE_HEADROOM` of the card. The working set
-is one checkpointed chunk recomputed, three ``e f`` gradient temporaries and, last stage, the loss's backward
-(``e V`` plus ``4 V`` fp32 per row of a chunk, or of all rows unchunked). ``tests/test_plan.py`` checks the state
-bytes exactly and the activations within 10% against real CPU tensors.
-
-Bubble: 1F1B idles ``(p - 1) / (m + p - 1)`` of a step; the flush-free rules (``2bw``, ``pipedream``) none in steady
-state, a warm-up and drain only at each drain (evaluation, save, end). Boundaries: the partition that minimises the
-largest stage's training FLOPs (``ds_async.flops.layer_flops_per_token``, the head's vocabulary projection included).
-
-Against the GPU: the 902M LLaMA benchmark's measured peaks (``torch.cuda.max_memory_allocated()`` per stage, 4x H100
-and 4x H200; ``launch/bench/results/``, every configuration in ``tests/test_plan.py``'s ``MEASURED_GPU_PEAKS``), the
-planner without the context is within 10% on every stage of every row (largest error 8.5% below, s17c#1 stage 1).
-The table: ``docs/DESIGN.md``, "Will it fit?".
+What each row counts, the byte model per parameter and per token, the peak over time and how the plan compares
+with measured GPU peaks (within 10% on every stage of every measured row): ``docs/DESIGN.md``, "Will it fit?",
+whose formulas the functions below implement and ``tests/test_plan.py`` holds to real tensors on CPU.
 """
 from __future__ import annotations
 
