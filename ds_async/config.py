@@ -526,3 +526,16 @@ def resolved(cfg) -> dict:
     if not dataclasses.is_dataclass(cfg):
         return cfg
     return {f.metadata.get("key", f.name): resolved(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+
+
+def data_parallel_degree(ds_config: dict) -> int:
+    """The replicas a launch of this config would have, from its batch keys alone: ``train_batch_size / (micro-batch
+    x accumulation)`` when all three are given, else 1 (the emulation and the planner, which have no world size)."""
+    tbs, mbs, gas = (ds_config.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                                 "gradient_accumulation_steps"))
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (tbs, mbs, gas)):
+        return 1
+    if tbs % (mbs * gas):
+        raise ConfigError(f"train_batch_size: {tbs} is not a multiple of train_micro_batch_size_per_gpu ({mbs}) x "
+                          f"gradient_accumulation_steps ({gas})")
+    return tbs // (mbs * gas)

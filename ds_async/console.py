@@ -60,9 +60,14 @@ class _OwnLines(io.TextIOBase):
         self.partial = ""
 
 
-def quiet_accelerator_detection() -> None:
-    """Name DeepSpeed's accelerator before it is imported where no GPU is visible, so that its import does not
-    warn, on every rank, that it fell back to the CPU (a CPU run is what the user asked for)."""
+def quiet_imports() -> None:
+    """Before DeepSpeed and transformers are imported: name DeepSpeed's accelerator where no GPU is visible, so that
+    its import does not warn, on every rank, that it fell back to the CPU (a CPU run is what the user asked for);
+    and keep torchao's import-time warnings about its optional kernel libraries (MX formats, CUTLASS builds for
+    other Pythons, which ds_async does not use; transformers imports torchao whenever it is installed) to errors, with
+    torch's deprecation notes on how torchao registers its enums."""
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     if "DS_ACCELERATOR" in os.environ:
         return
     import torch

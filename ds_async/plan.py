@@ -4,7 +4,7 @@ ds_async job, before launching it.
     python -m ds_async.plan CONFIG.json [--gpus N] [--gpu-memory GiB] [--json]
 
 Contract. Reads the DeepSpeed JSON that ``launch/train.py`` reads, with the same checks (``ds_async.config.load``,
-``check_batch``, ``models.model_config``, the partition of ``emulate.stage_bounds``); a config error prints
+``check_batch``, ``models.model_config``, the partition of ``models.partition.stage_bounds``); a config error prints
 ``ds_async: error: <key>: ...`` and exits 1. ``--gpus`` is the world size (default: ``pipeline_stages`` x the
 replicas ``train_batch_size`` implies, else ``pipeline_stages``), ``--gpu-memory`` the card in GiB (default: this
 machine's GPU, else 80). The model's layers are built on the ``meta`` device (no memory, no init), so parameter
@@ -175,8 +175,8 @@ def layers_of(hf_config, family: str, seq_len: int) -> list[Layer]:
 
 
 def bounds_of(cfg, layers: list[Layer]) -> list[int]:
-    """The stage boundaries the engine uses (``emulate.stage_bounds`` over parameter counts)."""
-    from .emulate import stage_bounds
+    """The stage boundaries the engine uses (``models.partition.stage_bounds`` over parameter counts)."""
+    from .models.partition import stage_bounds
 
     class Counted(torch.nn.Module):  # stage_bounds counts each layer's trainable parameters
         def __init__(self, n):
@@ -642,7 +642,7 @@ def suggest_recompute(job: Job, hf, layers: list[Layer], bounds: list[int], gpu_
 def plan(config_path: str, gpus: int | None = None, gpu_memory_gib: float | None = None) -> Plan:
     """The plan of the job at ``config_path`` (see the module docstring); raises ``ConfigError`` naming the key."""
     from . import config as cfgmod
-    from .emulate import data_parallel_degree
+    from .config import data_parallel_degree
     from .models import model_config
     from .pipe.version_rule import get
     from .trainer import check_seq_len

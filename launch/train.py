@@ -20,7 +20,7 @@ import torch
 
 from ds_async import console
 
-console.quiet_accelerator_detection()  # before DeepSpeed is imported, which the imports below do
+console.quiet_imports()  # before DeepSpeed and transformers are imported, which the imports below do
 
 import deepspeed  # noqa: E402
 

@@ -171,7 +171,8 @@ def emulate_run(schedule: str, stages: int, steps: int, micro_batches: int, data
     optimizer's fp32 masters (:class:`~ds_async.optim.master.MasterWeights`), as the engine runs ds_async's
     optimizers under ``"bf16": {"enabled": true}``; ``with_masters``: also return those masters flattened, in the
     order of ``master_stage<s>.pt`` concatenated over the stages."""
-    from ds_async.emulate import DelayedTrainer, build_layers, uniform_stages
+    from ds_async.models.partition import build_layers, uniform_stages
+    from ds_async.pipe.delayed import DelayedTrainer
     from ds_async.models import hf_state_dict
     from ds_async.optim import build_optimizer
     from jobs import TINY_LLAMA, global_micro_batches

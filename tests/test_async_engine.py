@@ -1,7 +1,7 @@
 """The 2BW and PipeDream engines equal the single-process emulation of their update rule.
 
 Each case trains >= 10 steps through real DeepSpeed pipelines (gloo, fp32) and compares the final parameters,
-name by name, with ``ds_async.emulate.DelayedTrainer`` run on the same model, data order and optimizer.
+name by name, with ``ds_async.pipe.delayed.DelayedTrainer`` run on the same model, data order and optimizer.
 """
 import json
 

@@ -229,7 +229,7 @@ def test_explicit_boundaries_must_cut_every_layer_into_the_stages_in_order(bound
     refuse alike, naming the key."""
     from torch import nn
 
-    from ds_async.emulate import stage_bounds
+    from ds_async.models.partition import stage_bounds
 
     with pytest.raises(ConfigError, match=r"^ds_async\.partition\.boundaries: need 4 strictly increasing indices "
                                           r"from 0 to 6 \(embedding \+ 4 decoder layers \+ head\)"):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ds_async import config
-from ds_async.emulate import DelayedTrainer
+from ds_async.pipe.delayed import DelayedTrainer
 
 
 def scalar_run(schedule: str, steps: int, lr: float = 0.5, w0: float = 1.0, stages: int = 1, stage: int = 0,
@@ -83,7 +83,7 @@ def test_stage_bounds_are_the_pipeline_modules():
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.utils import partition_balanced
 
-    from ds_async.emulate import build_layers, stage_bounds, stage_of_layers
+    from ds_async.models.partition import build_layers, stage_bounds, stage_of_layers
     from ds_async.models import llama, model_config
 
     section = {"config": {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 5,
@@ -103,7 +103,8 @@ def test_stage_bounds_are_the_pipeline_modules():
 def test_scheduler_and_batch_split_as_deepspeed_builds_them():
     from deepspeed.runtime.lr_schedules import WarmupCosineLR
 
-    from ds_async.emulate import build_scheduler, data_parallel_degree
+    from ds_async.config import data_parallel_degree
+    from ds_async.emulate import build_scheduler
 
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
     sched = build_scheduler({"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_num_steps": 2,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from ds_async.emulate import DelayedTrainer
+from ds_async.pipe.delayed import DelayedTrainer
 from ds_async.optim import SGD, AdamW, ErrorFeedback, Lion, Muon, NesterovLookahead, build_optimizer
 
 N, K = 6, 4
@@ -38,7 +38,7 @@ class Quadratic(nn.Module):
 
 
 def emulated(optimizer_for, steps, seed=0):
-    """Train the quadratic with ``ds_async.emulate.DelayedTrainer`` under the 2BW one-step delay."""
+    """Train the quadratic with ``ds_async.pipe.delayed.DelayedTrainer`` under the 2BW one-step delay."""
     a, b, x0 = problem(seed)
     model = Quadratic(a, b, x0)
     trainer = DelayedTrainer([model], [0], lambda out, _: out, optimizer_for(model), "2bw", micro_batches=1,

@@ -23,7 +23,7 @@ from torch import nn
 
 from distributed import free_port
 from ds_async import plan as planner
-from ds_async.emulate import build_layers
+from ds_async.models.partition import build_layers
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 4,

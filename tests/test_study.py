@@ -14,7 +14,7 @@ import torch
 
 from distributed import free_port
 from ds_async import config as cfgmod
-from ds_async.emulate import data_parallel_degree
+from ds_async.config import data_parallel_degree
 from ds_async.study import driver
 from ds_async.study import runs as study
 

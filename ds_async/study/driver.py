@@ -383,7 +383,7 @@ def matrix(name: str) -> list[Run]:
 
 def processes(config: dict) -> int:
     """Processes an engine launch of ``config`` needs: stages x replicas (from the JSON's batch keys)."""
-    from ds_async.emulate import data_parallel_degree
+    from ds_async.config import data_parallel_degree
 
     return config["ds_async"].get("pipeline_stages", 2) * data_parallel_degree(config)
 
