@@ -47,7 +47,7 @@ from torch import nn
 
 from . import fp8, jsonfile
 from .nonfinite import NonFiniteLoss
-from .models import decoder_layers, hf_io
+from .models import check_seq_len, check_vocab, decoder_layers, hf_io
 from .config import data_parallel_degree
 from .models.partition import build_layers, stage_bounds, stage_of_layers
 from .optim.master import MasterWeights
@@ -209,7 +209,7 @@ class Emulation:
         from .config import ConfigError, gradient_clipping
         from .nonfinite import SkipNonFinite
         from .optim import Muon, build_optimizer
-        from .trainer import check_seq_len, check_vocab, default_run_name, resolve_tokenizer
+        from .trainer import default_run_name, resolve_tokenizer
 
         cfg, ds_config, dev = self.cfg, self.ds_config, self.device
         self.run_dir = Path(cfg.logging.dir) / (cfg.logging.run_name or default_run_name(cfg, ds_config))

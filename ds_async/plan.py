@@ -27,10 +27,21 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from . import config as cfgmod
+from .config import ConfigError, check_batch, data_parallel_degree, gradient_clipping, recomputed_layers
+from .flops import layer_flops_per_token
+from .models import FAMILIES, check_seq_len, model_config
+from .models.partition import stage_bounds
+from .optim import needs_client_optimizer
+from .optim.muon import SPLIT_GATE_UP, check_split_gate_up, split_rows
+from .optim.roles import fused_gate_up, param_roles
+from .optim.sharded import partition_params
+from .pipe import schedule as fs
+from .pipe.version_rule import get
+
 GIB = 2 ** 30
 CONTEXT_GIB = 2.0
 """Allowance per GPU for the CUDA context (~0.5 GiB), cuBLAS and NCCL workspaces and allocator fragmentation."""
-
 
 # ---------------------------------------------------------------------------------------------------- the job
 
@@ -80,11 +91,6 @@ class Job:
 
 def job_of(ds_config: dict, cfg, world: int):
     """The :class:`Job` of a parsed config at world size ``world``; raises ``ConfigError`` naming the key."""
-    from .config import ConfigError, check_batch, gradient_clipping, recomputed_layers
-    from .optim import needs_client_optimizer
-    from .optim.muon import SPLIT_GATE_UP, check_split_gate_up
-
-    from .pipe.version_rule import get
 
     try:
         get(cfg.schedule).check_engine()  # the planner plans what the engine runs
@@ -147,9 +153,6 @@ class Layer:
 
 def layers_of(hf_config, family: str, seq_len: int) -> list[Layer]:
     """``[embedding, decoder x L, head]`` of the model, built on the meta device as the stages build them."""
-    from .flops import layer_flops_per_token
-    from .models import FAMILIES
-    from .optim.roles import fused_gate_up, param_roles
 
     specs = FAMILIES[family].layer_specs(hf_config)
     with torch.device("meta"):
@@ -176,7 +179,6 @@ def layers_of(hf_config, family: str, seq_len: int) -> list[Layer]:
 
 def bounds_of(cfg, layers: list[Layer]) -> list[int]:
     """The stage boundaries the engine uses (``models.partition.stage_bounds`` over parameter counts)."""
-    from .models.partition import stage_bounds
 
     class Counted(torch.nn.Module):  # stage_bounds counts each layer's trainable parameters
         def __init__(self, n):
@@ -219,7 +221,6 @@ def deepspeed_padded(n: int, replicas: int) -> int:
 
 def owned_state(job: Job, shapes, roles) -> tuple[int, int]:
     """(optimizer, correction) bytes of the busiest replica under ds_async's tensor-granular ZeRO-1."""
-    from .optim.sharded import partition_params
 
     tensors = [torch.empty(s, device="meta") for s in shapes]
     owners = partition_params(tensors, job.replicas)
@@ -258,7 +259,6 @@ class Stage:
 
 def state_memory(job: Job, layers: list[Layer], stage: int) -> dict[str, int]:
     """Bytes of weights, versions, gradients, masters, optimizer state and correction buffers of one stage."""
-    from .pipe.version_rule import get
 
     n = sum(layer.params for layer in layers)
     shapes = [s for layer in layers for s in layer.shapes]
@@ -313,7 +313,6 @@ def muon_groups(job: Job, layers: list[Layer]) -> list[list[tuple[int, ...]]]:
     :func:`ds_async.optim.muon.muon_param_groups` builds them: the ``matrix`` parameters, then under
     ``split_gate_up`` the fused ``[gate; up]`` stacks as ``[..., 2, rows / 2, cols]`` (their ``gate_up`` group,
     viewed by :func:`ds_async.optim.muon.split_rows`)."""
-    from .optim.muon import split_rows
 
     plain, split = [], []
     for layer in layers:
@@ -461,7 +460,6 @@ def fp8_workspace(job: Job, hf) -> int:
 def in_flight(job: Job, stage: int) -> int:
     """Micro-batches whose activations stage ``stage`` holds at once under 1F1B (steady across batches when
     flush-free)."""
-    from .pipe.version_rule import get
 
     ahead = job.stages - stage
     return ahead if get(job.schedule).flush_free else min(ahead, job.micro_batches)
@@ -473,8 +471,6 @@ def step_phase(job: Job, stage: int) -> tuple[int, bool]:
     engine runs (``ds_async.pipe.schedule.FlushFreeSchedule``: under 2BW the step of stage ``s`` is issued ``s``
     schedule steps after its reduce, so stages 2 and up backward a micro-batch of the next batch meanwhile); 1F1B
     (DeepSpeed's TrainSchedule) steps after its flush, with nothing in flight."""
-    from .pipe import schedule as fs
-    from .pipe.version_rule import get
 
     rule = get(job.schedule)
     if not rule.flush_free:
@@ -506,7 +502,6 @@ def grads_wait_on_master(job: Job) -> bool:
 
 def bubble(schedule: str, stages: int, micro_batches: int) -> float:
     """Fraction of a step a stage idles in steady state."""
-    from .pipe.version_rule import get
 
     return 0.0 if get(schedule).flush_free else (stages - 1) / (micro_batches + stages - 1)
 
@@ -540,7 +535,6 @@ def stage_plan(job: Job, hf, layers: list[Layer], bounds: list[int], stage: int,
 STATE_ROWS = ("weights", "versions", "grads", "masters", "optimizer", "correction")
 """A stage's state rows; its total is the state, the larger of the passes' peak (activations, grads_next) and the
 step's (step_workspace, ``at_step`` micro-batches' activations, grads_next), and the context."""
-
 
 def balanced_bounds(costs: list[float], stages: int) -> list[int]:
     """Boundaries of the contiguous split of ``costs`` into ``stages`` non-empty parts with the smallest largest
@@ -618,7 +612,6 @@ def imbalance(layers: list[Layer], bounds: list[int], recompute: list[int] | Non
 RECOMPUTE_HEADROOM = 0.9
 """The share of the card the suggested recompute stays under: the planner is within 10% of measured peaks."""
 
-
 def suggest_recompute(job: Job, hf, layers: list[Layer], bounds: list[int], gpu_bytes: int
                       ) -> tuple[list[int], int] | None:
     """The fewest decoder layers each stage recomputes (``activation_checkpoint_layers``) for every stage to stay
@@ -641,11 +634,6 @@ def suggest_recompute(job: Job, hf, layers: list[Layer], bounds: list[int], gpu_
 
 def plan(config_path: str, gpus: int | None = None, gpu_memory_gib: float | None = None) -> Plan:
     """The plan of the job at ``config_path`` (see the module docstring); raises ``ConfigError`` naming the key."""
-    from . import config as cfgmod
-    from .config import data_parallel_degree
-    from .models import model_config
-    from .pipe.version_rule import get
-    from .trainer import check_seq_len
 
     ds_config, cfg = cfgmod.load(config_path)
     if gpus is None:
@@ -765,7 +753,6 @@ def to_json(p: Plan) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .config import ConfigError
 
     parser = argparse.ArgumentParser(prog="python -m ds_async.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="DeepSpeed JSON with a \"ds_async\" section")

@@ -23,7 +23,7 @@ from . import config as cfgmod
 from . import console, fp8
 from .cadence import Cadence
 from .config import ConfigError, DsAsyncConfig
-from .models import hf_io
+from .models import check_seq_len, check_vocab, hf_io
 
 
 def seed_everything(seed: int) -> None:
@@ -105,21 +105,6 @@ def train_tokenizer(cfg: DsAsyncConfig, run_dir: Path) -> Path:
     stream = data.load_text_stream(cfg.data.train, "train", cfg.data.text_field, key="ds_async.data.train")
     tokenizer.train_bpe(data.usable_texts(stream, cfg.data.text_field, cfg.data.min_chars), vocab, str(path))
     return path
-
-
-def check_seq_len(cfg: DsAsyncConfig, hf_config) -> None:
-    """Packed rows must fit the model's positions."""
-    positions = getattr(hf_config, "max_position_embeddings", None)
-    if positions is not None and cfg.data.seq_len > positions:
-        raise ConfigError(f"ds_async.data.seq_len: {cfg.data.seq_len} is longer than the model's "
-                          f"max_position_embeddings ({positions})")
-
-
-def check_vocab(tok, hf_config, spec: str) -> None:
-    """The tokenizer's ids must all be rows of the model's embedding."""
-    if len(tok) > hf_config.vocab_size:
-        raise ConfigError(f"ds_async.model: vocab_size {hf_config.vocab_size} is smaller than the tokenizer's "
-                          f"vocabulary ({len(tok)} tokens from {spec}); the tokenizer does not match the model")
 
 
 def tokenizer_fingerprint(tok) -> dict:

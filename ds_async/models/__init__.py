@@ -180,6 +180,21 @@ def model_config(cfg: DsAsyncConfig, tokenizer=None):
     return hf
 
 
+def check_seq_len(cfg: DsAsyncConfig, hf_config) -> None:
+    """Packed rows must fit the model's positions."""
+    positions = getattr(hf_config, "max_position_embeddings", None)
+    if positions is not None and cfg.data.seq_len > positions:
+        raise ConfigError(f"ds_async.data.seq_len: {cfg.data.seq_len} is longer than the model's "
+                          f"max_position_embeddings ({positions})")
+
+
+def check_vocab(tok, hf_config, spec: str) -> None:
+    """The tokenizer's ids must all be rows of the model's embedding."""
+    if len(tok) > hf_config.vocab_size:
+        raise ConfigError(f"ds_async.model: vocab_size {hf_config.vocab_size} is smaller than the tokenizer's "
+                          f"vocabulary ({len(tok)} tokens from {spec}); the tokenizer does not match the model")
+
+
 def _check_geometry(values: dict, prefix: str) -> None:
     """The attention shapes the decoder layers need, named by key: heads and key/value heads at least 1, key/value
     heads dividing the heads, a head dimension (``head_dim``, else hidden_size / heads) that is whole and even
