@@ -45,13 +45,20 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import fp8, jsonfile
-from .nonfinite import NonFiniteLoss
+from . import config as cfgmod
+from . import data, fp8, jsonfile, metrics, telemetry
+from .cadence import Cadence
+from .config import ConfigError, data_parallel_degree, gradient_clipping
+from .data import DataError
+from .flops import model_flops_per_token
+from .metrics import HostValue
 from .models import check_seq_len, check_vocab, decoder_layers, hf_io
-from .config import data_parallel_degree
 from .models.partition import build_layers, stage_bounds, stage_of_layers
+from .nonfinite import NonFiniteLoss, SkipNonFinite
+from .optim import Muon, build_optimizer
 from .optim.master import MasterWeights
 from .pipe.delayed import DelayedTrainer
+from .prefetch import Prefetcher
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -62,7 +69,6 @@ def precision(ds_config: dict, device: torch.device) -> str:
     """What the emulation computes in for this config on ``device``: ``bf16`` (``bf16.enabled``: bf16 weights and
     fp32 master weights, as the engine trains), ``autocast`` (``torch_autocast``: bf16 autocast over fp32 weights)
     or ``fp32`` (the config asks for neither, or the device is a CPU)."""
-    from .config import ConfigError
 
     if (ds_config.get("fp16") or {}).get("enabled"):
         raise ConfigError("fp16.enabled: the emulation runs fp32 or bf16 (bf16 or torch_autocast)")
@@ -82,7 +88,6 @@ def build_scheduler(block: dict | None, optimizer: torch.optim.Optimizer):
     ``torch.optim.lr_scheduler``'s, with ``params`` as keyword arguments; None without a block."""
     from deepspeed.runtime import lr_schedules
 
-    from .config import ConfigError
 
     if not block:
         return None
@@ -101,7 +106,6 @@ def open_train_streams(data_cfg, tokenizer, micro_batch_size: int, replicas: int
                        tokenize_batch_: int) -> list:
     """Each replica's training stream (:func:`ds_async.data.open_batches`): what the prefetcher's reader opens, in
     its own process on a GPU, so it takes only picklable arguments."""
-    from . import data
 
     return [data.open_batches(data_cfg, "train", tokenizer, micro_batch_size, dp_rank=r, dp_world_size=replicas,
                               seed=seed, tokenize_batch=tokenize_batch_) for r in range(replicas)]
@@ -161,7 +165,6 @@ class Emulation:
 
     def __init__(self, config_path: str, max_steps: int | None = None, run_name: str | None = None,
                  device: str | None = None):
-        from . import config as cfgmod
         from .trainer import steps_for
 
         self.config_path = config_path
@@ -177,7 +180,6 @@ class Emulation:
         self._place(device)
         self._build()
         self._open_data()
-        from .cadence import Cadence
 
         self.cadence = Cadence(self.total_steps, eval_every=cfg.eval.every, save_every=cfg.checkpoint.every,
                                evaluate=bool(cfg.data.validation), final_save=False)
@@ -187,7 +189,6 @@ class Emulation:
         self.pending: collections.deque = collections.deque()
 
     def _place(self, device: str | None) -> None:
-        from .config import ConfigError
         from .trainer import seed_everything
 
         if "optimizer" not in self.ds_config:
@@ -206,9 +207,6 @@ class Emulation:
 
     def _build(self) -> None:
         """Run folder, tokenizer, model, optimizer (bf16: with fp32 masters), LR scheduler and the trainer."""
-        from .config import ConfigError, gradient_clipping
-        from .nonfinite import SkipNonFinite
-        from .optim import Muon, build_optimizer
         from .trainer import default_run_name, resolve_tokenizer
 
         cfg, ds_config, dev = self.cfg, self.ds_config, self.device
@@ -246,7 +244,6 @@ class Emulation:
             self.scheduler.step()
 
     def _validation_stream(self, rank: int):
-        from . import data
 
         cfg, mbs = self.cfg, self.mbs
         tokens = cfg.eval.batches * mbs * cfg.data.seq_len
@@ -255,7 +252,6 @@ class Emulation:
 
     def _open_data(self) -> None:
         """The training stream, read ahead for the run's steps and none past its last."""
-        from .prefetch import Prefetcher
 
         cfg = self.cfg
         tokens = self.total_steps * self.mbs * self.gas * cfg.data.seq_len
@@ -268,7 +264,6 @@ class Emulation:
     @torch.no_grad()
     def validate(self) -> float:
         """The mean validation loss on the newest weights, as the engine averages it."""
-        from . import data
 
         cfg = self.cfg
         if not self.held_out:
@@ -292,14 +287,11 @@ class Emulation:
 
     # -- state ----------------------------------------------------------------------------------------------------
     def _identity(self) -> dict:
-        from . import config as cfgmod
 
         return {"ds_async": cfgmod.resolved(self.cfg), "deepspeed": self.ds_config, "total_steps": self.total_steps}
 
     def restore(self) -> dict | None:
         """Continue from the run folder's saved state, if there is one (the same config only); returns it."""
-        from .config import ConfigError
-        from .nonfinite import SkipNonFinite
 
         if not self.state_file.exists():
             return None
@@ -333,9 +325,6 @@ class Emulation:
     # -- logging ------------------------------------------------------------------------------------------------
     def start_logging(self, state: dict | None = None) -> None:
         """The run folder's logger and manifest; a restored ``state`` carries its curves and clock over."""
-        from . import config as cfgmod
-        from . import metrics, telemetry
-        from .flops import model_flops_per_token
 
         cfg, dp = self.cfg, self.dp
         peak = telemetry.peak_flops(cfg.logging.peak_tflops, self.device)
@@ -373,7 +362,6 @@ class Emulation:
     def train(self, deadline: float | None = None) -> None:
         """The steps left; past ``deadline`` (``time.perf_counter`` seconds) the state is saved and
         :class:`Stopped` raised."""
-        from .metrics import HostValue
 
         try:
             for step in range(self.done + 1, self.total_steps + 1):
@@ -398,7 +386,6 @@ class Emulation:
     def finish(self, stopped: str | None = None) -> dict:
         """The summary (``summary.json``, the console line); the saved state is no longer needed. ``stopped``: why
         the run ended before its last step (its summary then covers the steps it ran)."""
-        from . import data
 
         skipped = self.batches.skipped
         skipped_docs = {k: skipped.get(k, 0) for k in data.SKIP_REASONS}
@@ -434,8 +421,6 @@ def run(config_path: str, max_steps: int | None = None, run_name: str | None = N
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .config import ConfigError
-    from .data import DataError
 
     parser = argparse.ArgumentParser(prog="python -m ds_async.emulate",
                                      description="Train a ds_async JSON config's job in one process under its "
