@@ -46,11 +46,12 @@ import torch
 from torch import nn
 
 from . import config as cfgmod
-from . import data, fp8, jsonfile, metrics, telemetry
+from . import data, fp8, jsonfile, metrics, telemetry, tokenizer
 from .cadence import Cadence
 from .config import ConfigError, data_parallel_degree, gradient_clipping
 from .data import DataError
 from .flops import model_flops_per_token
+from .job import default_run_name, seed_everything, steps_for
 from .metrics import HostValue
 from .models import check_seq_len, check_vocab, decoder_layers, hf_io
 from .models.partition import build_layers, stage_bounds, stage_of_layers
@@ -134,7 +135,7 @@ def _autocast(layers: Sequence[nn.Module], device: torch.device) -> list[nn.Modu
 
 
 class _OneProcess:
-    """The rank/barrier interface ``ds_async.trainer.resolve_tokenizer`` expects, for a single process."""
+    """The rank/barrier interface ``ds_async.tokenizer.resolve`` expects, for a single process."""
 
     @staticmethod
     def get_rank() -> int:
@@ -165,7 +166,6 @@ class Emulation:
 
     def __init__(self, config_path: str, max_steps: int | None = None, run_name: str | None = None,
                  device: str | None = None):
-        from .trainer import steps_for
 
         self.config_path = config_path
         ds_config, cfg = cfgmod.load(config_path)
@@ -189,7 +189,6 @@ class Emulation:
         self.pending: collections.deque = collections.deque()
 
     def _place(self, device: str | None) -> None:
-        from .trainer import seed_everything
 
         if "optimizer" not in self.ds_config:
             raise ConfigError("optimizer: the emulation builds the optimizer from this block; it is missing")
@@ -207,13 +206,12 @@ class Emulation:
 
     def _build(self) -> None:
         """Run folder, tokenizer, model, optimizer (bf16: with fp32 masters), LR scheduler and the trainer."""
-        from .trainer import default_run_name, resolve_tokenizer
 
         cfg, ds_config, dev = self.cfg, self.ds_config, self.device
         self.run_dir = Path(cfg.logging.dir) / (cfg.logging.run_name or default_run_name(cfg, ds_config))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.state_file = self.run_dir / STATE_FILE
-        self.tokenizer = resolve_tokenizer(cfg, self.run_dir, _OneProcess)
+        self.tokenizer = tokenizer.resolve(cfg, self.run_dir, _OneProcess)
         layers, loss_fn, self.hf_config = build_layers(cfg.model, seed=cfg.seed, loss_chunk=cfg.performance.loss_chunk)
         if cfg.performance.fp8:  # as the pipeline converts its stages (models.build_pipeline)
             for layer in decoder_layers(layers):

@@ -1,14 +1,17 @@
-"""Train a byte-level BPE tokenizer on a text stream: `ds-async-train-tokenizer` / `python -m ds_async.tokenizer`.
-
-Also: the tokenizer as a checkpoint and an export save it (:func:`for_generation`), and a checkpoint's tokenizer
-read only after it is checked against the checkpoint's manifest (:func:`load_from_checkpoint`).
+"""The run's tokenizer: trained as a byte-level BPE on a text stream (:func:`train_bpe`; the command
+`ds-async-train-tokenizer` / `python -m ds_async.tokenizer`), resolved from ``ds_async.tokenizer`` for a job
+(:func:`resolve`, with ``train:<vocab>`` trained into the run folder by :func:`train_for_run`), fingerprinted for
+checkpoints (:func:`fingerprint`), and read back from a checkpoint only after it is checked against the checkpoint's
+manifest (:func:`load_from_checkpoint`). Loading a tokenizer file or name is ``ds_async.data.load_tokenizer``'s;
+how a checkpoint and an export save it for Hugging Face users, ``ds_async.models.hf_io.for_generation``'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import hashlib
 import itertools
+import json
 import logging
 import os
 from collections.abc import Iterable
@@ -16,7 +19,11 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ds_async.data import EMBEDDED_CORPUS, EOS_TOKEN, load_text_stream, usable_texts
+from . import config as cfgmod
+from . import data
+from .checkpoint import CheckpointError, folder, read_manifest, verify
+from .config import ConfigError, DsAsyncConfig
+from .data import EMBEDDED_CORPUS, EOS_TOKEN, load_text_stream, load_tokenizer, usable_texts
 
 logger = logging.getLogger(__name__)
 
@@ -46,35 +53,95 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str, min_frequenc
     return str(path)
 
 
-def for_generation(tokenizer, max_length: int | None):
-    """A copy of ``tokenizer`` set up as Hugging Face users of a causal LM expect it: a pad token (its EOS if it has
-    none, as is usual for causal LMs: padded positions are masked out anyway), padding on the left (batched
-    ``generate`` appends to the right end of every row) and ``model_max_length = max_length`` (the model's
-    ``max_position_embeddings``; a bare ``tokenizer.json`` loads with ~1e30). The copy is what gets saved; the
-    training run's tokenizer is not changed (with a ``model_max_length`` it would warn about long documents)."""
-    tok = copy.deepcopy(tokenizer)
-    if tok.pad_token is None and tok.eos_token is not None:
-        tok.pad_token = tok.eos_token
-    tok.padding_side = "left"
-    tok.init_kwargs["padding_side"] = "left"  # save_pretrained writes init kwargs, not the attribute
-    if max_length:
-        tok.model_max_length = int(max_length)
-    return tok
-
-
 def load_from_checkpoint(folder: str | os.PathLike):
     """The training tokenizer saved in checkpoint ``folder`` (its ``tokenizer.json``, as ``--resume`` of a
     ``train:<vocab>`` run reads it), after checking the file against the checkpoint's manifest: a missing,
     truncated, corrupt or unloadable file is a ``CheckpointError`` naming it."""
-    from ds_async.checkpoint import CheckpointError, read_manifest, verify
-    from ds_async.data import load_tokenizer
-
     file = Path(folder) / "tokenizer.json"
     verify(folder, [file.name], read_manifest(folder))
     try:
         return load_tokenizer(str(file))
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own kinds for a bad file
         raise CheckpointError(f"{file}: cannot be loaded as a tokenizer ({type(e).__name__}: {e})") from None
+
+
+def resolve(cfg: DsAsyncConfig, run_dir: Path, dist, group=None):
+    """Load the configured tokenizer (errors name ``ds_async.tokenizer``); ``train:<vocab>`` first has rank 0 train
+    one on the training stream (:func:`train_for_run`). ``dist`` gives ``get_rank`` and ``barrier``; with a
+    process ``group``, rank 0's outcome (the file, or its error) reaches every rank, so a failure there stops every
+    rank with the same message instead of leaving the others waiting."""
+    spec = cfg.tokenizer
+    if spec.startswith("train:"):
+        train_vocab(spec)  # on every rank: a malformed spec fails everywhere alike
+        outcome = None
+        if dist.get_rank() == 0:
+            try:
+                outcome = str(train_for_run(cfg, run_dir))
+            except (ConfigError, data.DataError, FileNotFoundError) as e:
+                outcome = e
+            except Exception as e:  # noqa: BLE001 - whatever reading the stream raised, on every rank
+                outcome = data.DataError(f"ds_async.tokenizer: {spec}: training it on ds_async.data.train failed "
+                                         f"({type(e).__name__}: {e})")
+        if group is not None:
+            outcome = folder.agree(outcome, group)
+        else:
+            dist.barrier()
+            if isinstance(outcome, Exception):
+                raise outcome
+        spec = outcome or str(run_dir / "tokenizer.json")
+    return data.load_tokenizer(spec, key="ds_async.tokenizer")
+
+
+def train_vocab(spec: str) -> int:
+    """The vocabulary size of a ``train:<vocab>`` spec; ConfigError naming ``ds_async.tokenizer`` if it is malformed
+    or below a byte-level BPE's 257 tokens."""
+    try:
+        vocab = int(spec.split(":", 1)[1])
+    except ValueError:
+        raise ConfigError(f"ds_async.tokenizer: 'train:<vocab size>' expected, got {spec!r}") from None
+    if vocab < 257:
+        raise ConfigError(f"ds_async.tokenizer: {spec}: a byte-level BPE has at least 257 tokens (256 bytes and EOS)")
+    return vocab
+
+
+def train_for_run(cfg: DsAsyncConfig, run_dir: Path) -> Path:
+    """Rank 0's part of ``tokenizer: "train:<vocab>"``: the run folder's ``tokenizer.json``, trained on
+    ``data.train`` now unless the folder's previous run (its ``manifest.json``) trained it with the same vocabulary
+    size, training source, text field and min_chars. One trained otherwise, or of unknown origin, is replaced, with a
+    line saying so. Prints a line before training (it reads the whole training source)."""
+    vocab = train_vocab(cfg.tokenizer)
+    path, manifest = run_dir / "tokenizer.json", run_dir / "manifest.json"
+    keys = ("tokenizer", "data.train", "data.text_field", "data.min_chars")
+
+    def recipe(section: dict) -> dict:
+        return {k: section.get(k) if "." not in k else (section.get("data") or {}).get(k.split(".")[1]) for k in keys}
+
+    now = recipe(cfgmod.resolved(cfg))
+    if path.exists():
+        try:
+            before = json.loads(manifest.read_text())["ds_async"]
+        except (OSError, ValueError, KeyError, TypeError):
+            before = None
+        if isinstance(before, dict) and recipe(before) == now:
+            return path
+        if not isinstance(before, dict):
+            why = f"has no record of how it was trained (no {manifest.name} of a run with it)"
+        else:
+            old = recipe(before)
+            why = "was trained with another " + ", ".join(
+                f"ds_async.{k} ({old[k]})" if k == "tokenizer" else f"ds_async.{k}" for k in keys if old[k] != now[k])
+        print(f"ds_async: {path} {why}: training a new one for ds_async.tokenizer = {cfg.tokenizer!r}", flush=True)
+    print(f"ds_async: training a byte-level BPE tokenizer ({vocab} tokens) on ds_async.data.train "
+          f"({data.describe(cfg.data.train)}) -> {path}", flush=True)
+    stream = data.load_text_stream(cfg.data.train, "train", cfg.data.text_field, key="ds_async.data.train")
+    train_bpe(data.usable_texts(stream, cfg.data.text_field, cfg.data.min_chars), vocab, str(path))
+    return path
+
+
+def fingerprint(tok) -> dict:
+    """Size and hash of the vocabulary: a resumed run must tokenize exactly like the saved one."""
+    vocab = json.dumps(sorted(tok.get_vocab().items()), ensure_ascii=False).encode()
+    return {"size": len(tok), "sha256": hashlib.sha256(vocab).hexdigest()}
 
 
 def main(argv: list[str] | None = None) -> None:

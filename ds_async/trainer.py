@@ -8,109 +8,18 @@ exactly where one stopped.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import math
-import random
-import time
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from . import config as cfgmod
-from . import console, fp8
+from . import console, fp8, tokenizer
 from .cadence import Cadence
+from .checkpoint.folder import agree
 from .config import ConfigError, DsAsyncConfig
+from .job import default_run_name, optimizer_type, seed_everything, steps_for
 from .models import check_seq_len, check_vocab, hf_io
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def resolve_tokenizer(cfg: DsAsyncConfig, run_dir: Path, dist, group=None):
-    """Load the configured tokenizer (errors name ``ds_async.tokenizer``); ``train:<vocab>`` first has rank 0 train
-    one on the training stream (:func:`train_tokenizer`). ``dist`` gives ``get_rank`` and ``barrier``; with a
-    process ``group``, rank 0's outcome (the file, or its error) reaches every rank, so a failure there stops every
-    rank with the same message instead of leaving the others waiting."""
-    from . import data
-
-    spec = cfg.tokenizer
-    if spec.startswith("train:"):
-        _train_vocab(spec)  # on every rank: a malformed spec fails everywhere alike
-        outcome = None
-        if dist.get_rank() == 0:
-            try:
-                outcome = str(train_tokenizer(cfg, run_dir))
-            except (ConfigError, data.DataError, FileNotFoundError) as e:
-                outcome = e
-            except Exception as e:  # noqa: BLE001 - whatever reading the stream raised, on every rank
-                outcome = data.DataError(f"ds_async.tokenizer: {spec}: training it on ds_async.data.train failed "
-                                         f"({type(e).__name__}: {e})")
-        if group is not None:
-            outcome = _agree(outcome, group)
-        else:
-            dist.barrier()
-            if isinstance(outcome, Exception):
-                raise outcome
-        spec = outcome or str(run_dir / "tokenizer.json")
-    return data.load_tokenizer(spec, key="ds_async.tokenizer")
-
-
-def _train_vocab(spec: str) -> int:
-    try:
-        vocab = int(spec.split(":", 1)[1])
-    except ValueError:
-        raise ConfigError(f"ds_async.tokenizer: 'train:<vocab size>' expected, got {spec!r}") from None
-    if vocab < 257:
-        raise ConfigError(f"ds_async.tokenizer: {spec}: a byte-level BPE has at least 257 tokens (256 bytes and EOS)")
-    return vocab
-
-
-def train_tokenizer(cfg: DsAsyncConfig, run_dir: Path) -> Path:
-    """Rank 0's part of ``tokenizer: "train:<vocab>"``: the run folder's ``tokenizer.json``, trained on
-    ``data.train`` now unless the folder's previous run (its ``manifest.json``) trained it with the same vocabulary
-    size, training source, text field and min_chars. One trained otherwise, or of unknown origin, is replaced, with a
-    line saying so. Prints a line before training (it reads the whole training source)."""
-    from . import data, tokenizer
-
-    vocab = _train_vocab(cfg.tokenizer)
-    path, manifest = run_dir / "tokenizer.json", run_dir / "manifest.json"
-    keys = ("tokenizer", "data.train", "data.text_field", "data.min_chars")
-
-    def recipe(section: dict) -> dict:
-        return {k: section.get(k) if "." not in k else (section.get("data") or {}).get(k.split(".")[1]) for k in keys}
-
-    now = recipe(cfgmod.resolved(cfg))
-    if path.exists():
-        try:
-            before = json.loads(manifest.read_text())["ds_async"]
-        except (OSError, ValueError, KeyError, TypeError):
-            before = None
-        if isinstance(before, dict) and recipe(before) == now:
-            return path
-        if not isinstance(before, dict):
-            why = f"has no record of how it was trained (no {manifest.name} of a run with it)"
-        else:
-            old = recipe(before)
-            why = "was trained with another " + ", ".join(
-                f"ds_async.{k} ({old[k]})" if k == "tokenizer" else f"ds_async.{k}" for k in keys if old[k] != now[k])
-        print(f"ds_async: {path} {why}: training a new one for ds_async.tokenizer = {cfg.tokenizer!r}", flush=True)
-    print(f"ds_async: training a byte-level BPE tokenizer ({vocab} tokens) on ds_async.data.train "
-          f"({data.describe(cfg.data.train)}) -> {path}", flush=True)
-    stream = data.load_text_stream(cfg.data.train, "train", cfg.data.text_field, key="ds_async.data.train")
-    tokenizer.train_bpe(data.usable_texts(stream, cfg.data.text_field, cfg.data.min_chars), vocab, str(path))
-    return path
-
-
-def tokenizer_fingerprint(tok) -> dict:
-    """Size and hash of the vocabulary: a resumed run must tokenize exactly like the saved one."""
-    vocab = json.dumps(sorted(tok.get_vocab().items()), ensure_ascii=False).encode()
-    return {"size": len(tok), "sha256": hashlib.sha256(vocab).hexdigest()}
 
 
 def _resume_from(resume: str, cfg: DsAsyncConfig, ckpt_root: Path) -> Path | None:
@@ -138,22 +47,6 @@ def _resume_from(resume: str, cfg: DsAsyncConfig, ckpt_root: Path) -> Path | Non
     return found
 
 
-def _agree(value, group):
-    """Rank 0's ``value`` (an object, or the exception it raised) on every rank."""
-    import torch.distributed as tdist
-
-    box = [value]
-    tdist.broadcast_object_list(box, src=0, group=group)
-    if isinstance(box[0], Exception):
-        raise box[0]
-    return box[0]
-
-
-def optimizer_type(ds_config: dict) -> str | None:
-    """The DeepSpeed ``optimizer.type`` of a job (None without an optimizer block), as checkpoints record it."""
-    return (ds_config.get("optimizer") or {}).get("type")
-
-
 def check_optimizer_type(manifest: dict, ds_config: dict, folder) -> None:
     """A resumed run must step with the optimizer type its checkpoint was saved with: another type's state would load
     without a word and drop what it cannot use (AdamW's moments as SGD's absent momentum). Compared without case;
@@ -174,17 +67,6 @@ def stream_recipe(section: dict) -> dict:
     return {**{f"data.{k}": data.get(k) for k in ("train", "text_field", "seq_len", "shuffle_buffer", "min_chars")},
             "data.validation.from_train": validation.get("from_train") if isinstance(validation, dict) else None,
             "seed": section.get("seed")}
-
-
-def default_run_name(cfg: DsAsyncConfig, ds_config: dict) -> str:
-    """The run folder's name without ``logging.run_name``: schedule, optimizer type and the start time."""
-    return f"{cfg.schedule}-{optimizer_type(ds_config) or 'none'}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def steps_for(cfg: DsAsyncConfig, tokens_per_step: int) -> int:
-    if cfg.train.steps is not None:
-        return cfg.train.steps
-    return math.ceil(cfg.train.tokens / tokens_per_step)
 
 
 def train(config_path: str, max_steps: int | None = None, run_name: str | None = None,
@@ -268,7 +150,7 @@ class Trainer:
         from . import checkpoint
 
         cfg = self.cfg
-        self.run_dir = Path(cfg.logging.dir) / _agree(cfg.logging.run_name or default_run_name(cfg, self.ds_config),
+        self.run_dir = Path(cfg.logging.dir) / agree(cfg.logging.run_name or default_run_name(cfg, self.ds_config),
                                                       self.group)
         self.ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         found = None
@@ -282,7 +164,7 @@ class Trainer:
                 found = self._claim_checkpoint_dir(resume)
             except (ConfigError, checkpoint.CheckpointError) as e:
                 found = e
-        self.resume_from = _agree(found, self.group)
+        self.resume_from = agree(found, self.group)
         if resume is not None and self.resume_from is None and self.rank == 0:
             print(f"ds_async: no complete checkpoint in {self.ckpt_root}; starting from step 0", flush=True)
         dist.barrier()
@@ -373,7 +255,6 @@ class Trainer:
     def _build_engine(self) -> None:
         from deepspeed import comm as dist
 
-        from . import tokenizer
         from .builder import initialize
         from .models import build_pipeline, model_config
         from .nonfinite import LossMonitor, SkipNonFinite, check_skip_supported
@@ -383,8 +264,8 @@ class Trainer:
             # The one the saved run trained, checked against the checkpoint's manifest.
             self.tok = tokenizer.load_from_checkpoint(self.resume_from)
         else:
-            self.tok = resolve_tokenizer(cfg, self.run_dir, dist, group=self.group)
-        self.fingerprint = tokenizer_fingerprint(self.tok)  # checked on resume, recorded with every save
+            self.tok = tokenizer.resolve(cfg, self.run_dir, dist, group=self.group)
+        self.fingerprint = tokenizer.fingerprint(self.tok)  # checked on resume, recorded with every save
         self.hf_config = model_config(cfg, self.tok)
         check_vocab(self.tok, self.hf_config, cfg.tokenizer)
         check_seq_len(cfg, self.hf_config)

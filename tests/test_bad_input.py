@@ -257,7 +257,7 @@ def test_train_tokenizer_is_retrained_when_its_recipe_changes(tmp_path, capsys):
     """``train:<vocab>`` reuses the run folder's tokenizer only if the folder's previous run (its manifest, which
     every run writes at start) trained it with the same vocabulary size and data; otherwise, or without a record,
     it trains a new one and says so."""
-    from ds_async.trainer import train_tokenizer
+    from ds_async.tokenizer import train_for_run
 
     docs = tmp_path / "docs.txt"
     docs.write_text("\n".join(f"document number {i} says something about topic {i % 7} and more" for i in range(300)))
@@ -266,7 +266,7 @@ def test_train_tokenizer_is_retrained_when_its_recipe_changes(tmp_path, capsys):
 
     def start(spec, **data):  # a run's start: the tokenizer, then the manifest
         cfg = parse({"config": TINY}, tokenizer=spec, data={"train": str(docs), "validation": None, **data})
-        path = train_tokenizer(cfg, run)
+        path = train_for_run(cfg, run)
         (run / "manifest.json").write_text(json.dumps({"ds_async": config.resolved(cfg)}))
         return path
 

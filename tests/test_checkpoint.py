@@ -511,7 +511,7 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
     from transformers import LlamaConfig
 
     from ds_async.config import ConfigError
-    from ds_async.trainer import check_vocab
+    from ds_async.models import check_vocab
 
     tok = _tokenizer(tmp_path)
     check_vocab(tok, LlamaConfig(vocab_size=len(tok)), "tok.json")

@@ -157,7 +157,7 @@ def test_model_config_keys_stage_count_and_batch_key_typos_are_named():
 
 def test_seq_len_longer_than_the_model_is_named():
     from ds_async.models import model_config
-    from ds_async.trainer import check_seq_len
+    from ds_async.models import check_seq_len
 
     cfg = config.parse({"model": {"config": {"max_position_embeddings": 64}}, "train": {"steps": 1},
                         "data": {"seq_len": 128}})
@@ -167,7 +167,7 @@ def test_seq_len_longer_than_the_model_is_named():
 
 
 def test_default_run_name_without_an_optimizer_block():
-    from ds_async.trainer import default_run_name
+    from ds_async.job import default_run_name
 
     cfg = config.parse({"model": {"config": {"vocab_size": 64}}, "train": {"steps": 1}})
     for ds_config in ({}, {"optimizer": None}, {"optimizer": {"type": "Muon"}}):

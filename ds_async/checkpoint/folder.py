@@ -71,6 +71,15 @@ def raise_if_any(error: str | None, group) -> None:
         raise CheckpointError(errors[0])
 
 
+def agree(value, group):
+    """Rank 0's ``value`` (an object, or the exception it raised) on every rank."""
+    box = [value]
+    tdist.broadcast_object_list(box, src=0, group=group)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
+
+
 # ------------------------------------------------------------------------------------------------ the folder
 def step_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"

@@ -127,6 +127,22 @@ def generation_config(config, tokenizer=None):
     return GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=pad)
 
 
+def for_generation(tokenizer, max_length: int | None):
+    """A copy of ``tokenizer`` set up as Hugging Face users of a causal LM expect it: a pad token (its EOS if it has
+    none, as is usual for causal LMs: padded positions are masked out anyway), padding on the left (batched
+    ``generate`` appends to the right end of every row) and ``model_max_length = max_length`` (the model's
+    ``max_position_embeddings``; a bare ``tokenizer.json`` loads with ~1e30). The copy is what gets saved; the
+    training run's tokenizer is not changed (with a ``model_max_length`` it would warn about long documents)."""
+    tok = copy.deepcopy(tokenizer)
+    if tok.pad_token is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    tok.init_kwargs["padding_side"] = "left"  # save_pretrained writes init kwargs, not the attribute
+    if max_length:
+        tok.model_max_length = int(max_length)
+    return tok
+
+
 def write_model_files(out_dir: str | os.PathLike, config, tokenizer=None) -> list[str]:
     """Write ``config.json``, ``generation_config.json`` and (if given) the tokenizer into ``out_dir``, consistent
     with each other (see the module docstring); returns the names written. ``config`` and ``tokenizer`` are not
@@ -134,8 +150,6 @@ def write_model_files(out_dir: str | os.PathLike, config, tokenizer=None) -> lis
     root = Path(out_dir)
     config = copy.deepcopy(config)
     if tokenizer is not None:
-        from ..tokenizer import for_generation
-
         tokenizer = for_generation(tokenizer, getattr(config, "max_position_embeddings", None))
         match_tokenizer(config, tokenizer)
         # config.json, generation_config.json and the tokenizer name one pad. HF's LLaMA/Mixtral make it the input
