@@ -358,6 +358,9 @@ SKIP_REASONS = ("empty", "short", "non_utf8", "not_text")
 HELD_OUT = "held_out"  # a further skip reason, counted only by streams with held-out documents
 _REASONS = (*SKIP_REASONS, HELD_OUT)
 REPLACEMENT_CHAR = "\ufffd"
+# What a document of no text holds: C0 control characters (NUL first: a zero-filled file is valid UTF-8), DEL and
+# whitespace. Stripped from both ends only, so a real document costs a look at its first character.
+_NOT_TEXT_CHARS = "".join(map(chr, range(32))) + "\x7f \u00a0\u2028\u2029\ufeff"
 
 
 def usable_text(value, min_chars: int) -> tuple[str | None, str | None]:
@@ -373,6 +376,8 @@ def usable_text(value, min_chars: int) -> tuple[str | None, str | None]:
         return None, "not_text"
     if not value or value.isspace():
         return None, "empty"
+    if not value.strip(_NOT_TEXT_CHARS):
+        return None, "not_text"  # NUL or other control characters only
     if not value.isascii() and REPLACEMENT_CHAR in value:
         return None, "non_utf8"  # a text-file line whose bytes were not UTF-8 (decoded with errors="replace")
     if min_chars > 1 and len("".join(value.split())) < min_chars:
@@ -557,8 +562,9 @@ class PackedBatches:
     restarts after each epoch in a new order (`set_epoch`); without it, iteration stops at the end and the last
     partial batch is dropped. Documents that are empty or whitespace-only, have fewer than `min_chars`
     non-whitespace characters, are not valid UTF-8 (text-file lines decoded with U+FFFD replacements, or bytes; so
-    a document containing U+FFFD is taken as not UTF-8), are not text at all, or whose `text_digest` is in
-    `held_out` (reason ``HELD_OUT``) are skipped and counted by reason (`skipped`).
+    a document containing U+FFFD is taken as not UTF-8), are not text at all (not a string, or only NUL and other
+    control characters), or whose `text_digest` is in `held_out` (reason ``HELD_OUT``) are skipped and counted by
+    reason (`skipped`).
     A file that fails to read mid-stream raises DataError naming `source`. `state_dict` / `load_state_dict`
     resume exactly where the iterator stood, from the stream's own position (no re-reading; see `_Documents`).
     """
@@ -670,6 +676,9 @@ class PackedBatches:
             hint = "; non-UTF-8 text files are skipped line by line: convert them to UTF-8"
         elif skipped.get("short"):
             hint = "; ds_async.data.min_chars may be too high"
+        elif skipped.get("not_text"):
+            hint = "; the documents hold no text (only NUL or other control characters, or values that are not " \
+                "strings)"
         return (f"{self._source}: no usable text: all {sum(skipped.values())} documents data-parallel rank "
                 f"{self._dp_rank} read in a whole pass were skipped ({counts}){hint}")
 
