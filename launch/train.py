@@ -9,6 +9,9 @@
 
 Bad input (config, data, tokenizer, checkpoint folder) is found at start, before training, and a NaN/inf loss or
 weights end the job at that step; either way with one line "ds_async: error: ..." on stderr and exit status 1.
+SIGTERM (preemption) ends the job after the step every rank agrees on, with a checkpoint saved there, the line
+"ds_async: preempted at step N: saved FOLDER; resume with --resume" and exit status 75 on every rank
+(``ds_async.checkpoint.preempt_grace_s``; the launcher reports its own status).
 """
 import argparse
 import os
@@ -22,6 +25,7 @@ from ds_async.config import ConfigError
 from ds_async.data import DataError
 from ds_async.nonfinite import NonFiniteLoss
 from ds_async.optim.client import OptimizerSetupError
+from ds_async.preempt import PREEMPTED_EXIT, Preempted
 from ds_async.trainer import train
 
 EXPECTED = (ConfigError, DataError, CheckpointError, NonFiniteLoss, OptimizerSetupError, FileNotFoundError)
@@ -70,6 +74,12 @@ def main() -> None:
     except EXPECTED as e:
         print(f"ds_async: error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except Preempted as e:
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            print(f"ds_async: {e}", file=sys.stderr, flush=True)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        sys.exit(PREEMPTED_EXIT)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -96,17 +96,31 @@ def optimizer_state(optimizer) -> dict:
     raise CheckpointError(f"checkpointing does not know how to save optimizer {type(opt).__name__}")
 
 
+def _hyperparameters(opt: torch.optim.Optimizer) -> list[dict]:
+    return [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+
+
+def _load_keeping_hyperparameters(opt: torch.optim.Optimizer, state: dict) -> None:
+    """``opt.load_state_dict(state)`` with the param groups' hyperparameters (lr, betas, weight decay, ...) kept as
+    this run's config set them: torch would take the saved ones, so a changed value would be ignored without a word
+    (:mod:`ds_async.resume` applies them). Unchanged values are the same numbers either way."""
+    fresh = _hyperparameters(opt)
+    opt.load_state_dict(state)
+    for group, values in zip(opt.param_groups, fresh, strict=True):
+        group.update(values)
+
+
 def load_optimizer_state(optimizer, saved: dict, file: Path) -> None:
     opt = _unwrap(optimizer)
     kind = saved["kind"]
     if kind == "torch" and isinstance(opt, torch.optim.Optimizer):
-        opt.load_state_dict(saved["state"])
+        _load_keeping_hyperparameters(opt, saved["state"])
         return
     attr = {"zero": "single_partition_of_fp32_groups", "bf16": "fp32_groups_flat_partition"}.get(kind)
     if attr is None or not hasattr(opt, attr):
         raise CheckpointError(f"{file}: optimizer state of kind {kind!r} does not fit this run's "
                               f"{type(opt).__name__} (was the precision or ZeRO stage changed?)")
-    opt.optimizer.load_state_dict(saved["state"])
+    _load_keeping_hyperparameters(opt.optimizer, saved["state"])
     with torch.no_grad():
         for have, want in zip(getattr(opt, attr), saved["fp32"], strict=True):
             if have.shape != want.shape:
@@ -115,6 +129,24 @@ def load_optimizer_state(optimizer, saved: dict, file: Path) -> None:
             have.copy_(want)
     if hasattr(opt, "_link_all_hp_params"):
         opt._link_all_hp_params()
+
+
+def _saved_lr(saved: dict) -> float | None:
+    """The first param group's LR in a saved optimizer state (the LR its last step left for the next)."""
+    groups = saved.get("state", {}).get("param_groups") or [{}]
+    lr = groups[0].get("lr")
+    return float(lr) if lr is not None else None
+
+
+def _apply_schedule(scheduler) -> None:
+    """Set the optimizer's LR to what ``scheduler`` (a DeepSpeed schedule, just restored to its step) gives there:
+    built from this run's config, so a changed peak, warm-up, minimum or length applies from the first resumed step
+    (the optimizer's saved LR is the old schedule's)."""
+    step = getattr(scheduler, "last_batch_iteration", None)
+    if step is None or step < 0 or not hasattr(scheduler, "get_lr"):
+        return
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_lr(), strict=True):
+        group["lr"] = lr
 
 
 # ----------------------------------------------------------------------------------------- engine <-> files
@@ -177,11 +209,12 @@ def save(engine, root: str | os.PathLike, *, hf_config, data_state: dict | None 
         raise CheckpointError(str(e)) from None
     step, stage, dp = engine.global_steps, engine.stage_id, engine.grid.data_parallel_id
     stages = engine.num_stages
+    opt_state = optimizer_state(engine.optimizer)
 
     def write_files(tmp: Path) -> list[str]:
         names = [_state_name(stage, dp)]
         state = {"format": FORMAT, "step": step, "stage": stage, "dp_rank": dp, "engine": engine_state["counters"],
-                 "optimizer": optimizer_state(engine.optimizer),
+                 "optimizer": opt_state,
                  "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
                  "rng": rng_state(), "data": data_state_to_file(data_state), "extra": extra or {}}
         save_torch(state, tmp / names[0])
@@ -204,7 +237,21 @@ def save(engine, root: str | os.PathLike, *, hf_config, data_state: dict | None 
         return sorted(set(names))
 
     manifest = {**engine.layout(), "family": hf_config.model_type, **(meta or {})}
-    return write(root, step, write_files, manifest, keep=keep, group=group, write_index=write_index)
+    need = tensor_bytes([engine_state, opt_state, data_state_to_file(data_state)])
+    if dp == 0:
+        need += tensor_bytes(list(engine.module.parameters()))
+    return write(root, step, write_files, manifest, keep=keep, group=group, write_index=write_index, need=need)
+
+
+def tensor_bytes(obj) -> int:
+    """The bytes of the tensors in ``obj`` (nested dicts, lists and tuples): what saving it writes, about."""
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
 
 
 def load(engine, folder: str | os.PathLike, group=None, check: dict | None = None) -> dict:
@@ -240,13 +287,15 @@ def load(engine, folder: str | os.PathLike, group=None, check: dict | None = Non
         except (KeyError, ValueError) as e:
             raise CheckpointError(f"{folder / (versions_file or state_file)}: does not fit this run's schedule "
                                   f"({type(e).__name__}: {e})") from None
+        saved_lr = _saved_lr(state["optimizer"])
         load_optimizer_state(engine.optimizer, state["optimizer"], folder / state_file)
         if engine.lr_scheduler is not None:
             if state["lr_scheduler"] is None:
                 raise CheckpointError(f"{folder / state_file}: saved without an LR scheduler, this run has one")
             engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            _apply_schedule(engine.lr_scheduler)
         out = {"manifest": manifest, "data": data_state_from_file(state["data"]), "extra": state["extra"],
-               "rng": state["rng"]}
+               "rng": state["rng"], "lr": (saved_lr, engine.get_lr()[0] if hasattr(engine, "get_lr") else None)}
     except CheckpointError as e:
         error = str(e)
     except Exception as e:  # noqa: BLE001 - every rank must learn of any rank's failure
