@@ -85,6 +85,14 @@ class Preemption:
             self._work = tdist.all_reduce(self._flag, op=tdist.ReduceOp.MAX, group=self.group, async_op=True)
         return stop
 
+    def saved(self) -> None:
+        """The preempted job's checkpoint is saved and it is exiting: the grace period is over, and a later SIGTERM
+        (a launcher ending its ranks once the first has exited) is ignored, so that each rank exits as preempted."""
+        if self._timer is not None:
+            self._timer.cancel()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        self._previous = signal.SIG_IGN
+
     def close(self) -> None:
         """Finish the agreement in flight and put the previous SIGTERM handler back (the grace timer, if running,
         keeps bounding the exit)."""

@@ -735,6 +735,7 @@ class Trainer:
 
         if self.last_saved != step:
             self.save(step)
+        self.preemption.saved()
         self.log.suspend()
         self.ds_monitor.close()
         if self.train_iter is not None:
