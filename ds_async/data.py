@@ -22,6 +22,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -380,9 +381,42 @@ def usable_text(value, min_chars: int) -> tuple[str | None, str | None]:
         return None, "not_text"  # NUL or other control characters only
     if not value.isascii() and REPLACEMENT_CHAR in value:
         return None, "non_utf8"  # a text-file line whose bytes were not UTF-8 (decoded with errors="replace")
-    if min_chars > 1 and len("".join(value.split())) < min_chars:
+    if min_chars > 1 and _visible_chars(value, min_chars) < min_chars:
         return None, "short"
     return value, None
+
+
+PIECE_CHARS = 1 << 18
+"""Documents longer than this many characters are tokenized in pieces of at most this many, as the token buffer
+needs them (:func:`next_piece`), so that neither tokenizing nor the buffer nor the stream's state grows with a
+document's length (a 100 MB line tokenized at once took 6.2 GiB)."""
+
+
+def next_piece(text: str, start: int, size: int = PIECE_CHARS) -> int:
+    """Where the piece of ``text`` that starts at ``start`` ends: ``len(text)`` if at most ``size`` characters are
+    left, else just before the last newline, or failing that the last whitespace, in the second half of the next
+    ``size`` characters, or failing both after ``size`` characters. A byte-level BPE splits words from the
+    whitespace before them, so pieces cut before whitespace tokenize as the whole text does; a cut that falls
+    inside a run the tokenizer would not split (``size`` characters without whitespace) changes the tokens there."""
+    end = start + size
+    if end >= len(text):
+        return len(text)
+    lo = start + size // 2
+    for sep in ("\n", " ", "\t"):
+        cut = text.rfind(sep, lo, end)
+        if cut > start:
+            return cut
+    return end
+
+
+def _visible_chars(text: str, enough: int) -> int:
+    """The non-whitespace characters of ``text``, counted until ``enough`` (a long document is not split whole)."""
+    count = 0
+    for word in re.finditer(r"\S+", text):
+        count += word.end() - word.start()
+        if count >= enough:
+            break
+    return count
 
 
 def usable_texts(stream, text_field: str, min_chars: int = 1) -> Iterator[str]:
@@ -615,6 +649,8 @@ class PackedBatches:
         # so that taking a batch never shifts the whole list.
         self._buffer: list[int] = []
         self._pos = 0
+        # A document longer than PIECE_CHARS, tokenized up to character self._long_at (one string, not copied).
+        self._long, self._long_at = "", 0
 
     def _reasons(self) -> tuple[str, ...]:
         return _REASONS if self._held_out else SKIP_REASONS
@@ -627,16 +663,25 @@ class PackedBatches:
                             f"{self._docs.epoch} ({type(e).__name__}: {e})") from None
 
     def _refill(self, needed: int) -> bool:
-        """Buffer at least `needed` unemitted tokens; False when a non-repeating stream runs out first."""
+        """Buffer at least `needed` unemitted tokens; False when a non-repeating stream runs out first. A document
+        longer than PIECE_CHARS is tokenized a piece at a time, as the buffer needs it (:func:`next_piece`)."""
         del self._buffer[: self._pos]
         self._pos = 0
         while len(self._buffer) < needed:
+            if self._long_at < len(self._long):  # the rest of a long document comes first
+                self._take_piece()
+                continue
             texts, taken = [], 0
             while taken < self._tokenize_batch:
                 doc = self._next_doc()
                 if doc is None:
                     break
                 taken += 1
+                if isinstance(doc, str) and len(doc) > PIECE_CHARS:
+                    self._used += 1
+                    self._epoch_has_text = True
+                    self._long, self._long_at = doc, 0
+                    break  # its pieces follow the documents taken before it
                 if isinstance(doc, str):
                     texts.append(doc)
                 else:
@@ -657,6 +702,15 @@ class PackedBatches:
                 self._buffer.extend(ids)
                 self._buffer.append(self._eos)
         return True
+
+    def _take_piece(self) -> None:
+        """Tokenize the next piece of the long document in hand into the buffer (EOS after its last)."""
+        end = next_piece(self._long, self._long_at)
+        self._buffer.extend(self._encode([self._long[self._long_at:end]])[0])
+        self._long_at = end
+        if end == len(self._long):
+            self._buffer.append(self._eos)
+            self._long, self._long_at = "", 0
 
     def _no_text(self) -> str:
         """Why a whole pass over this rank's documents gave no text to train on, naming the source and the key."""
@@ -741,6 +795,9 @@ class PackedBatches:
             "has_text": self._epoch_has_text,
             "buffer": self._buffer[self._pos :],
             "stream": self._docs.state_dict(),
+            # The long document being tokenized in pieces and how far (a reference: taking a state copies nothing).
+            "long": self._long,
+            "long_at": self._long_at,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -762,6 +819,7 @@ class PackedBatches:
         self._used = state.get("used", 0)
         self._buffer = list(state["buffer"])
         self._pos = 0
+        self._long, self._long_at = state.get("long", ""), state.get("long_at", 0)
 
 
 def open_batches(data: DataConfig, role: str, tokenizer, micro_batch_size: int, *, dp_rank: int = 0,
