@@ -599,6 +599,7 @@ class PackedBatches:
     a document containing U+FFFD is taken as not UTF-8), are not text at all (not a string, or only NUL and other
     control characters), or whose `text_digest` is in `held_out` (reason ``HELD_OUT``) are skipped and counted by
     reason (`skipped`).
+    A document longer than PIECE_CHARS is tokenized a piece at a time as the rows need it (:func:`next_piece`).
     A file that fails to read mid-stream raises DataError naming `source`. `state_dict` / `load_state_dict`
     resume exactly where the iterator stood, from the stream's own position (no re-reading; see `_Documents`).
     """

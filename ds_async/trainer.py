@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import random
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -263,7 +264,9 @@ class Trainer:
         seed_everything(self.cfg.seed)
         self.group = tdist.new_group(backend="gloo")  # host-side agreement: checkpoint files, loss flags
         ckpt = self.cfg.checkpoint
-        if (ckpt.every > 0 or ckpt.final) and ckpt.preempt_grace_s > 0:
+        # Python runs signal handlers in the main thread only; a trainer run elsewhere leaves SIGTERM as it is.
+        if (ckpt.every > 0 or ckpt.final) and ckpt.preempt_grace_s > 0 and \
+                threading.current_thread() is threading.main_thread():
             self.preemption = Preemption(ckpt.preempt_grace_s, self.group, say=self.rank == 0)
         self.weights_ok_at, self.end_checked = None, False  # see _check_weights, _stop_if_nonfinite
         self._locate_run(resume)
