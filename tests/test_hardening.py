@@ -297,9 +297,11 @@ def test_a_huge_document_is_tokenized_in_pieces_with_flat_memory(tmp_path):
 
     from ds_async.data import document_encoder, load_tokenizer
 
-    tokenizer = str(ROOT.parent / "shared" / "corpus" / "tokenizers" / "bpe8192.json")
-    books = pq.read_table(ROOT.parent / "shared" / "corpus" / "gutenberg-validation.parquet",
-                          columns=["text"]).column("text").to_pylist()
+    corpus = ROOT.parent / "shared" / "corpus"
+    if not (corpus / "gutenberg-validation.parquet").exists():
+        pytest.skip("needs ../shared/corpus")
+    tokenizer = str(corpus / "tokenizers" / "bpe8192.json")
+    books = pq.read_table(corpus / "gutenberg-validation.parquet", columns=["text"]).column("text").to_pylist()
     text = " ".join(" ".join(books).split())  # one line
     found = {}
     for mb in (8, 32):
@@ -319,3 +321,31 @@ def test_a_huge_document_is_tokenized_in_pieces_with_flat_memory(tmp_path):
     assert found[32]["growth_mib"] < 512, found
     # The state holds the document being read (it is what resumes it), not its tokens at 8 bytes each.
     assert found[32]["state_bytes"] < 33 * 2 ** 20 + 2 ** 20, found[32]["state_bytes"]
+
+
+_SIGTERMS = """
+import os, signal, sys, time
+from ds_async.preempt import Preemption
+
+p = Preemption(float(sys.argv[1]), None, say=True)
+os.kill(os.getpid(), signal.SIGTERM)
+os.kill(os.getpid(), signal.SIGTERM)  # the same preemption from the scheduler and from the launcher
+time.sleep(0.3)
+print("requested", p.since is not None, flush=True)
+if sys.argv[2] == "again":
+    time.sleep(2.5)
+    os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(20)
+"""
+
+
+@pytest.mark.parametrize("grace, then, why", [
+    (60, "again", "a second SIGTERM"),
+    (2, "wait", "ds_async.checkpoint.preempt_grace_s = 2 s passed since SIGTERM before the checkpoint was saved"),
+])
+def test_a_second_sigterm_or_the_grace_period_ends_the_process_at_once(grace, then, why):
+    """SIGTERM twice at once is one request; one more later, or the grace period's end, exits 143 with one line."""
+    proc = subprocess.run([sys.executable, "-c", _SIGTERMS, str(grace), then], env=job_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 143 and proc.stdout == "requested True\n", (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stderr.splitlines()[-1] == f"ds_async: error: {why}: exiting at once without a checkpoint"

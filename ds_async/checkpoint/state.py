@@ -15,7 +15,8 @@ A checkpoint folder (:mod:`ds_async.checkpoint.folder`) of a pipeline job holds:
 
 The pipeline is drained before a save (the trainer plans it with ``engine.drain_after``): no micro-batch is in
 flight, the master parameters are back in the modules, and everything a flush-free schedule carries across the
-drain is the held weight versions, which are saved. Loading restores exactly that, so training resumed from a
+drain is the held weight versions, which are saved. Loading restores exactly that (the optimizer's
+hyperparameters and LR excepted, which come from the resuming run's config), so training resumed from a
 checkpoint makes the same updates, bit for bit, as training that never stopped (tested with SIGKILL). Loading
 requires the same pipeline layout (``engine.layout()``) the checkpoint was written with.
 """
@@ -257,8 +258,11 @@ def tensor_bytes(obj) -> int:
 def load(engine, folder: str | os.PathLike, group=None, check: dict | None = None) -> dict:
     """Restore ``engine`` (freshly built, same layout) from checkpoint ``folder``; collective.
 
-    Returns ``{"manifest", "data", "extra"}``: the manifest, this rank's data stream state (for
-    ``PackedBatches.load_state_dict``) and the trainer's per-rank extra state. RNG states are restored last.
+    Returns ``{"manifest", "data", "extra", "lr"}``: the manifest, this rank's data stream state (for
+    ``PackedBatches.load_state_dict``), the trainer's per-rank extra state, and the LR the checkpoint's last step
+    left with the one the next step takes (they differ when the config changed the schedule or the peak LR). The
+    optimizer's hyperparameters are this run's config's, and a DeepSpeed LR schedule sets its LR at the restored
+    step (see :mod:`ds_async.resume`). RNG states are restored last.
     ``check``: manifest entries that must equal these values (e.g. the tokenizer's fingerprint).
     """
     from ..models import hf_io
