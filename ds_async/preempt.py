@@ -94,9 +94,8 @@ class Preemption:
         self._previous = signal.SIG_IGN
 
     def close(self) -> None:
-        """Finish the agreement in flight and put the previous SIGTERM handler back (the grace timer, if running,
-        keeps bounding the exit)."""
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
+        """Put the previous SIGTERM handler back (the grace timer, if running, keeps bounding the exit). The last
+        agreement is not waited for: a job that ends normally has run collectives on the group after it (so it is
+        done), and one that fails on some ranks must not wait for ranks that never reach it."""
+        self._work = None
         signal.signal(signal.SIGTERM, self._previous)

@@ -33,6 +33,7 @@ POLICY: tuple[tuple[str, str], ...] = (
     # Hugging Face config as the checkpoint's config.json and this run's model build it.
     ("model.attention_dropout", APPLIED), ("model.*_dropout", APPLIED), ("model.router_aux_loss_coef", APPLIED),
     ("model.router_jitter_noise", APPLIED),
+    ("model.initializer_range", FREE),  # initialises weights the checkpoint replaces
     ("model.*", REFUSED),
     ("ds_async.model.*", CARRIED),  # the checkpoint's weights; the architecture is compared as model.*
     ("ds_async.tokenizer", CARRIED),  # train:<vocab>: the checkpoint's; a file: its vocabulary must match (checked)

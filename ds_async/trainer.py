@@ -270,10 +270,10 @@ class Trainer:
             self.preemption = Preemption(ckpt.preempt_grace_s, self.group, say=self.rank == 0)
         self.weights_ok_at, self.end_checked = None, False  # see _check_weights, _stop_if_nonfinite
         self._locate_run(resume)
-        changed = self._plan_resume() if self.resume_from is not None else {}
+        changed, lengths = self._plan_resume() if self.resume_from is not None else ({}, None)
         self._build_engine(changed)
         self._check_sources(self._build_data())
-        carried = self._restore(changed) if self.resume_from is not None else {}
+        carried = self._restore(changed, lengths) if self.resume_from is not None else {}
         self.start = self.engine.global_steps  # 0, or the step of the checkpoint it resumed from
         if self.start >= self.total_steps:
             bound = (f"--max-steps {self.max_steps}" if self.max_steps is not None and self.max_steps < self.start
@@ -453,10 +453,11 @@ class Trainer:
                 error = e
         return error
 
-    def _plan_resume(self) -> dict[str, dict[str, tuple]]:
+    def _plan_resume(self) -> tuple[dict[str, dict[str, tuple]], tuple[int, int, int] | None]:
         """Before the engine is built: what ``--resume`` does with each key changed since the checkpoint
         (:mod:`ds_async.resume`): ConfigError for a refused one; the LR schedule built for the length
-        ``train.on_resume_length`` says. Returns the changes by action, for :meth:`_restore` to report."""
+        ``train.on_resume_length`` says. Returns, for :meth:`_restore` to report, the changes by action and, if the
+        run's or the schedule's length changed, (the checkpoint's run length, this run's, the schedule's)."""
         from . import checkpoint
 
         manifest = _agree(_or_error(checkpoint.read_manifest, self.resume_from) if self.rank == 0 else None,
@@ -469,9 +470,8 @@ class Trainer:
             "total_num_steps", saved_run)
         schedule = policy.schedule_length(self.cfg.train.on_resume_length, saved_schedule, self.length)
         self.ds_config = cfgmod.with_schedule_length(self.ds_config, self.length, schedule)
-        if saved_run is not None and (saved_run != self.length or saved_schedule != schedule):
-            changed.setdefault(policy.LENGTH, {})["run"] = (saved_run, self.length, schedule)
-        return changed
+        moved = saved_run is not None and (saved_run != self.length or saved_schedule != schedule)
+        return changed, (saved_run, self.length, schedule) if moved else None
 
     def _check_model_unchanged(self) -> dict[str, dict[str, tuple]]:
         """A resume refuses a model whose architecture differs from the checkpoint's (its ``config.json``), naming
@@ -484,9 +484,10 @@ class Trainer:
             return {}  # checked on load: the checkpoint's files are verified against its manifest
         return policy.plan(policy.model_keys(saved), policy.model_keys(self.hf_config.to_dict()), self.resume_from)
 
-    def _restore(self, changed: dict[str, dict[str, tuple]]) -> dict:
+    def _restore(self, changed: dict[str, dict[str, tuple]], lengths: tuple[int, int, int] | None) -> dict:
         """Load the checkpoint; returns the trainer state this rank saved with it (its logger's clock and curves).
-        Rank 0 says what the resume applied: ``changed`` (from :meth:`_plan_resume`) and the LR it continues at."""
+        Rank 0 says what the resume applied: ``changed`` and ``lengths`` (from :meth:`_plan_resume`), and the LR
+        it continues at."""
         from . import checkpoint
 
         restored = checkpoint.load(self.engine, self.resume_from, group=self.group,
@@ -501,9 +502,8 @@ class Trainer:
                        if not any(k == f"ds_async.{r}" or k.startswith(f"ds_async.{r}.") for r in recipe)}
             if applied:
                 print(policy.describe_applied(applied), flush=True)
-            if policy.LENGTH in changed and "run" in changed[policy.LENGTH]:
-                saved_run, length, schedule = changed[policy.LENGTH]["run"]
-                print(policy.length_line(self.cfg.train.on_resume_length, step, saved_run, length, schedule,
+            if lengths is not None:
+                print(policy.length_line(self.cfg.train.on_resume_length, step, *lengths,
                                          cfgmod.length_scheduler(self.ds_config), *restored["lr"]), flush=True)
             saved = stream_recipe(restored["manifest"].get("ds_async", {}))
             now = stream_recipe(cfgmod.resolved(self.cfg))

@@ -63,10 +63,14 @@ def _to_safe(python_state):
 
 
 def data_state_to_file(state: dict | None) -> dict | None:
-    """A ``PackedBatches.state_dict()`` with its token buffer as a tensor (compact, ``weights_only``-loadable)."""
+    """A ``PackedBatches.state_dict()`` with its token buffer as a tensor (compact, ``weights_only``-loadable) and
+    only the untokenized rest of a long document it is reading."""
     if state is None:
         return None
-    return {**state, "buffer": torch.tensor(state["buffer"], dtype=torch.long)}
+    out = {**state, "buffer": torch.tensor(state["buffer"], dtype=torch.long)}
+    if state.get("long"):
+        out["long"], out["long_at"] = state["long"][state["long_at"]:], 0
+    return out
 
 
 def data_state_from_file(state: dict | None) -> dict | None:
