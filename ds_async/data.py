@@ -388,8 +388,8 @@ def usable_text(value, min_chars: int) -> tuple[str | None, str | None]:
 
 PIECE_CHARS = 1 << 18
 """Documents longer than this many characters are tokenized in pieces of at most this many, as the token buffer
-needs them (:func:`next_piece`), so that neither tokenizing nor the buffer nor the stream's state grows with a
-document's length (a 100 MB line tokenized at once took 6.2 GiB)."""
+needs them (:func:`next_piece`), so that neither tokenizing nor the token buffer grows with a document's length (a
+100 MB line tokenized at once took 6.2 GiB); the stream's state holds the document's untokenized rest as text."""
 
 
 def next_piece(text: str, start: int, size: int = PIECE_CHARS) -> int:

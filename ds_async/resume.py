@@ -116,11 +116,14 @@ def plan(saved: dict, now: dict, folder) -> dict[str, dict[str, tuple]]:
     return by_action
 
 
-def describe_applied(applied: dict[str, tuple]) -> str:
-    """The warning line of the changes a resume applies."""
+def describe_applied(applied: dict[str, tuple], step: int, lr_before: float | None, lr_after: float | None) -> str:
+    """The warning line of the changes a resume at ``step`` applies, with the LR the checkpoint left and the one
+    the next step takes if they differ."""
     shown = "; ".join(f"{k.removeprefix('deepspeed.')} {old!r} -> {new!r}" for k, (old, new) in applied.items())
+    lrs = "" if lr_before is None or lr_after is None or lr_before == lr_after else \
+        f" (the LR goes from {lr_before:.4g} at step {step} to {lr_after:.4g})"
     return f"ds_async: warning: changed since the checkpoint and applied from this config from the first resumed " \
-           f"step: {shown}"
+           f"step: {shown}{lrs}"
 
 
 def schedule_length(policy: str, saved_length: int | None, length: int) -> int:

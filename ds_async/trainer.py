@@ -501,7 +501,7 @@ class Trainer:
             applied = {k: v for k, v in changed.get(policy.APPLIED, {}).items()
                        if not any(k == f"ds_async.{r}" or k.startswith(f"ds_async.{r}.") for r in recipe)}
             if applied:
-                print(policy.describe_applied(applied), flush=True)
+                print(policy.describe_applied(applied, step, *restored["lr"]), flush=True)
             if lengths is not None:
                 print(policy.length_line(self.cfg.train.on_resume_length, step, *lengths,
                                          cfgmod.length_scheduler(self.ds_config), *restored["lr"]), flush=True)

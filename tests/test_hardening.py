@@ -68,8 +68,11 @@ def job(work) -> dict:
         del raw["scheduler"]
 
     def peak_lr(raw):
-        del raw["scheduler"]
         raw["optimizer"]["params"]["lr"] = 2 * PEAK
+
+    def peak_lr_alone(raw):
+        del raw["scheduler"]
+        peak_lr(raw)
 
     def rope(raw):
         raw["ds_async"]["model"]["config"]["rope_theta"] = 500.0
@@ -88,9 +91,11 @@ def job(work) -> dict:
         {"name": "lr-restretch", "config": _config(work, "lr-restretch", steps=8,
                                                    train={"steps": 8, "on_resume_length": "restretch"}),
          "resume": str(checkpoint.step_dir(base, 6))},
+        {"name": "lr-peak", "config": _config(work, "lr-peak", peak_lr, steps=6),
+         "resume": str(checkpoint.step_dir(base, 4))},
         {"name": "rope", "config": _config(work, "rope", rope, steps=8), "resume": str(checkpoint.step_dir(base, 6))},
         {"name": "nosched-base", "config": _config(work, "nosched-base", no_scheduler, steps=4)},
-        {"name": "nosched-peak", "config": _config(work, "nosched-peak", peak_lr, steps=6),
+        {"name": "nosched-peak", "config": _config(work, "nosched-peak", peak_lr_alone, steps=6),
          "resume": str(checkpoint.step_dir(nosched, 4))},
         {"name": "nul", "config": _config(work, "nul", steps=2, data=str(work / "nul.txt"))},
         {"name": "lock", "config": _config(work, "lock", steps=2, checkpoint={"dir": str(planted), "keep": 2})},
@@ -132,9 +137,10 @@ def _errors(job, name) -> list:
 
 # ------------------------------------------------------------------------------------------ resume policy
 def test_resume_applies_the_new_lr_and_the_run_length_policy(work, job):
-    """The LR after ``--resume`` is the policy's: a new peak LR applies from the first resumed step (no scheduler:
-    it was the checkpoint's for good); a run extended from 6 to 8 steps keeps the 6-step cosine at its final LR
-    (``keep_schedule``, the default) or takes the 8-step one (``restretch``), saying so in one line at start."""
+    """The LR after ``--resume`` is the policy's: a new peak LR applies from the first resumed step (it ran at the
+    checkpoint's LR; without a scheduler, for good), with one warning line; a run extended from 6 to 8 steps keeps
+    the 6-step cosine at its final LR (``keep_schedule``, the default) or takes the 8-step one (``restretch``),
+    saying so in one line at start."""
     runs = work / "runs"
     base = _scalars(runs / "lr-base", "train/lr")
     # The reference: the logged LR of step s is the schedule's at iteration s - 1 (after the step's update).
@@ -153,11 +159,20 @@ def test_resume_applies_the_new_lr_and_the_run_length_policy(work, job):
             f"that length has it; the LR goes from {cosine_lr(PEAK, 6, 5):.4g} (step 6) to "
             f"{cosine_lr(PEAK, 8, 5):.4g}") in log, log[-4000:]
 
+    # A doubled peak under the cosine: the step after the checkpoint already runs at the new schedule's LR.
+    assert all(e is None for e in _errors(job, "lr-peak")), job["results"]["lr-peak"]
+    assert _scalars(runs / "lr-peak", "train/lr") == {s: pytest.approx(cosine_lr(2 * PEAK, 6, s - 1), rel=1e-6)
+                                                      for s in (5, 6)}
+    assert ("ds_async: warning: changed since the checkpoint and applied from this config from the first resumed "
+            f"step: optimizer.params.lr {PEAK!r} -> {2 * PEAK!r} (the LR goes from {cosine_lr(PEAK, 6, 3):.4g} at "
+            f"step 4 to {cosine_lr(2 * PEAK, 6, 3):.4g})") in log, log[-4000:]
+
     assert all(e is None for e in _errors(job, "nosched-peak")), job["results"]["nosched-peak"]
     assert _scalars(runs / "nosched-base", "train/lr") == {s: pytest.approx(PEAK) for s in range(1, 5)}
     assert _scalars(runs / "nosched-peak", "train/lr") == {s: pytest.approx(2 * PEAK) for s in (5, 6)}
     assert ("ds_async: warning: changed since the checkpoint and applied from this config from the first resumed "
-            f"step: optimizer.params.lr {PEAK!r} -> {2 * PEAK!r}") in log, log[-4000:]
+            f"step: optimizer.params.lr {PEAK!r} -> {2 * PEAK!r} (the LR goes from {PEAK:.4g} at step 4 to "
+            f"{2 * PEAK:.4g})") in log, log[-4000:]
     assert ("a run now 6 steps long (the checkpoint's: 4); ds_async.train.on_resume_length = 'keep_schedule': no LR "
             "schedule depends on the run's length") in log
 
