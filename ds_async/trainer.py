@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import checkpoint
 from . import config as cfgmod
 from . import resume as policy
 from .cadence import Cadence
@@ -156,11 +157,9 @@ def _resume_from(resume: str, cfg: DsAsyncConfig, ckpt_root: Path) -> Path | Non
 
 def _or_error(fn, *args):
     """``fn(*args)``, or the ConfigError or CheckpointError it raised (for :func:`_agree`)."""
-    from .checkpoint import CheckpointError
-
     try:
         return fn(*args)
-    except (ConfigError, CheckpointError) as e:
+    except (ConfigError, checkpoint.CheckpointError) as e:
         return e
 
 
@@ -458,8 +457,6 @@ class Trainer:
         (:mod:`ds_async.resume`): ConfigError for a refused one; the LR schedule built for the length
         ``train.on_resume_length`` says. Returns, for :meth:`_restore` to report, the changes by action and, if the
         run's or the schedule's length changed, (the checkpoint's run length, this run's, the schedule's)."""
-        from . import checkpoint
-
         manifest = _agree(_or_error(checkpoint.read_manifest, self.resume_from) if self.rank == 0 else None,
                           self.group)
         check_optimizer_type(manifest, self.ds_config, self.resume_from)
@@ -734,8 +731,6 @@ class Trainer:
     def _stop_preempted(self, step: int) -> None:
         """The last step of a preempted run (drained): save it, close the logs without a summary (the run goes on
         after ``--resume``) and raise Preempted on every rank."""
-        from . import checkpoint
-
         if self.last_saved != step:
             self.save(step)
         self.preemption.saved()

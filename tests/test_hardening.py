@@ -15,6 +15,7 @@ Real 2-rank jobs on CPU (torchrun, gloo) with ``tests/test_checkpoint.py``'s tin
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -364,3 +365,36 @@ def test_a_second_sigterm_or_the_grace_period_ends_the_process_at_once(grace, th
                           text=True, timeout=60)
     assert proc.returncode == 143 and proc.stdout == "requested True\n", (proc.returncode, proc.stdout, proc.stderr)
     assert proc.stderr.splitlines()[-1] == f"ds_async: error: {why}: exiting at once without a checkpoint"
+
+
+def test_a_stream_saved_inside_a_long_document_resumes_exactly(tmp_path):
+    """A state taken between two pieces of a long document, through a checkpoint file's form, continues with the
+    same micro-batches as the stream that was not interrupted."""
+    from ds_async.checkpoint.state import data_state_from_file, data_state_to_file
+    from ds_async.data import PIECE_CHARS, PackedBatches, load_text_stream, load_tokenizer
+
+    corpus = ROOT.parent / "shared" / "corpus"
+    if not (corpus / "tokenizers" / "bpe8192.json").exists():
+        pytest.skip("needs ../shared/corpus")
+    tok = load_tokenizer(str(corpus / "tokenizers" / "bpe8192.json"))
+    words = [f"word{i % 97} and text {i}" for i in range(PIECE_CHARS // 8)]
+    path = tmp_path / "docs.txt"
+    path.write_text("a short first document\n" + " ".join(words) + "\nand a short last one\n")
+
+    def stream():
+        return PackedBatches(load_text_stream(str(path), "train"), tok, 64, 4, shuffle_buffer=0, repeat=True)
+
+    whole = stream()
+    for _ in range(70):  # into the long document (~650k characters): its first piece tokenized, the rest not
+        next(whole)
+    state = whole.state_dict()
+    assert state["long"] and 0 < state["long_at"] < len(state["long"]), "not inside the long document"
+    saved = io.BytesIO()
+    torch.save(data_state_to_file(state), saved)
+    assert saved.tell() < len(state["long"]) + 2 ** 20  # the document's rest and a piece's tokens at most
+    want = [next(whole)[0] for _ in range(300)]
+    again = stream()
+    again.load_state_dict(data_state_from_file(torch.load(io.BytesIO(saved.getvalue()), weights_only=True)))
+    assert all(torch.equal(a, b) for a, b in zip((next(again)[0] for _ in range(300)), want))
+    whole.close()
+    again.close()
