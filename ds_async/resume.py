@@ -18,7 +18,8 @@ the DeepSpeed keys as the engine got them) and the run length its LR schedule wa
 - ``free``: applied silently, as it changes nothing the checkpoint holds (logging, evaluation, checkpoint cadence,
   speed levers).
 
-A key no pattern names is ``applied``. Keys missing from an older checkpoint's manifest count as unchanged.
+A key no pattern names is ``applied``. Keys missing from an older checkpoint's manifest count as unchanged; keys
+this config lacks (a block removed) have the new value None.
 """
 from __future__ import annotations
 
@@ -87,9 +88,12 @@ def flatten(value, prefix: str) -> dict:
 
 
 def changes(saved: dict, now: dict) -> dict[str, tuple]:
-    """``{key: (old, new)}`` of the keys whose value differs, over the keys of ``now`` (flattened documents); a
-    key an older checkpoint did not record is not a change."""
-    return {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
+    """``{key: (old, new)}`` of the keys whose value differs between flattened documents ``saved`` and ``now``; a
+    key the checkpoint has and this config lacks is new value None (a block removed); a key an older checkpoint
+    did not record is not a change."""
+    out = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
+    out.update({k: (v, None) for k, v in saved.items() if k not in now})
+    return out
 
 
 def model_keys(hf_dict: dict) -> dict:

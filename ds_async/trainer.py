@@ -479,7 +479,9 @@ class Trainer:
             saved = type(self.hf_config).from_dict(json.loads(file.read_text())).to_dict()
         except (OSError, ValueError, TypeError):
             return {}  # checked on load: the checkpoint's files are verified against its manifest
-        return policy.plan(policy.model_keys(saved), policy.model_keys(self.hf_config.to_dict()), self.resume_from)
+        now = policy.model_keys(self.hf_config.to_dict())
+        # Over this model's keys: both sides hold every default, and config.json may hold entries of its own.
+        return policy.plan({k: v for k, v in policy.model_keys(saved).items() if k in now}, now, self.resume_from)
 
     def _restore(self, changed: dict[str, dict[str, tuple]], lengths: tuple[int, int, int] | None) -> dict:
         """Load the checkpoint; returns the trainer state this rank saved with it (its logger's clock and curves).
