@@ -94,8 +94,10 @@ class Preemption:
         self._previous = signal.SIG_IGN
 
     def close(self) -> None:
-        """Put the previous SIGTERM handler back (the grace timer, if running, keeps bounding the exit). The last
-        agreement is not waited for: a job that ends normally has run collectives on the group after it (so it is
-        done), and one that fails on some ranks must not wait for ranks that never reach it."""
+        """The job is over, however it ended: stop the grace timer and put the previous SIGTERM handler back. The
+        last agreement is not waited for: a job that ends normally has run collectives on the group after it (so it
+        is done), and one that fails on some ranks must not wait for ranks that never reach it."""
+        if self._timer is not None:
+            self._timer.cancel()
         self._work = None
         signal.signal(signal.SIGTERM, self._previous)
