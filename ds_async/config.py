@@ -109,6 +109,11 @@ class TrainConfig:
     ``2bw``/``pipedream`` ranks learn of it one step later). ``skip``: the update of any step whose gradient is
     non-finite is dropped on all ranks and counted (needs fp32/torch_autocast weights and no DeepSpeed ZeRO or
     bf16 optimizer wrapper; refused at start otherwise)."""
+    on_resume_length: Literal["keep_schedule", "restretch"] = "keep_schedule"
+    """What ``--resume`` does to a length-dependent LR schedule (``WarmupCosineLR``, ``WarmupDecayLR``) when
+    ``steps``/``tokens`` changed since the checkpoint (said in one line at start). ``keep_schedule``: continue the
+    checkpoint's schedule, holding its final LR past its end (``WarmupDecayLR``'s is 0). ``restretch``: the
+    schedule of the new length, at the LR a run of that length has at the resumed step (the LR may jump there)."""
 
 
 @dataclass
@@ -123,6 +128,17 @@ class CheckpointConfig:
     """Save when training ends."""
     keep: int = 3
     """Keep the newest this many checkpoints, deleting older ones after each save (0: keep all)."""
+    preempt_grace_s: float = 25.0
+    """On SIGTERM (what SLURM and Kubernetes send before killing a job, and what torchrun and the deepspeed launcher
+    pass on to the ranks): seconds within which every rank finishes its step, the pipeline drains, a checkpoint is
+    saved and the job exits with status 75 (EX_TEMPFAIL: preempted, resume with ``--resume``). Past it, or on a
+    second SIGTERM, the job exits at once (status 143) without one. Keep it under the time the scheduler waits
+    before SIGKILL (Kubernetes' default 30 s, the launchers' 30 s). 0: SIGTERM ends the job at once. Only for runs
+    that save checkpoints (``every`` or ``final``)."""
+
+    def __post_init__(self):
+        if self.preempt_grace_s < 0:
+            raise ConfigError(f"ds_async.checkpoint.preempt_grace_s: must be >= 0, got {self.preempt_grace_s}")
 
 
 @dataclass
@@ -483,19 +499,26 @@ def check_batch(ds_config: dict, cfg: DsAsyncConfig, world_size: int) -> tuple[i
 _LENGTH_SCHEDULERS = ("WarmupDecayLR", "WarmupCosineLR")
 
 
-def with_schedule_length(ds_config: dict, total_steps: int) -> dict:
+def length_scheduler(ds_config: dict) -> str | None:
+    """The type of ``ds_config``'s LR scheduler if its shape depends on the run's length, else None."""
+    block = ds_config.get("scheduler")
+    return block.get("type") if isinstance(block, dict) and block.get("type") in _LENGTH_SCHEDULERS else None
+
+
+def with_schedule_length(ds_config: dict, total_steps: int, schedule_steps: int | None = None) -> dict:
     """``ds_config`` with its scheduler's ``total_num_steps`` set to the run's length (``train.steps``, or
     ``train.tokens`` in whole steps), so the two cannot drift apart; a different value written there is refused
-    naming both keys."""
-    block = ds_config.get("scheduler")
-    if not isinstance(block, dict) or block.get("type") not in _LENGTH_SCHEDULERS:
+    naming both keys. ``schedule_steps``: the length to build the schedule for instead (a resumed run that keeps
+    its checkpoint's schedule, ``train.on_resume_length``)."""
+    if length_scheduler(ds_config) is None:
         return ds_config
+    block = ds_config["scheduler"]
     params = dict(block.get("params") or {})
     given = params.get("total_num_steps")
     if given is not None and given != total_steps:
         raise ConfigError(f"scheduler.params.total_num_steps: {given}, but ds_async.train makes the run {total_steps} "
                           "steps long; remove it (ds_async fills it in) or make the two agree")
-    params["total_num_steps"] = total_steps
+    params["total_num_steps"] = total_steps if schedule_steps is None else schedule_steps
     return {**ds_config, "scheduler": {**block, "params": params}}
 
 

@@ -22,6 +22,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -365,6 +366,9 @@ SKIP_REASONS = ("empty", "short", "non_utf8", "not_text")
 HELD_OUT = "held_out"  # a further skip reason, counted only by streams with held-out documents
 _REASONS = (*SKIP_REASONS, HELD_OUT)
 REPLACEMENT_CHAR = "\ufffd"
+# What a document of no text holds: C0 control characters (NUL first: a zero-filled file is valid UTF-8), DEL and
+# whitespace. Stripped from both ends only, so a real document costs a look at its first character.
+_NOT_TEXT_CHARS = "".join(map(chr, range(32))) + "\x7f \u00a0\u2028\u2029\ufeff"
 
 
 def usable_text(value, min_chars: int) -> tuple[str | None, str | None]:
@@ -380,11 +384,46 @@ def usable_text(value, min_chars: int) -> tuple[str | None, str | None]:
         return None, "not_text"
     if not value or value.isspace():
         return None, "empty"
+    if not value.strip(_NOT_TEXT_CHARS):
+        return None, "not_text"  # NUL or other control characters only
     if not value.isascii() and REPLACEMENT_CHAR in value:
         return None, "non_utf8"  # a text-file line whose bytes were not UTF-8 (decoded with errors="replace")
-    if min_chars > 1 and len("".join(value.split())) < min_chars:
+    if min_chars > 1 and _visible_chars(value, min_chars) < min_chars:
         return None, "short"
     return value, None
+
+
+PIECE_CHARS = 1 << 18
+"""Documents longer than this many characters are tokenized in pieces of at most this many, as the token buffer
+needs them (:func:`next_piece`), so that neither tokenizing nor the token buffer grows with a document's length (a
+100 MB line tokenized at once took 6.2 GiB); the stream's state holds the document's untokenized rest as text."""
+
+
+def next_piece(text: str, start: int, size: int = PIECE_CHARS) -> int:
+    """Where the piece of ``text`` that starts at ``start`` ends: ``len(text)`` if at most ``size`` characters are
+    left, else just before the last newline, or failing that the last whitespace, in the second half of the next
+    ``size`` characters, or failing both after ``size`` characters. A byte-level BPE splits words from the
+    whitespace before them, so pieces cut before whitespace tokenize as the whole text does; a cut that falls
+    inside a run the tokenizer would not split (``size`` characters without whitespace) changes the tokens there."""
+    end = start + size
+    if end >= len(text):
+        return len(text)
+    lo = start + size // 2
+    for sep in ("\n", " ", "\t"):
+        cut = text.rfind(sep, lo, end)
+        if cut > start:
+            return cut
+    return end
+
+
+def _visible_chars(text: str, enough: int) -> int:
+    """The non-whitespace characters of ``text``, counted until ``enough`` (a long document is not split whole)."""
+    count = 0
+    for word in re.finditer(r"\S+", text):
+        count += word.end() - word.start()
+        if count >= enough:
+            break
+    return count
 
 
 def usable_texts(stream, text_field: str, min_chars: int = 1) -> Iterator[str]:
@@ -564,8 +603,10 @@ class PackedBatches:
     restarts after each epoch in a new order (`set_epoch`); without it, iteration stops at the end and the last
     partial batch is dropped. Documents that are empty or whitespace-only, have fewer than `min_chars`
     non-whitespace characters, are not valid UTF-8 (text-file lines decoded with U+FFFD replacements, or bytes; so
-    a document containing U+FFFD is taken as not UTF-8), are not text at all, or whose `text_digest` is in
-    `held_out` (reason ``HELD_OUT``) are skipped and counted by reason (`skipped`).
+    a document containing U+FFFD is taken as not UTF-8), are not text at all (not a string, or only NUL and other
+    control characters), or whose `text_digest` is in `held_out` (reason ``HELD_OUT``) are skipped and counted by
+    reason (`skipped`).
+    A document longer than PIECE_CHARS is tokenized a piece at a time as the rows need it (:func:`next_piece`).
     A file that fails to read mid-stream raises DataError naming `source`. `state_dict` / `load_state_dict`
     resume exactly where the iterator stood, from the stream's own position (no re-reading; see `_Documents`).
     """
@@ -616,6 +657,8 @@ class PackedBatches:
         # so that taking a batch never shifts the whole list.
         self._buffer: list[int] = []
         self._pos = 0
+        # A document longer than PIECE_CHARS, tokenized up to character self._long_at (one string, not copied).
+        self._long, self._long_at = "", 0
 
     def _reasons(self) -> tuple[str, ...]:
         return _REASONS if self._held_out else SKIP_REASONS
@@ -628,16 +671,25 @@ class PackedBatches:
                             f"{self._docs.epoch} ({type(e).__name__}: {e})") from None
 
     def _refill(self, needed: int) -> bool:
-        """Buffer at least `needed` unemitted tokens; False when a non-repeating stream runs out first."""
+        """Buffer at least `needed` unemitted tokens; False when a non-repeating stream runs out first. A document
+        longer than PIECE_CHARS is tokenized a piece at a time, as the buffer needs it (:func:`next_piece`)."""
         del self._buffer[: self._pos]
         self._pos = 0
         while len(self._buffer) < needed:
+            if self._long_at < len(self._long):  # the rest of a long document comes first
+                self._take_piece()
+                continue
             texts, taken = [], 0
             while taken < self._tokenize_batch:
                 doc = self._next_doc()
                 if doc is None:
                     break
                 taken += 1
+                if isinstance(doc, str) and len(doc) > PIECE_CHARS:
+                    self._used += 1
+                    self._epoch_has_text = True
+                    self._long, self._long_at = doc, 0
+                    break  # its pieces follow the documents taken before it
                 if isinstance(doc, str):
                     texts.append(doc)
                 else:
@@ -659,6 +711,15 @@ class PackedBatches:
                 self._buffer.append(self._eos)
         return True
 
+    def _take_piece(self) -> None:
+        """Tokenize the next piece of the long document in hand into the buffer (EOS after its last)."""
+        end = next_piece(self._long, self._long_at)
+        self._buffer.extend(self._encode([self._long[self._long_at:end]])[0])
+        self._long_at = end
+        if end == len(self._long):
+            self._buffer.append(self._eos)
+            self._long, self._long_at = "", 0
+
     def _no_text(self) -> str:
         """Why a whole pass over this rank's documents gave no text to train on, naming the source and the key."""
         skipped = {k: v for k, v in self._skipped.items() if v}
@@ -677,6 +738,9 @@ class PackedBatches:
             hint = "; non-UTF-8 text files are skipped line by line: convert them to UTF-8"
         elif skipped.get("short"):
             hint = "; ds_async.data.min_chars may be too high"
+        elif skipped.get("not_text"):
+            hint = "; the documents hold no text (only NUL or other control characters, or values that are not " \
+                "strings)"
         return (f"{self._source}: no usable text: all {sum(skipped.values())} documents data-parallel rank "
                 f"{self._dp_rank} read in a whole pass were skipped ({counts}){hint}")
 
@@ -739,6 +803,9 @@ class PackedBatches:
             "has_text": self._epoch_has_text,
             "buffer": self._buffer[self._pos :],
             "stream": self._docs.state_dict(),
+            # The long document being tokenized in pieces and how far (a reference: taking a state copies nothing).
+            "long": self._long,
+            "long_at": self._long_at,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -760,6 +827,7 @@ class PackedBatches:
         self._used = state.get("used", 0)
         self._buffer = list(state["buffer"])
         self._pos = 0
+        self._long, self._long_at = state.get("long", ""), state.get("long_at", 0)
 
 
 def open_batches(data: DataConfig, role: str, tokenizer, micro_batch_size: int, *, dp_rank: int = 0,

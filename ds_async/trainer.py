@@ -8,18 +8,23 @@ exactly where one stopped.
 """
 from __future__ import annotations
 
+import json
+import threading
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from . import checkpoint
 from . import config as cfgmod
 from . import console, fp8, tokenizer
+from . import resume as policy
 from .cadence import Cadence
 from .checkpoint.folder import agree
 from .config import ConfigError, DsAsyncConfig
 from .job import default_run_name, optimizer_type, seed_everything, steps_for
 from .models import check_seq_len, check_vocab, hf_io
+from .preempt import Preempted, Preemption
 
 
 def _resume_from(resume: str, cfg: DsAsyncConfig, ckpt_root: Path) -> Path | None:
@@ -45,6 +50,20 @@ def _resume_from(resume: str, cfg: DsAsyncConfig, ckpt_root: Path) -> Path | Non
             f"--resume {resume}: no complete checkpoint there (a checkpoint folder step_N with {checkpoint.MANIFEST}, "
             "a folder of them, or a run folder with them in checkpoints/); nothing to resume from")
     return found
+
+
+def _or_error(fn, *args):
+    """``fn(*args)``, or the ConfigError or CheckpointError it raised (for :func:`~ds_async.checkpoint.folder.agree`)."""
+    try:
+        return fn(*args)
+    except (ConfigError, checkpoint.CheckpointError) as e:
+        return e
+
+
+def _config_keys(section: dict, ds_config: dict) -> dict:
+    """A job's config as the flat keys :mod:`ds_async.resume` compares: ``ds_async.<key>`` and
+    ``deepspeed.<key>``."""
+    return {**policy.flatten(section, "ds_async"), **policy.flatten(ds_config, "deepspeed")}
 
 
 def check_optimizer_type(manifest: dict, ds_config: dict, folder) -> None:
@@ -83,6 +102,8 @@ def train(config_path: str, max_steps: int | None = None, run_name: str | None =
     except BaseException:
         trainer.discard_unused_folders()
         raise
+    finally:
+        trainer.release()
 
 
 class Trainer:
@@ -104,12 +125,14 @@ class Trainer:
         self.max_steps = max_steps
         self.run_dir: Path | None = None  # set by setup, on every rank (rank 0 creates them)
         self.ckpt_root: Path | None = None
+        self.preemption: Preemption | None = None  # SIGTERM handling, from setup on (a run that saves)
         init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         fp8.check(cfg.performance.fp8, self.ds_config, cfg.performance.compile,
                   torch.device(get_accelerator().current_device_name()))
         tbs, self.mbs, self.gas = cfgmod.check_batch(self.ds_config, self.cfg, self.world)
-        self.ds_config = cfgmod.with_schedule_length(self.ds_config, steps_for(self.cfg, tbs * self.cfg.data.seq_len))
+        self.length = steps_for(self.cfg, tbs * self.cfg.data.seq_len)  # the run's; max_steps only stops it early
+        self.ds_config = cfgmod.with_schedule_length(self.ds_config, self.length)
 
     def discard_unused_folders(self) -> None:
         """After a failure: the checkpoint folder if this job created it and saved nothing in it, then the run
@@ -130,11 +153,17 @@ class Trainer:
 
         seed_everything(self.cfg.seed)
         self.group = tdist.new_group(backend="gloo")  # host-side agreement: checkpoint files, loss flags
+        ckpt = self.cfg.checkpoint
+        # Python runs signal handlers in the main thread only; a trainer run elsewhere leaves SIGTERM as it is.
+        if (ckpt.every > 0 or ckpt.final) and ckpt.preempt_grace_s > 0 and \
+                threading.current_thread() is threading.main_thread():
+            self.preemption = Preemption(ckpt.preempt_grace_s, self.group, say=self.rank == 0)
         self.weights_ok_at, self.end_checked = None, False  # see _check_weights, _stop_if_nonfinite
         self._locate_run(resume)
-        self._build_engine()
+        changed, lengths = self._plan_resume() if self.resume_from is not None else ({}, None)
+        self._build_engine(changed)
         self._check_sources(self._build_data())
-        carried = self._restore() if self.resume_from is not None else {}
+        carried = self._restore(changed, lengths) if self.resume_from is not None else {}
         self.start = self.engine.global_steps  # 0, or the step of the checkpoint it resumed from
         if self.start >= self.total_steps:
             bound = (f"--max-steps {self.max_steps}" if self.max_steps is not None and self.max_steps < self.start
@@ -252,7 +281,9 @@ class Trainer:
                 if warning and self.rank == 0:
                     print(warning, flush=True)
 
-    def _build_engine(self) -> None:
+    def _build_engine(self, changed: dict[str, dict[str, tuple]]) -> None:
+        """The tokenizer, the model and the DeepSpeed engine. A resume first checks the model's config against the
+        checkpoint's, adding its applied changes to ``changed``."""
         from deepspeed import comm as dist
 
         from .builder import initialize
@@ -267,6 +298,9 @@ class Trainer:
             self.tok = tokenizer.resolve(cfg, self.run_dir, dist, group=self.group)
         self.fingerprint = tokenizer.fingerprint(self.tok)  # checked on resume, recorded with every save
         self.hf_config = model_config(cfg, self.tok)
+        if self.resume_from is not None:
+            for what, keys in self._check_model_unchanged().items():
+                changed.setdefault(what, {}).update(keys)
         check_vocab(self.tok, self.hf_config, cfg.tokenizer)
         check_seq_len(cfg, self.hf_config)
         with console.deepspeed_quiet(cfg.logging.deepspeed_log):
@@ -310,22 +344,63 @@ class Trainer:
                 error = e
         return error
 
-    def _restore(self) -> dict:
-        """Load the checkpoint; returns the trainer state this rank saved with it (its logger's clock and curves)."""
+    def _plan_resume(self) -> tuple[dict[str, dict[str, tuple]], tuple[int, int, int] | None]:
+        """Before the engine is built: what ``--resume`` does with each key changed since the checkpoint
+        (:mod:`ds_async.resume`): ConfigError for a refused one; the LR schedule built for the length
+        ``train.on_resume_length`` says. Returns, for :meth:`_restore` to report, the changes by action and, if the
+        run's or the schedule's length changed, (the checkpoint's run length, this run's, the schedule's)."""
+        manifest = agree(_or_error(checkpoint.read_manifest, self.resume_from) if self.rank == 0 else None,
+                          self.group)
+        check_optimizer_type(manifest, self.ds_config, self.resume_from)
+        changed = policy.plan(_config_keys(manifest.get("ds_async") or {}, manifest.get("deepspeed") or {}),
+                              _config_keys(cfgmod.resolved(self.cfg), self.ds_config), self.resume_from)
+        saved_run = manifest.get("run_steps")
+        saved_schedule = ((manifest.get("deepspeed") or {}).get("scheduler") or {}).get("params", {}).get(
+            "total_num_steps", saved_run)
+        schedule = policy.schedule_length(self.cfg.train.on_resume_length, saved_schedule, self.length)
+        self.ds_config = cfgmod.with_schedule_length(self.ds_config, self.length, schedule)
+        moved = saved_run is not None and (saved_run != self.length or saved_schedule != schedule)
+        return changed, (saved_run, self.length, schedule) if moved else None
+
+    def _check_model_unchanged(self) -> dict[str, dict[str, tuple]]:
+        """A resume refuses a model whose architecture differs from the checkpoint's (its ``config.json``), naming
+        the key: weights of one shape load into another only to fail later, and a changed ``rope_theta`` or norm
+        epsilon would load and silently compute another function."""
+        file = Path(self.resume_from) / "config.json"
+        try:
+            saved = type(self.hf_config).from_dict(json.loads(file.read_text())).to_dict()
+        except (OSError, ValueError, TypeError):
+            return {}  # checked on load: the checkpoint's files are verified against its manifest
+        now = policy.model_keys(self.hf_config.to_dict())
+        # Over this model's keys: both sides hold every default, and config.json may hold entries of its own.
+        return policy.plan({k: v for k, v in policy.model_keys(saved).items() if k in now}, now, self.resume_from)
+
+    def _restore(self, changed: dict[str, dict[str, tuple]], lengths: tuple[int, int, int] | None) -> dict:
+        """Load the checkpoint; returns the trainer state this rank saved with it (its logger's clock and curves).
+        Rank 0 says what the resume applied: ``changed`` and ``lengths`` (from :meth:`_plan_resume`), and the LR
+        it continues at."""
         from . import checkpoint
 
-        check_optimizer_type(checkpoint.read_manifest(self.resume_from), self.ds_config, self.resume_from)
         restored = checkpoint.load(self.engine, self.resume_from, group=self.group,
                                    check={"tokenizer": self.fingerprint})
         if self.train_iter is not None:
             self.train_iter.load_state_dict(restored["data"])
         if self.rank == 0:
-            print(f"ds_async: resumed from {self.resume_from} (step {self.engine.global_steps})", flush=True)
+            step = self.engine.global_steps
+            print(f"ds_async: resumed from {self.resume_from} (step {step})", flush=True)
+            recipe = stream_recipe({})  # its keys have a line of their own, below
+            applied = {k: v for k, v in changed.get(policy.APPLIED, {}).items()
+                       if not any(k == f"ds_async.{r}" or k.startswith(f"ds_async.{r}.") for r in recipe)}
+            if applied:
+                print(policy.describe_applied(applied, step, *restored["lr"]), flush=True)
+            if lengths is not None:
+                print(policy.length_line(self.cfg.train.on_resume_length, step, *lengths,
+                                         cfgmod.length_scheduler(self.ds_config), *restored["lr"]), flush=True)
             saved = stream_recipe(restored["manifest"].get("ds_async", {}))
             now = stream_recipe(cfgmod.resolved(self.cfg))
-            changed = [k for k in now if saved.get(k) != now[k]]
-            if changed:
-                print(f"ds_async: warning: changed since the checkpoint: {', '.join(changed)}; the saved position "
+            moved = [k for k in now if saved.get(k) != now[k]]
+            if moved:
+                print(f"ds_async: warning: changed since the checkpoint: {', '.join(moved)}; the saved position "
                       "in the training stream refers to the old data, so the run does not continue as it would have",
                       flush=True)
         return restored["extra"]
@@ -379,8 +454,11 @@ class Trainer:
 
         try:
             for step in range(self.start + 1, self.total_steps + 1):
-                self.train_step(step)
+                last = self.preemption is not None and self.preemption.last_step()
+                self.train_step(step, drain=last)
                 self._log_gathered(step)
+                if last and step != self.total_steps:
+                    self._stop_preempted(step)
                 if step != self.total_steps and self.cadence.evaluates(step):
                     self.log.validation(step, self.validate())
                 if step != self.total_steps and self.cadence.saves(step):
@@ -390,12 +468,13 @@ class Trainer:
             self._close_stopped(f"{type(e).__name__}: {e}")
             raise
 
-    def train_step(self, step: int) -> None:
-        """Run batch ``step - 1``; report the losses that have reached the host."""
+    def train_step(self, step: int, drain: bool = False) -> None:
+        """Run batch ``step - 1``; report the losses that have reached the host. ``drain``: the pipeline drains
+        after this step whatever the cadence plans (a preempted run's last step)."""
         from . import metrics
 
         engine = self.engine
-        next_drain = self.cadence.next_drain(step)
+        next_drain = step if drain else self.cadence.next_drain(step)
         engine.drain_after(next_drain - 1)  # flush-free: drain only where the pipeline must be empty
         self.clock.begin(step)
         loss = engine.train_batch(self.train_iter)  # None off the last stage under flush-free schedules
@@ -539,8 +618,27 @@ class Trainer:
                         data_state=self.train_iter.state_dict() if self.train_iter is not None else None,
                         extra={"seconds": self.log.elapsed(), "history": self.log.history},
                         meta={"tokenizer": self.fingerprint, "ds_async": cfgmod.resolved(self.cfg),
-                              "optimizer": {"type": optimizer_type(self.ds_config)}})
+                              "optimizer": {"type": optimizer_type(self.ds_config)}, "deepspeed": self.ds_config,
+                              "run_steps": self.length})
         self.last_saved = step
+
+    def _stop_preempted(self, step: int) -> None:
+        """The last step of a preempted run (drained): save it, close the logs without a summary (the run goes on
+        after ``--resume``) and raise Preempted on every rank."""
+        if self.last_saved != step:
+            self.save(step)
+        self.preemption.saved()
+        self.log.suspend()
+        self.ds_monitor.close()
+        if self.train_iter is not None:
+            self.train_iter.close()
+        raise Preempted(step, checkpoint.step_dir(self.ckpt_root, step))
+
+    def release(self) -> None:
+        """Put back what the job changed in its process (the SIGTERM handler), however it ended."""
+        if self.preemption is not None:
+            self.preemption.close()
+            self.preemption = None
 
     def _checkpoints_named(self) -> dict:
         """The summary's ``checkpoint`` (the newest this run saved) and ``resumed_from``."""

@@ -9,7 +9,10 @@
 
 Bad input (config, data, tokenizer, checkpoint folder) is found at start, before training, and a NaN/inf loss or
 weights end the job at that step; either way with one line "ds_async: error: ..." on stderr (from the first rank:
-every rank stops with the same error) and exit status 1.
+every rank stops with the same error) and exit status 1. SIGTERM (preemption) ends the job after the step every
+rank agrees on, with a checkpoint saved there, the line "ds_async: preempted at step N: saved FOLDER; resume with
+--resume" and exit status 75 on every rank (``ds_async.checkpoint.preempt_grace_s``; the launcher reports its own
+status).
 """
 import argparse
 import os
@@ -29,6 +32,7 @@ from ds_async.config import ConfigError  # noqa: E402
 from ds_async.data import DataError  # noqa: E402
 from ds_async.nonfinite import NonFiniteLoss  # noqa: E402
 from ds_async.optim.client import OptimizerSetupError  # noqa: E402
+from ds_async.preempt import PREEMPTED_EXIT, Preempted  # noqa: E402
 from ds_async.trainer import train  # noqa: E402
 
 EXPECTED = (ConfigError, DataError, CheckpointError, NonFiniteLoss, OptimizerSetupError, FileNotFoundError)
@@ -95,8 +99,15 @@ def main() -> None:
         if line is not None:
             print(line, file=sys.stderr, flush=True)
         sys.exit(1)
+    except Preempted as e:
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            print(f"ds_async: {e}", file=sys.stderr, flush=True)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        sys.exit(PREEMPTED_EXIT)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
 
 if __name__ == "__main__":
     main()

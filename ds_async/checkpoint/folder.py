@@ -13,7 +13,13 @@ A step folder without a manifest (not written by this protocol) is never read, a
 of that step moves it aside as ``step_N.incomplete-<time>`` with a warning instead of failing on it.
 
 One job at a time: :func:`lock` takes an advisory lock (``fcntl.flock`` on ``<root>/.lock``, which records the
-holder's pid and host) for the life of the process; the OS drops it when the process ends, however it ends.
+holder's pid and host) for the life of the process; the OS drops it when the process ends, however it ends. The
+lock file and the start's probe file are opened without following symbolic links: a ``.lock`` that is a link (or
+anything but a regular file) is refused, so that a planted link cannot make the job write over its target.
+
+Disk space: a save that finds less free space than its files need (estimated from the tensors each rank writes),
+or that fails writing for want of space, stops with one line naming the folder, the free space and the need; the
+previous checkpoints stay intact and the half-written folder is removed.
 
 Reading: :func:`verify` checks the sizes and sha256 of the files a rank reads against the manifest, and
 :func:`load_file` loads ``.pt`` files with ``torch.load(weights_only=True)``; a missing, truncated or corrupt file
@@ -21,6 +27,7 @@ is refused with its path.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -28,6 +35,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import time
 from pathlib import Path
 
@@ -126,10 +134,14 @@ def prepare(root: str | os.PathLike) -> Path:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     probe = root / f".probe-{socket.gethostname()}-{os.getpid()}"
-    with open(probe, "wb") as f:
-        f.write(b"ds_async")
-        f.flush()
-        os.fsync(f.fileno())
+    if os.path.islink(probe):  # a link planted under this name: the probe must not write through it
+        probe.unlink()
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        os.write(fd, b"ds_async")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     probe.unlink()
     return root
 
@@ -147,11 +159,20 @@ def lock(root: str | os.PathLike) -> None:
     key = os.path.realpath(root)
     if key in _held:
         return
+    if os.path.islink(root / LOCK):
+        raise CheckpointError(f"{root / LOCK}: a symbolic link (to {os.readlink(root / LOCK)}), not a lock file; "
+                              "ds_async does not follow it (the job would write over its target): remove it")
     try:
-        fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        # O_NOFOLLOW: a link planted between the check above and this open fails here (ELOOP) instead of being
+        # followed.
+        fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:  # e.g. a shared folder whose lock file another user created
         raise CheckpointError(f"{root / LOCK}: cannot open the checkpoint folder's lock file ({e.strerror or e}); "
                               "give this job a folder it can write (ds_async.checkpoint.dir)") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or device node where the lock file belongs
+        os.close(fd)
+        raise CheckpointError(f"{root / LOCK}: not a regular file; a checkpoint folder's lock file must be one: "
+                              "remove it")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -269,7 +290,7 @@ def _describe(folder: Path, names) -> dict:
 
 
 def write(root: str | os.PathLike, step: int, write_files, manifest: dict, keep: int = 0, group=None,
-          write_index=None) -> Path:
+          write_index=None, need: int = 0) -> Path:
     """Write checkpoint ``step`` under ``root`` atomically, collectively over the ranks of ``group`` (``None``:
     all ranks; rank 0 below is the group's first).
 
@@ -277,6 +298,10 @@ def write(root: str | os.PathLike, step: int, write_files, manifest: dict, keep:
     names; ``write_index(tmp_dir) -> list[str]`` runs on rank 0 once every rank's files exist (to index them).
     Rank 0 then writes the manifest (``manifest`` plus step and file list), renames the folder into place and
     prunes to the newest ``keep`` (0: keep all). Returns the final folder.
+
+    ``need``: about how many bytes this rank writes. With less free space than all ranks need together, nothing is
+    written; a write that fails while the disk is full is reported as that (:func:`disk_full`), not as the
+    writer's error. Either way the temporary folder is removed and the earlier checkpoints stay as they were.
     """
     root = Path(root)
     rank, world = world_rank_size(group)
@@ -287,16 +312,30 @@ def write(root: str | os.PathLike, step: int, write_files, manifest: dict, keep:
         try:
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # a save of the same step that was killed earlier
-            tmp.mkdir()
         except OSError as e:
             error = f"{tmp}: cannot create the checkpoint folder ({e})"
+    total = sum(gather(need, group))
+    if rank == 0 and error is None:
+        free = free_bytes(root)
+        if free is not None and free < total:
+            error = disk_full(root, free, total, final)
+        else:
+            try:
+                tmp.mkdir()
+            except OSError as e:
+                error = disk_full(root, free, total, final) if _no_space(e) else \
+                    f"{tmp}: cannot create the checkpoint folder ({e})"
     raise_if_any(error, group)
+    free_at_start = free_bytes(root)
 
     def run(fn):
         try:
             names = fn(tmp)
             return _describe(tmp, names), None
         except Exception as e:  # noqa: BLE001 - reported on every rank below
+            free = free_bytes(root)
+            if _no_space(e) or free is not None and free < max(need, 1 << 20):
+                return {}, disk_full(root, free_at_start, total, final)
             return {}, f"{tmp}: rank {rank} failed to write its files ({type(e).__name__}: {e})"
 
     files, error = run(write_files)
@@ -312,9 +351,38 @@ def write(root: str | os.PathLike, step: int, write_files, manifest: dict, keep:
             try:
                 _finish(root, tmp, final, step, {**manifest, "files": dict(sorted(all_files.items()))}, keep)
             except OSError as e:
-                errors.append(f"{final}: cannot complete the checkpoint ({e})")
+                errors.append(disk_full(root, free_at_start, total, final) if _no_space(e) else
+                              f"{final}: cannot complete the checkpoint ({e})")
+    if rank == 0 and errors:
+        shutil.rmtree(tmp, ignore_errors=True)  # frees what the failed save took; nothing reads a .tmp folder
     raise_if_any(errors[0] if errors else None, group)
     return final
+
+
+def free_bytes(folder: Path) -> int | None:
+    """Bytes free for this process in ``folder``'s filesystem (None if it cannot be asked)."""
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def _no_space(e: BaseException) -> bool:
+    """Whether ``e`` (or an error it was raised from) is the OS's "no space left" or "quota exceeded"."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def disk_full(root: Path, free: int | None, need: int, final: Path) -> str:
+    """The one line for a save that does not fit: the folder, its free space and what the checkpoint needs."""
+    mib = 1 << 20
+    have = "free space unknown" if free is None else f"{free / mib:.1f} MiB free"
+    return (f"{root}: the disk is full ({have}, the checkpoint needs about {need / mib:.1f} MiB); {final.name} was "
+            "not saved and the checkpoints before it are intact: free space there, lower ds_async.checkpoint.keep, "
+            "or point ds_async.checkpoint.dir at a larger disk")
 
 
 def _finish(root: Path, tmp: Path, final: Path, step: int, manifest: dict, keep: int) -> None:

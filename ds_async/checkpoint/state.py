@@ -15,7 +15,8 @@ A checkpoint folder (:mod:`ds_async.checkpoint.folder`) of a pipeline job holds:
 
 The pipeline is drained before a save (the trainer plans it with ``engine.drain_after``): no micro-batch is in
 flight, the master parameters are back in the modules, and everything a flush-free schedule carries across the
-drain is the held weight versions, which are saved. Loading restores exactly that, so training resumed from a
+drain is the held weight versions, which are saved. Loading restores exactly that (the optimizer's
+hyperparameters and LR excepted, which come from the resuming run's config), so training resumed from a
 checkpoint makes the same updates, bit for bit, as training that never stopped (tested with SIGKILL). Loading
 requires the same pipeline layout (``engine.layout()``) the checkpoint was written with.
 """
@@ -62,10 +63,14 @@ def _to_safe(python_state):
 
 
 def data_state_to_file(state: dict | None) -> dict | None:
-    """A ``PackedBatches.state_dict()`` with its token buffer as a tensor (compact, ``weights_only``-loadable)."""
+    """A ``PackedBatches.state_dict()`` with its token buffer as a tensor (compact, ``weights_only``-loadable) and
+    only the untokenized rest of a long document it is reading."""
     if state is None:
         return None
-    return {**state, "buffer": torch.tensor(state["buffer"], dtype=torch.long)}
+    out = {**state, "buffer": torch.tensor(state["buffer"], dtype=torch.long)}
+    if state.get("long"):
+        out["long"], out["long_at"] = state["long"][state["long_at"]:], 0
+    return out
 
 
 def data_state_from_file(state: dict | None) -> dict | None:
@@ -96,17 +101,31 @@ def optimizer_state(optimizer) -> dict:
     raise CheckpointError(f"checkpointing does not know how to save optimizer {type(opt).__name__}")
 
 
+def _hyperparameters(opt: torch.optim.Optimizer) -> list[dict]:
+    return [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+
+
+def _load_keeping_hyperparameters(opt: torch.optim.Optimizer, state: dict) -> None:
+    """``opt.load_state_dict(state)`` with the param groups' hyperparameters (lr, betas, weight decay, ...) kept as
+    this run's config set them: torch would take the saved ones, so a changed value would be ignored without a word
+    (:mod:`ds_async.resume` applies them). Unchanged values are the same numbers either way."""
+    fresh = _hyperparameters(opt)
+    opt.load_state_dict(state)
+    for group, values in zip(opt.param_groups, fresh, strict=True):
+        group.update(values)
+
+
 def load_optimizer_state(optimizer, saved: dict, file: Path) -> None:
     opt = _unwrap(optimizer)
     kind = saved["kind"]
     if kind == "torch" and isinstance(opt, torch.optim.Optimizer):
-        opt.load_state_dict(saved["state"])
+        _load_keeping_hyperparameters(opt, saved["state"])
         return
     attr = {"zero": "single_partition_of_fp32_groups", "bf16": "fp32_groups_flat_partition"}.get(kind)
     if attr is None or not hasattr(opt, attr):
         raise CheckpointError(f"{file}: optimizer state of kind {kind!r} does not fit this run's "
                               f"{type(opt).__name__} (was the precision or ZeRO stage changed?)")
-    opt.optimizer.load_state_dict(saved["state"])
+    _load_keeping_hyperparameters(opt.optimizer, saved["state"])
     with torch.no_grad():
         for have, want in zip(getattr(opt, attr), saved["fp32"], strict=True):
             if have.shape != want.shape:
@@ -115,6 +134,24 @@ def load_optimizer_state(optimizer, saved: dict, file: Path) -> None:
             have.copy_(want)
     if hasattr(opt, "_link_all_hp_params"):
         opt._link_all_hp_params()
+
+
+def _saved_lr(saved: dict) -> float | None:
+    """The first param group's LR in a saved optimizer state (the LR its last step left for the next)."""
+    groups = saved.get("state", {}).get("param_groups") or [{}]
+    lr = groups[0].get("lr")
+    return float(lr) if lr is not None else None
+
+
+def _apply_schedule(scheduler) -> None:
+    """Set the optimizer's LR to what ``scheduler`` (a DeepSpeed schedule, just restored to its step) gives there:
+    built from this run's config, so a changed peak, warm-up, minimum or length applies from the first resumed step
+    (the optimizer's saved LR is the old schedule's)."""
+    step = getattr(scheduler, "last_batch_iteration", None)
+    if step is None or step < 0 or not hasattr(scheduler, "get_lr"):
+        return
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_lr(), strict=True):
+        group["lr"] = lr
 
 
 # ----------------------------------------------------------------------------------------- engine <-> files
@@ -177,11 +214,12 @@ def save(engine, root: str | os.PathLike, *, hf_config, data_state: dict | None 
         raise CheckpointError(str(e)) from None
     step, stage, dp = engine.global_steps, engine.stage_id, engine.grid.data_parallel_id
     stages = engine.num_stages
+    opt_state = optimizer_state(engine.optimizer)
 
     def write_files(tmp: Path) -> list[str]:
         names = [_state_name(stage, dp)]
         state = {"format": FORMAT, "step": step, "stage": stage, "dp_rank": dp, "engine": engine_state["counters"],
-                 "optimizer": optimizer_state(engine.optimizer),
+                 "optimizer": opt_state,
                  "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
                  "rng": rng_state(), "data": data_state_to_file(data_state), "extra": extra or {}}
         save_torch(state, tmp / names[0])
@@ -204,14 +242,31 @@ def save(engine, root: str | os.PathLike, *, hf_config, data_state: dict | None 
         return sorted(set(names))
 
     manifest = {**engine.layout(), "family": hf_config.model_type, **(meta or {})}
-    return write(root, step, write_files, manifest, keep=keep, group=group, write_index=write_index)
+    need = tensor_bytes([engine_state, opt_state, data_state_to_file(data_state)])
+    if dp == 0:
+        need += tensor_bytes(list(engine.module.parameters()))
+    return write(root, step, write_files, manifest, keep=keep, group=group, write_index=write_index, need=need)
+
+
+def tensor_bytes(obj) -> int:
+    """The bytes of the tensors in ``obj`` (nested dicts, lists and tuples): what saving it writes, about."""
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
 
 
 def load(engine, folder: str | os.PathLike, group=None, check: dict | None = None) -> dict:
     """Restore ``engine`` (freshly built, same layout) from checkpoint ``folder``; collective.
 
-    Returns ``{"manifest", "data", "extra"}``: the manifest, this rank's data stream state (for
-    ``PackedBatches.load_state_dict``) and the trainer's per-rank extra state. RNG states are restored last.
+    Returns ``{"manifest", "data", "extra", "lr"}``: the manifest, this rank's data stream state (for
+    ``PackedBatches.load_state_dict``), the trainer's per-rank extra state, and the LR the checkpoint's last step
+    left with the one the next step takes (they differ when the config changed the schedule or the peak LR). The
+    optimizer's hyperparameters are this run's config's, and a DeepSpeed LR schedule sets its LR at the restored
+    step (see :mod:`ds_async.resume`). RNG states are restored last.
     ``check``: manifest entries that must equal these values (e.g. the tokenizer's fingerprint).
     """
     from ..models import hf_io
@@ -240,13 +295,15 @@ def load(engine, folder: str | os.PathLike, group=None, check: dict | None = Non
         except (KeyError, ValueError) as e:
             raise CheckpointError(f"{folder / (versions_file or state_file)}: does not fit this run's schedule "
                                   f"({type(e).__name__}: {e})") from None
+        saved_lr = _saved_lr(state["optimizer"])
         load_optimizer_state(engine.optimizer, state["optimizer"], folder / state_file)
         if engine.lr_scheduler is not None:
             if state["lr_scheduler"] is None:
                 raise CheckpointError(f"{folder / state_file}: saved without an LR scheduler, this run has one")
             engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            _apply_schedule(engine.lr_scheduler)
         out = {"manifest": manifest, "data": data_state_from_file(state["data"]), "extra": state["extra"],
-               "rng": state["rng"]}
+               "rng": state["rng"], "lr": (saved_lr, engine.get_lr()[0] if hasattr(engine, "get_lr") else None)}
     except CheckpointError as e:
         error = str(e)
     except Exception as e:  # noqa: BLE001 - every rank must learn of any rank's failure
