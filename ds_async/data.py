@@ -31,6 +31,7 @@ import datasets
 import numpy as np
 import torch
 from datasets.distributed import split_dataset_by_node
+from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -270,7 +271,9 @@ def load_text_stream(source: str | Sequence[str] | DataSource, split: str, text_
         raise FileNotFoundError(f"{label}{e}") from None
     except ValueError as e:
         raise DataError(f"{label}{e}") from None
-    on_hub = (files is None and not os.path.exists(builder)) or any(
+    # A dataset name that is neither a local folder nor one of datasets' own builders (parquet, json, ...), or files
+    # by hf:// URL: read from the hub.
+    on_hub = (files is None and not os.path.exists(builder) and builder not in _PACKAGED_DATASETS_MODULES) or any(
         str(f).startswith("hf://") for f in ([files] if isinstance(files, str) else files or []))
     why = hub.unreachable() if on_hub else None
     if why is not None:

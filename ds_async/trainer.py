@@ -135,11 +135,12 @@ class Trainer:
         self.ds_config = cfgmod.with_schedule_length(self.ds_config, self.length)
 
     def discard_unused_folders(self) -> None:
-        """After a failure: the checkpoint folder if this job created it and saved nothing in it, then the run
-        folder if nothing else is left in it (a trained tokenizer, logs of steps that ran, are kept)."""
+        """After a failure: the run's own checkpoint folder (not a ``checkpoint.dir`` the config names) if this job
+        holds it and saved nothing in it, then the run folder if nothing else is left in it (a trained tokenizer,
+        logs of steps that ran, are kept)."""
         from .checkpoint import folder
 
-        if self.rank != 0 or self.ckpt_root is None:
+        if self.rank != 0 or self.ckpt_root is None or self.cfg.checkpoint.dir is not None:
             return
         if folder.discard_if_unused(self.ckpt_root) and self.run_dir is not None:
             try:

@@ -452,7 +452,10 @@ def test_config_names_splits_and_data_files_of_a_local_dataset_folder(tmp_path, 
 def test_every_load_dataset_argument_is_passed_through(monkeypatch):
     import datasets
 
+    from ds_async import hub
+
     calls = []
+    monkeypatch.setattr(hub, "unreachable", lambda: None)  # a hub that answers, as the stand-in load_dataset does
     monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: calls.append((args, kwargs)) or
                         datasets.Dataset.from_dict({"text": ["x"]}).to_iterable_dataset())
     source = DataSource(path="allenai/c4", name="en", revision="607bd4c", data_files={"train": "en/c4-train.0000*"},

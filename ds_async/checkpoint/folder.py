@@ -205,9 +205,12 @@ def release(root: str | os.PathLike) -> None:
 
 
 def discard_if_unused(root: str | os.PathLike) -> bool:
-    """Remove checkpoint folder ``root`` if it holds nothing but its lock (a job that stopped before its first
-    save, which :func:`prepare` had created), releasing this process's lock; returns whether it did."""
+    """Remove checkpoint folder ``root`` if this process holds its lock (:func:`lock`: the folder is this job's) and
+    it holds nothing but that lock (a job that stopped before its first save), releasing the lock; returns whether
+    it did. A folder another job holds, or one with anything else in it, is left as it is."""
     root = Path(root)
+    if os.path.realpath(root) not in _held:
+        return False
     try:
         if {p.name for p in root.iterdir()} - {LOCK}:
             return False
