@@ -40,6 +40,8 @@ class StagedPipelineModule(PipelineModule):
         self._explicit = boundaries
         super().__init__(layers, **kwargs)
         self._compiled_stage = None
+        self.eval_as_training = False
+        """Run forwards without gradients (evaluation) through the training graphs: see :meth:`forward`."""
         self.recompute_layers = 0
         """Decoder layers of this stage recomputed in backward, each alone (``activation_checkpoint_layers``)."""
         if recompute is not None:
@@ -60,13 +62,16 @@ class StagedPipelineModule(PipelineModule):
     def _count_layer_params(self) -> list[int]:
         return trainable_counts(self._layer_specs)
 
-    def compile_stage(self, **compile_kwargs) -> None:
-        """Run this stage's layers as one compiled region (``performance.compile_scope = "stage"``)."""
+    def compile_stage(self, regional: bool = True, **compile_kwargs) -> None:
+        """Run this stage's layers as one compiled region (``performance.compile_scope = "stage"``; ``regional``:
+        see :func:`compiled_stage`)."""
         if self.recomputes or self.seed_layers:
             raise ValueError("a stage compiled as one region cannot checkpoint or seed layer by layer")
-        self._compiled_stage = compiled_stage(self.forward_funcs, **compile_kwargs)
+        self._compiled_stage = compiled_stage(self.forward_funcs, regional=regional, **compile_kwargs)
 
     def forward(self, forward_input):
+        if self.eval_as_training and not torch.is_grad_enabled():
+            return self._forward_as_in_training(forward_input)
         if self._compiled_stage is None and not self.recompute_layers:
             return super().forward(forward_input)
         self.micro_offset += 1  # as DeepSpeed's forward; only seeded layers read it, refused above
@@ -83,6 +88,22 @@ class StagedPipelineModule(PipelineModule):
                 x = layer(x)
         return x
 
+    def _forward_as_in_training(self, forward_input):
+        """An evaluation forward of a compiled, dropout-free stage through the graphs training compiled: in training
+        mode, with gradients enabled and float inputs as leaves that require them, outputs detached. Compiled code is
+        specialised on the grad mode, the modules' mode and the inputs' ``requires_grad``, so an evaluation in
+        ``no_grad`` compiled its own graphs (minutes on a large model) for a computation that without dropout is the
+        same. The autograd graph of one micro-batch lives until its outputs are detached, as in training."""
+        modes = [(m, m.training) for m in self.modules()]
+        self.train()
+        try:
+            with torch.enable_grad():
+                out = self.forward(_as_leaves(forward_input))
+        finally:
+            for m, mode in modes:
+                m.training = mode
+        return _detached(out)
+
     def _partition_layers(self, method="uniform"):
         if self._explicit is None:
             return super()._partition_layers(method)
@@ -97,6 +118,35 @@ def _recomputable(layer) -> bool:
     return issubclass(layer.typename, kinds) if hasattr(layer, "typename") else isinstance(layer, kinds)
 
 
+def _as_leaves(x):
+    """Float tensors of ``x`` (a tensor or tuple) as new leaves that require gradients, as training's inputs do."""
+    if isinstance(x, tuple):
+        return tuple(_as_leaves(t) for t in x)
+    return x.detach().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x
+
+
+def _detached(x):
+    return tuple(_detached(t) for t in x) if isinstance(x, tuple) else x.detach() if torch.is_tensor(x) else x
+
+
+def loss_as_in_training(loss_fn):
+    """``loss_fn`` that, called without gradients (evaluation), runs as in training (gradients enabled, float
+    outputs as leaves that require them) and returns a detached loss: a compiled loss then reuses training's graph
+    (see :meth:`StagedPipelineModule._forward_as_in_training`)."""
+    def run(outputs, labels):
+        if torch.is_grad_enabled():
+            return loss_fn(outputs, labels)
+        with torch.enable_grad():
+            return _detached(loss_fn(_as_leaves(outputs), labels))
+    return run
+
+
+def dropout_free(hf_config) -> bool:
+    """Whether training mode computes what evaluation mode does: no dropout and no router jitter configured."""
+    values = {k: v for k, v in hf_config.to_dict().items() if "dropout" in k or k == "router_jitter_noise"}
+    return all(not v for v in values.values() if isinstance(v, (int, float)))
+
+
 def _unpacked(layer):
     """``layer`` as DeepSpeed's checkpoint calls it: with the stage tuple's items as separate arguments."""
     def run(*inputs):
@@ -104,22 +154,31 @@ def _unpacked(layer):
     return run
 
 
-def compiled_stage(layers, **compile_kwargs):
+def compiled_stage(layers, regional: bool = True, **compile_kwargs):
     """One ``torch.compile`` region over ``layers`` in sequence.
 
-    Per-layer compilation pays the host a compiled call (guards, autograd wrapper) per layer and fuses nothing
-    across layer boundaries; a pipeline stage whose host issues passes barely faster than its GPU runs them
-    loses that as idle time. Parameters are graph inputs, so swapping in
-    another weight version recompiles nothing.
+    Per-layer compilation pays the host a compiled call (guards, autograd wrapper) per layer; a pipeline stage
+    whose host issues passes barely faster than its GPU runs them loses that as idle time. Parameters are graph
+    inputs, so swapping in another weight version recompiles nothing.
+
+    ``regional``: the decoder layers, identical but for their weights, run as one nested compile region
+    (``torch.compiler.nested_compile_region``) that is traced and compiled once and called once per layer inside
+    the stage's graph: compile time does not grow with the layers per stage. Without it every layer is traced into
+    the stage's graph, which may fuse across layer boundaries but compiles the whole stack.
     """
     layers = list(layers)
+    region = torch.compiler.nested_compile_region(_call_layer) if regional else None
 
     def run(x):
         for layer in layers:
-            x = layer(x)
+            x = region(layer, x) if region is not None and _recomputable(layer) else layer(x)
         return x
 
     return torch.compile(run, **compile_kwargs)
+
+
+def _call_layer(layer, x):
+    return layer(x)
 
 
 def model_config(cfg: DsAsyncConfig, tokenizer=None):
@@ -234,15 +293,35 @@ def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineMod
                                   # needs no gradient: recompute decoder layers only (DeepSpeed matches by name).
                                   checkpointable_layers=[llama.DecoderLayerPipe.__name__,
                                                          mixtral.MoeDecoderLayerPipe.__name__], **kwargs)
+    if perf.compile or perf.fused_optimizer_step:  # the fused step's passes are compiled on GPUs too
+        use_compile_cache(perf.compile_cache)
     if perf.compile:  # the loss too, so it fuses with the softmax
         if perf.compile_scope == "stage":
-            module.compile_stage()
-        else:  # per layer: DeepSpeed drives the module layer by layer
+            module.compile_stage(regional=perf.regional_compile)
+        else:  # per layer (one compiled code for all decoder layers): DeepSpeed drives the module layer by layer
             for layer in module.forward_funcs:
                 if isinstance(layer, (llama.DecoderLayerPipe, llama.HeadPipe)):
                     layer.compile()
         module.loss_fn = torch.compile(module.loss_fn)
+        if dropout_free(hf_config):
+            module.eval_as_training = True
+            module.loss_fn = loss_as_in_training(module.loss_fn)
     return module
+
+
+def use_compile_cache(folder: str | None) -> None:
+    """Keep compiled code in ``folder`` (``performance.compile_cache``; None: torch's own location) with Inductor's
+    FX graph cache and the AOTAutograd cache on, so that a later process with the same layers, shapes and torch
+    loads it instead of compiling. Set before the first compilation; Triton's kernels go in a subfolder of it."""
+    import os
+
+    import torch._functorch.config
+    import torch._inductor.config
+
+    if folder is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.expandvars(os.path.expanduser(folder))
+    torch._inductor.config.fx_graph_cache = True
+    torch._functorch.config.enable_autograd_cache = True
 
 
 def hf_state_dict(module: PipelineModule) -> dict:
