@@ -8,8 +8,8 @@ warm-up: ``train_tokens_per_s``), the whole run's rate, each stage's ``idle_frac
 seen from outside the process, in seconds after launch: ``time_to_first_step_s`` (step 1's console line, printed
 once its loss and norm reached the host), ``final_eval_s`` (from the last step's line to the final validation
 line: the drain and the evaluation), ``exit_after_summary_s`` (from the summary line to the process's end), with
-the card, commit and command. ``--cache cold`` points ``performance.compile_cache`` at a new empty folder, ``warm``
-at ``--cache-dir`` (filled by an earlier run). ``--set KEY=VALUE`` sets a key of the config (a JSON value, else a
+the card, commit and command. ``performance.compile_cache`` is ``--cache-dir``: ``--cache cold`` empties it first,
+``warm`` uses what an earlier run left there. ``--set KEY=VALUE`` sets a key of the config (a JSON value, else a
 string; ``ds_async.`` keys inside its section). ``--py-spy-dump S`` dumps every thread's stack (``py-spy dump``,
 subprocesses too) S seconds after the summary line if the process is still alive, to show what holds it;
 ``--py-spy-record FILE`` samples the training process's stacks for a while from a given step (folded stacks).
@@ -72,7 +72,9 @@ def main() -> None:
     for item in args.set:
         key, _, value = item.partition("=")
         set_key(config, key, value)
-    cache = tempfile.mkdtemp(prefix="ds_async_cold_cache_") if args.cache == "cold" else args.cache_dir
+    cache = args.cache_dir
+    if args.cache == "cold":  # emptied: this run compiles everything and fills it for the next
+        shutil.rmtree(cache, ignore_errors=True)
     set_key(config, "ds_async.performance.compile_cache", json.dumps(cache))
     work = Path(tempfile.mkdtemp(prefix="ds_async_bench_run_"))
     config["ds_async"].setdefault("logging", {}).update({"every": 1, "progress": False, "plot": False,
@@ -148,8 +150,6 @@ def main() -> None:
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
-    if args.cache == "cold":
-        shutil.rmtree(cache, ignore_errors=True)
 
 
 if __name__ == "__main__":
