@@ -211,10 +211,6 @@ class PerformanceConfig:
     """What one compiled region covers when ``compile`` is on: ``layer`` (each decoder layer and the head) or
     ``stage`` (all of a stage's layers in one region: one compiled call per pass instead of one per layer, and
     fusion across layer boundaries; not with activation checkpointing)."""
-    regional_compile: bool = True
-    """With ``compile_scope = "stage"``: trace and compile the stage's identical decoder layers once, as one nested
-    region called per layer inside the stage's graph (compile time of one layer, whatever the layers per stage);
-    false traces every layer into the stage's graph."""
     compile_cache: str | None = "~/.cache/ds_async/compile"
     """Folder of the persistent compile cache (Inductor's FX graph and AOTAutograd caches, Triton's kernels), shared
     by runs and processes: a run whose layers, shapes and torch match an earlier one's loads their compiled code

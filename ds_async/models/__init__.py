@@ -62,12 +62,11 @@ class StagedPipelineModule(PipelineModule):
     def _count_layer_params(self) -> list[int]:
         return trainable_counts(self._layer_specs)
 
-    def compile_stage(self, regional: bool = True, **compile_kwargs) -> None:
-        """Run this stage's layers as one compiled region (``performance.compile_scope = "stage"``; ``regional``:
-        see :func:`compiled_stage`)."""
+    def compile_stage(self, **compile_kwargs) -> None:
+        """Run this stage's layers as one compiled region (``performance.compile_scope = "stage"``)."""
         if self.recomputes or self.seed_layers:
             raise ValueError("a stage compiled as one region cannot checkpoint or seed layer by layer")
-        self._compiled_stage = compiled_stage(self.forward_funcs, regional=regional, **compile_kwargs)
+        self._compiled_stage = compiled_stage(self.forward_funcs, **compile_kwargs)
 
     def forward(self, forward_input):
         if self.eval_as_training and not torch.is_grad_enabled():
@@ -154,31 +153,22 @@ def _unpacked(layer):
     return run
 
 
-def compiled_stage(layers, regional: bool = True, **compile_kwargs):
+def compiled_stage(layers, **compile_kwargs):
     """One ``torch.compile`` region over ``layers`` in sequence.
 
-    Per-layer compilation pays the host a compiled call (guards, autograd wrapper) per layer; a pipeline stage
-    whose host issues passes barely faster than its GPU runs them loses that as idle time. Parameters are graph
-    inputs, so swapping in another weight version recompiles nothing.
-
-    ``regional``: the decoder layers, identical but for their weights, run as one nested compile region
-    (``torch.compiler.nested_compile_region``) that is traced and compiled once and called once per layer inside
-    the stage's graph: compile time does not grow with the layers per stage. Without it every layer is traced into
-    the stage's graph, which may fuse across layer boundaries but compiles the whole stack.
+    Per-layer compilation pays the host a compiled call (guards, autograd wrapper) per layer and fuses nothing
+    across layer boundaries; a pipeline stage whose host issues passes barely faster than its GPU runs them
+    loses that as idle time. Parameters are graph inputs, so swapping in
+    another weight version recompiles nothing.
     """
     layers = list(layers)
-    region = torch.compiler.nested_compile_region(_call_layer) if regional else None
 
     def run(x):
         for layer in layers:
-            x = region(layer, x) if region is not None and _recomputable(layer) else layer(x)
+            x = layer(x)
         return x
 
     return torch.compile(run, **compile_kwargs)
-
-
-def _call_layer(layer, x):
-    return layer(x)
 
 
 def model_config(cfg: DsAsyncConfig, tokenizer=None):
@@ -297,8 +287,9 @@ def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineMod
         use_compile_cache(perf.compile_cache)
     if perf.compile:  # the loss too, so it fuses with the softmax
         if perf.compile_scope == "stage":
-            module.compile_stage(regional=perf.regional_compile)
-        else:  # per layer (one compiled code for all decoder layers): DeepSpeed drives the module layer by layer
+            module.compile_stage()
+        else:  # per layer: DeepSpeed drives the module layer by layer; identical decoder layers share one compiled
+            # code (Dynamo's cache is keyed by the code, and their weights are the graph's inputs)
             for layer in module.forward_funcs:
                 if isinstance(layer, (llama.DecoderLayerPipe, llama.HeadPipe)):
                     layer.compile()

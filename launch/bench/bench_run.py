@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--py-spy-dump", type=float, default=None, metavar="S")
     ap.add_argument("--py-spy-record", default=None, metavar="FILE",
                     help="sample the run's stacks (py-spy record, folded, without pausing it) into FILE")
-    ap.add_argument("--py-spy-at", type=int, default=100, metavar="STEP", help="from this step's line")
+    ap.add_argument("--py-spy-at", type=int, default=100, metavar="STEP", help="from this step's line (0: from launch)")
     ap.add_argument("--py-spy-seconds", type=float, default=10)
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--out", default=None)
@@ -101,10 +101,12 @@ def main() -> None:
             dump.append(out.stdout + out.stderr)
 
     def record():
-        subprocess.run(["py-spy", "record", "--nonblocking", "--rate", "500", "--format", "raw", "--duration",
+        subprocess.run(["py-spy", "record", "--nonblocking", "--rate", "500" if args.py_spy_at else "50", "--format", "raw", "--duration",
                         str(int(args.py_spy_seconds)), "--output", args.py_spy_record, "--pid", str(proc.pid)],
                        capture_output=True)
 
+    if args.py_spy_record and args.py_spy_at == 0 and shutil.which("py-spy"):
+        threading.Thread(target=record, daemon=True).start()
     steps = None
     for line in proc.stdout:
         now = time.monotonic() - start

@@ -14,9 +14,7 @@ engine does, micro-batches interleaved 1F1B-style with two in flight):
 - ``gpu_ms``: CUDA-event time of the same passes, issued back to back.
 
 Scopes: ``eager``; ``layer`` (``torch.compile`` per decoder layer, ``performance.compile``); ``stage`` (one
-compiled region over all the stage's layers, ``performance.compile_scope = "stage"``, its decoder layers one nested
-region compiled once); ``stage-inlined`` (the same with every layer traced into the region,
-``performance.regional_compile = false``). Results:
+compiled region over all the stage's layers, ``performance.compile_scope = "stage"``). Results:
 ``launch/bench/RESULTS.md``; scopes tried and dropped (C++ wrapper, CUDA graphs, Triton GEMMs, fused projections):
 ``CHANGELOG.md``.
 """
@@ -48,8 +46,8 @@ def build(args, scope: str):
         for layer in layers:
             layer.compile()
     forward = torch.nn.Sequential(*layers)  # layer by layer, as DeepSpeed's PipelineModule runs them
-    if scope in ("stage", "stage-inlined"):
-        forward = compiled_stage(layers, regional=scope == "stage")
+    if scope == "stage":
+        forward = compiled_stage(layers)
     versions = WeightVersions(stage, 2)
     versions.publish(1, needed_from=0)
     return forward, versions
@@ -148,7 +146,7 @@ def measure(args, scope: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scopes", default="eager,layer,stage", help="comma list of eager, layer, stage, stage-inlined")
+    ap.add_argument("--scopes", default="eager,layer,stage", help="comma list of eager, layer, stage")
     ap.add_argument("--layers", type=int, default=4, help="decoder layers in the stage")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=5632)
@@ -177,7 +175,7 @@ def main() -> None:
         # The compile caches do not key on the SDPA restriction: a cached graph would keep the first backend.
         torch._inductor.config.fx_graph_cache = False
         torch._functorch.config.enable_autograd_cache = False
-    unknown = set(args.scopes.split(",")) - {"eager", "layer", "stage", "stage-inlined"}
+    unknown = set(args.scopes.split(",")) - {"eager", "layer", "stage"}
     if unknown:
         ap.error(f"unknown scopes {sorted(unknown)}")
     runs = [(s, b, lib) for s in args.scopes.split(",") for b in args.sdpa.split(",") for lib in args.blas.split(",")]
