@@ -108,3 +108,44 @@ def test_compile_cache_folder_is_the_configs(tmp_path, monkeypatch):
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"
     with pytest.raises(ConfigError, match="ds_async.performance.data_reader"):
         parse({**model, "performance": {"data_reader": "thread"}})
+
+
+def test_the_command_line_exits_at_once_after_its_summary(tmp_path):
+    """``python launch/train.py`` with its training stream in a reader process ends within a second or two of its
+    summary line: the reader stops at once, evaluations read no stream (their micro-batches are read at start), and
+    the process ends without the interpreter's teardown (its exit handlers waited out arrow's grace period and
+    Inductor's compile workers)."""
+    import json
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from distributed import job_env
+
+    root = Path(__file__).resolve().parents[1]
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 9,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+              "ds_async": {"model": {"config": {"vocab_size": 320, "hidden_size": 32, "intermediate_size": 64,
+                                                "num_hidden_layers": 1, "num_attention_heads": 2,
+                                                "num_key_value_heads": 2, "max_position_embeddings": 32}},
+                           "tokenizer": "train:300", "pipeline_stages": 1,
+                           "data": {"train": "gensim:lee", "validation": "gensim:lee", "seq_len": 32,
+                                    "shuffle_buffer": 20},
+                           "train": {"steps": 3}, "eval": {"every": 0, "batches": 2},
+                           "performance": {"data_reader": "process"},
+                           "logging": {"dir": str(tmp_path / "runs"), "run_name": "exit", "progress": False,
+                                       "plot": False},
+                           "checkpoint": {"final": False}}}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    proc = subprocess.Popen([sys.executable, str(root / "launch" / "train.py"), "--config", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=job_env(), cwd=tmp_path)
+    seen, lines = None, []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("ds_async summary:"):
+            seen = time.monotonic()
+    assert proc.wait(timeout=300) == 0, "".join(lines[-30:])
+    assert seen is not None, "".join(lines[-30:])
+    assert time.monotonic() - seen < 2.0
