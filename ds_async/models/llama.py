@@ -17,7 +17,10 @@ import torch
 from accelerate import init_empty_weights
 from torch import nn
 from transformers import LlamaConfig, PretrainedConfig
-from transformers.initialization import no_init_weights
+try:
+    from transformers.initialization import no_init_weights
+except ImportError:  # transformers releases that keep it in modeling_utils
+    from transformers.modeling_utils import no_init_weights
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from ..config import ConfigError
