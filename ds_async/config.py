@@ -218,7 +218,7 @@ class PerformanceConfig:
     (``TORCHINDUCTOR_CACHE_DIR``, else a folder in /tmp)."""
     data_reader: Literal["auto", "process", "main"] = "auto"
     """Where the training stream is tokenized and packed: ``process`` in a reader process per data-reading rank,
-    a step's micro-batches at a time, arriving pinned and copied to the GPU without blocking; ``main`` in the
+    16 steps of micro-batches at a time, arriving pinned and copied to the GPU without blocking; ``main`` in the
     training process, one micro-batch at a time; ``auto``: ``process`` on GPUs, ``main`` on CPUs. The same
     micro-batches either way, and checkpoints of one resume under the other."""
     loss_chunk: int = 0

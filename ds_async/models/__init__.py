@@ -41,7 +41,8 @@ class StagedPipelineModule(PipelineModule):
         super().__init__(layers, **kwargs)
         self._compiled_stage = None
         self.eval_as_training = False
-        """Run forwards without gradients (evaluation) through the training graphs: see :meth:`forward`."""
+        """Run forwards without gradients (evaluation) through the training graphs: see
+        :meth:`_forward_as_in_training`."""
         self.recompute_layers = 0
         """Decoder layers of this stage recomputed in backward, each alone (``activation_checkpoint_layers``)."""
         if recompute is not None:
@@ -91,8 +92,7 @@ class StagedPipelineModule(PipelineModule):
         """An evaluation forward of a compiled, dropout-free stage through the graphs training compiled: in training
         mode, with gradients enabled and float inputs as leaves that require them, outputs detached. Compiled code is
         specialised on the grad mode, the modules' mode and the inputs' ``requires_grad``, so an evaluation in
-        ``no_grad`` compiled its own graphs (minutes on a large model) for a computation that without dropout is the
-        same. The autograd graph of one micro-batch lives until its outputs are detached, as in training."""
+        ``no_grad`` compiled its own graphs for a computation that without dropout is the same. The autograd graph of one micro-batch lives until its outputs are detached, as in training."""
         modes = [(m, m.training) for m in self.modules()]
         self.train()
         try:
