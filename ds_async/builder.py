@@ -39,6 +39,16 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
 
 
+def without_throughput_sync(config: dict) -> dict:
+    """``config`` with DeepSpeed's throughput timer off unless it sets ``timers.throughput`` itself. The pipeline
+    engine starts that timer at every forward pass, and by default (``synchronized``) each start waits for the
+    device to finish all queued work, so the host could never run ahead of its GPU; ds_async measures rates and
+    idle time itself (:mod:`ds_async.telemetry`) without waiting."""
+    if "throughput" in (config.get("timers") or {}):
+        return config
+    return {**config, "timers": {**(config.get("timers") or {}), "throughput": {"enabled": False}}}
+
+
 def initialize(model: PipelineModule, config: dict, schedule: str = SYNC.name, correction=None, optimizer=None,
                lr_scheduler=None, model_parameters=None, fused_optimizer_step: bool = False,
                stats_every: int = 0) -> AsyncPipelineEngine:
@@ -60,6 +70,7 @@ def initialize(model: PipelineModule, config: dict, schedule: str = SYNC.name, c
         config, optimizer = client_optimizer(model, config, correction, mpu.get_data_parallel_group(),
                                              mpu.get_data_parallel_world_size(), fused=fused_optimizer_step,
                                              device=get_accelerator().current_device_name())
+    config = without_throughput_sync(config)
     config_class = DeepSpeedConfig(config, mpu)
     deepspeed.set_optimizer_flags(config_class, model)
     if model_parameters is None:

@@ -231,6 +231,16 @@ class PerformanceConfig:
     """What one compiled region covers when ``compile`` is on: ``layer`` (each decoder layer and the head) or
     ``stage`` (all of a stage's layers in one region: one compiled call per pass instead of one per layer, and
     fusion across layer boundaries; not with activation checkpointing)."""
+    compile_cache: str | None = "~/.cache/ds_async/compile"
+    """Folder of the persistent compile cache (Inductor's FX graph and AOTAutograd caches, Triton's kernels), shared
+    by runs and processes: a run whose layers, shapes and torch match an earlier one's loads their compiled code
+    instead of compiling it. ``~`` and environment variables are expanded. null: torch's own location
+    (``TORCHINDUCTOR_CACHE_DIR``, else a folder in /tmp)."""
+    data_reader: Literal["auto", "process", "main"] = "auto"
+    """Where the training stream is tokenized and packed: ``process`` in a reader process per data-reading rank,
+    16 steps of micro-batches at a time, arriving pinned and copied to the GPU without blocking; ``main`` in the
+    training process, one micro-batch at a time; ``auto``: ``process`` on GPUs, ``main`` on CPUs. The same
+    micro-batches either way, and checkpoints of one resume under the other."""
     loss_chunk: int = 0
     """Rows (tokens) per chunk of the cross-entropy (``ds_async.models.loss``): the vocabulary logits are never
     held in fp32 whole. 0: ``F.cross_entropy`` on fp32 logits."""

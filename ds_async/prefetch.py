@@ -21,7 +21,10 @@ the streams skipped up to the end of the chunk being consumed, whatever the read
 """
 from __future__ import annotations
 
+import functools
 import multiprocessing
+import multiprocessing.util
+import os
 import pickle
 import queue
 from collections.abc import Callable, Sequence
@@ -61,16 +64,22 @@ def _read(streams: Streams, states, per_step: int, chunk: int, left: int | None,
     """The reader process: opens the streams and puts chunks of ``chunk`` steps (``left`` in all; None: no end)
     into ``out`` until done or ``stop``; an exception instead of a chunk if reading fails. It then waits for
     ``stop``: a chunk's tensors travel as file descriptors this process hands over when they are unpickled, so it
-    must outlive their reception."""
+    must outlive their reception. A consumer killed without a word (SIGKILL) counts as ``stop``: the reader ends
+    instead of waiting for it forever."""
+    parent = multiprocessing.parent_process()
+
+    def stopped() -> bool:
+        return stop.is_set() or (parent is not None and not parent.is_alive())
+
     try:
         torch.set_num_threads(1)
         streams = open_streams(streams, states)
-        while not stop.is_set() and (left is None or left > 0):
+        while not stopped() and (left is None or left > 0):
             n = chunk if left is None else min(chunk, left)
             item = read_chunk(streams, per_step, n)
             if left is not None:
                 left -= n
-            while not stop.is_set():
+            while not stopped():
                 try:
                     out.put(item, timeout=0.1)
                     break
@@ -82,8 +91,17 @@ def _read(streams: Streams, states, per_step: int, chunk: int, left: int | None,
         except Exception:  # noqa: BLE001 - one the consumer could not rebuild; the queue would fail in its own thread
             e = RuntimeError(f"{type(e).__name__}: {e}")
         out.put(e)
-    stop.wait()
+    while not stop.wait(timeout=0.5) and not stopped():
+        pass
     out.cancel_join_thread()  # chunks still queued are not wanted once stopped: exit without flushing them
+    for stream in streams if isinstance(streams, list) else ():
+        if hasattr(stream, "close"):
+            stream.close()
+    # Straight out, without the interpreter's exit: ds_async.data's exit handler would wait out the grace period
+    # that arrow's reader threads of an open stream need before teardown (the streams are closed above), and the
+    # consumer's close() waits for this process.
+    multiprocessing.util._exit_function()  # what a process's own end runs: finalizers (its semaphores), children
+    os._exit(0)
 
 
 class Prefetcher:
@@ -114,6 +132,11 @@ class Prefetcher:
             self._streams = open_streams(streams, None)
 
     # -- reading -------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the reader process now rather than at the first step (nothing to do without ``background``)."""
+        if self.background and self._process is None:
+            self._start()
+
     def _start(self) -> None:
         ctx = multiprocessing.get_context("spawn")  # no fork: the parent may hold CUDA and datasets' threads
         self._queue, self._stop = ctx.Queue(maxsize=self.depth), ctx.Event()
@@ -214,3 +237,89 @@ class Prefetcher:
             self._process.join()
         self._queue.close()
         self._process = None
+
+
+def _as_streams(opener: Callable) -> list:
+    return [opener()]
+
+
+class MicroBatchReader:
+    """One rank's training micro-batches for the engine (an iterator of ``(inputs, labels)`` on ``device``), read
+    ahead by a :class:`Prefetcher` over one stream at micro-batch granularity.
+
+    ``stream``: the rank's stream, already opened in this process (a :class:`ds_async.data.PackedBatches`): the
+    trainer's start-up checks read from it (``peek``, ``documents``, ``skipped``) and a checkpoint's position is
+    loaded into it. ``opener``: a picklable function that opens the same stream afresh, for a reader process.
+    :meth:`start` hands the stream's exact position over: with ``background`` a reader process opens the stream,
+    restores that position and tokenizes and packs ``chunk`` micro-batches at a time while the device trains (the
+    stream opened here is closed); without it the stream is read here, one micro-batch at a time, as before. On a
+    GPU each chunk arrives pinned and is copied asynchronously, so taking a micro-batch never waits for the device.
+
+    Position: :meth:`state_dict` is the stream's ``state_dict`` at the start of the chunk being consumed plus
+    ``skip``, the micro-batches of it consumed since; :meth:`load_state_dict` takes that or a plain stream state
+    (``skip`` 0), so checkpoints of either kind resume exactly. :attr:`skipped` counts the documents skipped up to
+    the end of the chunk being consumed."""
+
+    def __init__(self, stream, opener: Callable, device: torch.device, chunk: int = 1, background: bool = False):
+        self._stream, self._opener, self.device = stream, opener, device
+        self.chunk, self.background = max(1, chunk), background
+        self._loaded: dict | None = None  # a state given before start
+        self._prefetcher: Prefetcher | None = None
+
+    # -- before start: the stream opened here ------------------------------------------------------------------------
+    def peek(self) -> None:
+        self._stream.peek()
+
+    @property
+    def documents(self) -> int:
+        return self._stream.documents
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._prefetcher is not None:
+            raise RuntimeError("MicroBatchReader.load_state_dict: load before the first micro-batch")
+        state = dict(state)
+        skip = state.pop("skip", 0)
+        self._stream.load_state_dict(state)
+        self._loaded = {"streams": [state], "skip": skip}
+
+    def start(self) -> None:
+        """Hand the stream's position to the reader (a process with ``background``); idempotent."""
+        if self._prefetcher is not None:
+            return
+        state = self._loaded or {"streams": [self._stream.state_dict()], "skip": 0}
+        if self.background:
+            if hasattr(self._stream, "close"):
+                self._stream.close()
+            self._prefetcher = Prefetcher(functools.partial(_as_streams, self._opener), 1, self.device,
+                                          chunk=self.chunk, background=True)
+        else:
+            self._prefetcher = Prefetcher([self._stream], 1, self.device, chunk=self.chunk, background=False)
+        if self.background or state["skip"]:  # a stream read here already stands at the state's chunk start
+            self._prefetcher.load_state_dict(state)
+        self._prefetcher.start()  # a reader process reads from now on, not from the first micro-batch
+
+    # -- reading -----------------------------------------------------------------------------------------------------
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.start()
+        return self._prefetcher.next_step()[0]
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        return self._stream.skipped if self._prefetcher is None else self._prefetcher.skipped
+
+    def state_dict(self) -> dict:
+        if self._prefetcher is None:
+            return self._stream.state_dict() if self._loaded is None else {**self._loaded["streams"][0],
+                                                                           "skip": self._loaded["skip"]}
+        state = self._prefetcher.state_dict()
+        return {**state["streams"][0], "skip": state["skip"]}
+
+    def close(self) -> None:
+        """Stop reading (the reader process too) and close the stream opened here."""
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+        if hasattr(self._stream, "close"):
+            self._stream.close()

@@ -172,6 +172,8 @@ class Trainer:
             raise ConfigError(f"--resume: {self.resume_from} is at step {self.start}, and {bound} end there or "
                               "before: nothing is left to train")
         self.last_saved = self.start if self.resume_from is not None else None
+        if self.train_iter is not None:
+            self.train_iter.start()  # from the position checked and restored above
         self._start_logging(carried)
 
     def _locate_run(self, resume: str | None) -> None:
@@ -238,6 +240,7 @@ class Trainer:
         from .checkpoint.state import rng_state, set_rng_state
 
         counts = {}
+        self.held_out = []  # the validation micro-batches
         if error is None and self.needs_data:
             saved = rng_state()
             for key, role in (("ds_async.data.train", "train"), ("ds_async.data.validation", "validation")):
@@ -249,11 +252,12 @@ class Trainer:
                     if role == "train":
                         batches = self.train_iter
                         batches.peek()
-                    else:  # everything an evaluation reads
+                    else:  # everything an evaluation reads, kept for every evaluation (they read the same)
                         batches = self._stream("validation")
                         try:
                             for read in range(self.cfg.eval.batches):
-                                next(batches)
+                                x, y = next(batches)
+                                self.held_out.append((x.to(self.engine.device), y.to(self.engine.device)))
                         finally:
                             batches.close()
                     counts[key] = (batches.documents, batches.skipped["non_utf8"], data.describe(source))
@@ -340,10 +344,29 @@ class Trainer:
         self.train_iter, error = None, None
         if self.needs_data:
             try:
-                self.train_iter = self._stream("train")
+                self.train_iter = self._read_ahead(self._stream("train"))
             except (ConfigError, DataError, FileNotFoundError) as e:
                 error = e
         return error
+
+    def _read_ahead(self, stream):
+        """``stream`` as the engine reads it (:class:`ds_async.prefetch.MicroBatchReader`): tokenized and packed in a
+        reader process a step at a time (``performance.data_reader``), or here one micro-batch at a time."""
+        import functools
+
+        from . import data
+        from .prefetch import MicroBatchReader
+
+        cfg, engine = self.cfg, self.engine
+        mode = cfg.performance.data_reader
+        background = mode == "process" or (mode == "auto" and engine.device.type == "cuda")
+        opener = functools.partial(data.open_batches, cfg.data, "train", self.tok, self.mbs,
+                                   dp_rank=engine.grid.data_parallel_id,
+                                   dp_world_size=engine.grid.data_parallel_size, seed=cfg.seed)
+        # A reader process hands over 16 steps at a time: per chunk the host pays a queue transfer, a pinned copy
+        # and the copy's launch, which at one step a chunk left the training loop waiting on the reader.
+        return MicroBatchReader(stream, opener, engine.device, chunk=16 * self.gas if background else 1,
+                                background=background)
 
     def _plan_resume(self) -> tuple[dict[str, dict[str, tuple]], tuple[int, int, int] | None]:
         """Before the engine is built: what ``--resume`` does with each key changed since the checkpoint
@@ -601,13 +624,11 @@ class Trainer:
                                 f"(ds_async.train.on_nonfinite = 'skip'): {self._kept()}")
 
     def validate(self) -> float:
-        """Mean validation loss over ``eval.batches`` micro-batches per replica (the pipeline must be drained)."""
-        it = self._stream("validation") if self.needs_data else None
-        try:
-            return self.engine.eval_batch(it, num_micro_batches=self.cfg.eval.batches).item()
-        finally:
-            if it is not None:
-                it.close()
+        """Mean validation loss over ``eval.batches`` micro-batches per replica (the pipeline must be drained): the
+        first ones of the validation source, read once at start. No evaluation reads a stream, so none delays the
+        process's exit (``ds_async.data`` waits at exit until its last stream read is a grace period old)."""
+        it = iter(self.held_out) if self.needs_data else None
+        return self.engine.eval_batch(it, num_micro_batches=self.cfg.eval.batches).item()
 
     def save(self, step: int) -> None:
         from . import checkpoint

@@ -55,6 +55,8 @@ CASES = {  # name: (schedule, optimizer, correction, extra keys: DeepSpeed's, an
     "2bw-adamw-bf16-fused": ("2bw", ADAMW, None, BF16_FUSED),
     # bf16 weights with ds_async's fp32 masters, Muon + EF in a few passes per tensor: masters, momentum, EF buffer.
     "2bw-muon-ef-bf16-fused": ("2bw", MUON, EF, BF16_FUSED),
+    # The training stream tokenized and packed in a reader process per rank, a step at a time (the GPU default).
+    "2bw-adamw-reader": ("2bw", ADAMW, None, {"performance": {"data_reader": "process"}}),
 }
 
 
@@ -222,6 +224,15 @@ def test_sigkill_and_resume_equals_uninterrupted(work, references):
         assert_bit_equal(got, want, case)
         if case.startswith("2bw"):
             assert any(k.startswith("versions-") for k in want), "2BW saves its older weight version"
+
+
+def test_reader_process_trains_on_the_same_micro_batches(references):
+    """A run whose stream is read by a reader process ends with the weights and optimizer state of one read in the
+    training process (their saved stream positions differ in form only: chunk start plus micro-batches taken)."""
+    def trained(case):
+        return {k: v for k, v in final_state(references[f"ref-{case}"]).items() if "/data/" not in k}
+
+    assert_bit_equal(trained("2bw-adamw-reader"), trained("2bw-adamw"), "reader process vs in-process reading")
 
 
 # -------------------------------------------------------------------------------------------------- export

@@ -131,3 +131,25 @@ def test_a_reader_refuses_a_step_past_the_last_as_reading_in_place_does():
                 p.next_step()
         finally:
             p.close()
+
+
+def test_micro_batch_reader_resumes_exactly_in_either_reader():
+    """The engine's reader (``MicroBatchReader``) hands out the stream's micro-batches in order, read here or in a
+    reader process a chunk at a time, and a position saved by either, mid-chunk, resumes in either."""
+    from ds_async.prefetch import MicroBatchReader
+
+    cpu = torch.device("cpu")
+    opener = functools.partial(Counting, 0)
+    for saved_by in (False, True):
+        for resumed_by in (False, True):
+            reader = MicroBatchReader(Counting(0), opener, cpu, chunk=3, background=saved_by)
+            reader.start()
+            first = [int(next(reader)[0][0, 0]) for _ in range(4)]
+            state = reader.state_dict()
+            reader.close()
+            assert state == {"k": 3, "skip": 1}, state  # chunk start and micro-batches taken since
+            again = MicroBatchReader(Counting(0), opener, cpu, chunk=3, background=resumed_by)
+            again.load_state_dict(state)
+            rest = [int(next(again)[0][0, 0]) for _ in range(3)]
+            again.close()
+            assert first + rest == list(range(7)), (saved_by, resumed_by)

@@ -40,6 +40,9 @@ class StagedPipelineModule(PipelineModule):
         self._explicit = boundaries
         super().__init__(layers, **kwargs)
         self._compiled_stage = None
+        self.eval_as_training = False
+        """Run forwards without gradients (evaluation) through the training graphs: see
+        :meth:`_forward_as_in_training`."""
         self.recompute_layers = 0
         """Decoder layers of this stage recomputed in backward, each alone (``activation_checkpoint_layers``)."""
         if recompute is not None:
@@ -67,6 +70,8 @@ class StagedPipelineModule(PipelineModule):
         self._compiled_stage = compiled_stage(self.forward_funcs, **compile_kwargs)
 
     def forward(self, forward_input):
+        if self.eval_as_training and not torch.is_grad_enabled():
+            return self._forward_as_in_training(forward_input)
         if self._compiled_stage is None and not self.recompute_layers:
             return super().forward(forward_input)
         self.micro_offset += 1  # as DeepSpeed's forward; only seeded layers read it, refused above
@@ -82,6 +87,21 @@ class StagedPipelineModule(PipelineModule):
             else:
                 x = layer(x)
         return x
+
+    def _forward_as_in_training(self, forward_input):
+        """An evaluation forward of a compiled, dropout-free stage through the graphs training compiled: in training
+        mode, with gradients enabled and float inputs as leaves that require them, outputs detached. Compiled code is
+        specialised on the grad mode, the modules' mode and the inputs' ``requires_grad``, so an evaluation in
+        ``no_grad`` compiled its own graphs for a computation that without dropout is the same. The autograd graph of one micro-batch lives until its outputs are detached, as in training."""
+        modes = [(m, m.training) for m in self.modules()]
+        self.train()
+        try:
+            with torch.enable_grad():
+                out = self.forward(_as_leaves(forward_input))
+        finally:
+            for m, mode in modes:
+                m.training = mode
+        return _detached(out)
 
     def _partition_layers(self, method="uniform"):
         if self._explicit is None:
@@ -104,6 +124,35 @@ def _recomputable(layer) -> bool:
     """A decoder layer (a built one or its ``LayerSpec``): what ``activation_checkpoint_layers`` counts."""
     kinds = (llama.DecoderLayerPipe, mixtral.MoeDecoderLayerPipe)
     return issubclass(layer.typename, kinds) if hasattr(layer, "typename") else isinstance(layer, kinds)
+
+
+def _as_leaves(x):
+    """Float tensors of ``x`` (a tensor or tuple) as new leaves that require gradients, as training's inputs do."""
+    if isinstance(x, tuple):
+        return tuple(_as_leaves(t) for t in x)
+    return x.detach().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x
+
+
+def _detached(x):
+    return tuple(_detached(t) for t in x) if isinstance(x, tuple) else x.detach() if torch.is_tensor(x) else x
+
+
+def loss_as_in_training(loss_fn):
+    """``loss_fn`` that, called without gradients (evaluation), runs as in training (gradients enabled, float
+    outputs as leaves that require them) and returns a detached loss: a compiled loss then reuses training's graph
+    (see :meth:`StagedPipelineModule._forward_as_in_training`)."""
+    def run(outputs, labels):
+        if torch.is_grad_enabled():
+            return loss_fn(outputs, labels)
+        with torch.enable_grad():
+            return _detached(loss_fn(_as_leaves(outputs), labels))
+    return run
+
+
+def dropout_free(hf_config) -> bool:
+    """Whether training mode computes what evaluation mode does: no dropout and no router jitter configured."""
+    values = {k: v for k, v in hf_config.to_dict().items() if "dropout" in k or k == "router_jitter_noise"}
+    return all(not v for v in values.values() if isinstance(v, (int, float)))
 
 
 def _unpacked(layer):
@@ -265,15 +314,36 @@ def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineMod
     if perf.fp8:  # before compiling, which then fuses torchao's casts into the layers
         for layer in decoder_layers(module.forward_funcs):
             fp8.convert(layer, perf.fp8)
+    if perf.compile or perf.fused_optimizer_step:  # the fused step's passes are compiled on GPUs too
+        use_compile_cache(perf.compile_cache)
     if perf.compile:  # the loss too, so it fuses with the softmax
         if perf.compile_scope == "stage":
             module.compile_stage()
-        else:  # per layer: DeepSpeed drives the module layer by layer
+        else:  # per layer: DeepSpeed drives the module layer by layer; identical decoder layers share one compiled
+            # code (Dynamo's cache is keyed by the code, and their weights are the graph's inputs)
             for layer in module.forward_funcs:
                 if isinstance(layer, (llama.DecoderLayerPipe, llama.HeadPipe)):
                     layer.compile()
         module.loss_fn = torch.compile(module.loss_fn)
+        if dropout_free(hf_config):
+            module.eval_as_training = True
+            module.loss_fn = loss_as_in_training(module.loss_fn)
     return module
+
+
+def use_compile_cache(folder: str | None) -> None:
+    """Keep compiled code in ``folder`` (``performance.compile_cache``; None: torch's own location) with Inductor's
+    FX graph cache and the AOTAutograd cache on, so that a later process with the same layers, shapes and torch
+    loads it instead of compiling. Set before the first compilation; Triton's kernels go in a subfolder of it."""
+    import os
+
+    import torch._functorch.config
+    import torch._inductor.config
+
+    if folder is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.expandvars(os.path.expanduser(folder))
+    torch._inductor.config.fx_graph_cache = True
+    torch._functorch.config.enable_autograd_cache = True
 
 
 def hf_state_dict(module: PipelineModule) -> dict:

@@ -12,12 +12,15 @@ the model is the same whatever the partition and no rank ever materialises anoth
 from __future__ import annotations
 
 import functools
-from contextlib import nullcontext
 
 import torch
 from accelerate import init_empty_weights
 from torch import nn
 from transformers import LlamaConfig, PretrainedConfig
+try:
+    from transformers.initialization import no_init_weights
+except ImportError:  # transformers releases that keep it in modeling_utils
+    from transformers.modeling_utils import no_init_weights
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from ..config import ConfigError
@@ -53,8 +56,10 @@ class _PipeLayer(nn.Module):
 
     @staticmethod
     def _building(hf_dir: str | None):
-        """Weights that will be read from disk are created empty (meta) and never initialised."""
-        return nullcontext() if hf_dir is None else init_empty_weights()
+        """Weights that will be read from disk are created empty (meta) and never initialised; weights that
+        ``_seeded_init`` will set are created without torch's default initialisation, which it overwrites (every
+        parameter) and which cost a large model's start seconds on the CPU."""
+        return init_empty_weights() if hf_dir is not None else no_init_weights()
 
     def _finish(self, config: PretrainedConfig, seed: int, index: int, hf_dir: str | None) -> None:
         if hf_dir is None:

@@ -1,0 +1,158 @@
+"""One training run through the command line (``launch/train.py``) or the emulation, timed from its launch.
+
+    python launch/bench/bench_run.py --runner cli --config launch/study/long.json --set ds_async.pipeline_stages=1 \
+        --set ds_async.train.steps=300 --cache cold --out rows.jsonl
+
+Appends one JSON row: ``runner`` (``cli``/``emulation``), the summary's ``tokens_per_s`` (steady steps after the
+warm-up: ``train_tokens_per_s``), the whole run's rate, each stage's ``idle_fraction`` (the CLI's), and the times
+seen from outside the process, in seconds after launch: ``time_to_first_step_s`` (step 1's console line, printed
+once its loss and norm reached the host), ``final_eval_s`` (from the last step's line to the final validation
+line: the drain and the evaluation), ``exit_after_summary_s`` (from the summary line to the process's end), with
+the card, commit and command. ``performance.compile_cache`` is ``--cache-dir``: ``--cache cold`` empties it first,
+``warm`` uses what an earlier run left there. ``--set KEY=VALUE`` sets a key of the config (a JSON value, else a
+string; ``ds_async.`` keys inside its section). ``--py-spy-dump S`` dumps every thread's stack (``py-spy dump``,
+subprocesses too) S seconds after the summary line if the process is still alive, to show what holds it;
+``--py-spy-record FILE`` samples the training process's stacks for a while from a given step (folded stacks).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def set_key(config: dict, key: str, value: str) -> None:
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = value
+    *parents, last = key.split(".")
+    node = config
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = parsed
+
+
+def card() -> str | None:
+    try:
+        import torch
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except Exception:  # noqa: BLE001 - a row without a card name rather than no row
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runner", choices=("cli", "emulation"), required=True)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--cache", choices=("cold", "warm"), default="warm")
+    ap.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/ds_async/compile"))
+    ap.add_argument("--label", default="")
+    ap.add_argument("--py-spy-dump", type=float, default=None, metavar="S")
+    ap.add_argument("--py-spy-record", default=None, metavar="FILE",
+                    help="sample the run's stacks (py-spy record, folded, without pausing it) into FILE")
+    ap.add_argument("--py-spy-at", type=int, default=100, metavar="STEP", help="from this step's line (0: from launch)")
+    ap.add_argument("--py-spy-seconds", type=float, default=10)
+    ap.add_argument("--timeout", type=float, default=1200)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    config = json.loads(Path(args.config).read_text())
+    for item in args.set:
+        key, _, value = item.partition("=")
+        set_key(config, key, value)
+    cache = args.cache_dir
+    if args.cache == "cold":  # emptied: this run compiles everything and fills it for the next
+        shutil.rmtree(cache, ignore_errors=True)
+    set_key(config, "ds_async.performance.compile_cache", json.dumps(cache))
+    work = Path(tempfile.mkdtemp(prefix="ds_async_bench_run_"))
+    config["ds_async"].setdefault("logging", {}).update({"every": 1, "progress": False, "plot": False,
+                                                         "dir": str(work / "runs")})
+    derived = work / "config.json"
+    derived.write_text(json.dumps(config))
+    run_name = f"bench-{args.runner}-{os.getpid()}"
+    cmd = ([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(derived), "--run-name", run_name]
+           if args.runner == "cli" else
+           [sys.executable, "-m", "ds_async.emulate", "--config", str(derived), "--run-name", run_name])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # the config's compile_cache decides
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    marks: dict[str, float] = {}
+    summary_line = None
+    dump = []
+
+    def dump_later():
+        time.sleep(args.py_spy_dump)
+        if proc.poll() is None and shutil.which("py-spy"):
+            out = subprocess.run(["py-spy", "dump", "--subprocesses", "--pid", str(proc.pid)], capture_output=True,
+                                 text=True)
+            dump.append(out.stdout + out.stderr)
+
+    def record():
+        subprocess.run(["py-spy", "record", "--nonblocking", "--rate", "500" if args.py_spy_at else "50", "--format", "raw", "--duration",
+                        str(int(args.py_spy_seconds)), "--output", args.py_spy_record, "--pid", str(proc.pid)],
+                       capture_output=True)
+
+    if args.py_spy_record and args.py_spy_at == 0 and shutil.which("py-spy"):
+        threading.Thread(target=record, daemon=True).start()
+    steps = None
+    for line in proc.stdout:
+        now = time.monotonic() - start
+        sys.stdout.write(f"[{now:8.2f}] {line}")
+        m = re.match(r"step (\d+)/(\d+):", line)
+        if m:
+            steps = int(m.group(2))
+            marks.setdefault("first_step", now)
+            if args.py_spy_record and int(m.group(1)) == args.py_spy_at and shutil.which("py-spy"):
+                threading.Thread(target=record, daemon=True).start()
+            marks["last_step_line"] = now
+        if re.match(r"step \d+: validation loss", line) and steps is not None and f"step {steps}:" in line:
+            marks["final_eval_line"] = now
+        if line.startswith("ds_async summary:"):
+            marks["summary"] = now
+            summary_line = line
+            if args.py_spy_dump is not None:
+                threading.Thread(target=dump_later, daemon=True).start()
+    rc = proc.wait(timeout=args.timeout)
+    marks["exit"] = time.monotonic() - start
+    summary = {}
+    run_dirs = list((work / "runs").glob("*/summary.json"))
+    if run_dirs:
+        summary = json.loads(run_dirs[0].read_text())
+    elif summary_line:
+        summary = {k: v for k, _, v in (p.partition("=") for p in summary_line.split()[2:])}
+    stages = summary.get("stages") or {}
+    row = {"runner": args.runner, "label": args.label, "rc": rc, "card": card(),
+           "commit": os.environ.get("DS_ASYNC_COMMIT") or subprocess.run(
+               ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip(),
+           "command": " ".join(sys.argv), "cache": args.cache,
+           "tokens_per_s": summary.get("train_tokens_per_s"), "run_tokens_per_s": summary.get("tokens_per_s"),
+           "step_time_s": summary.get("step_time_s"), "steps": summary.get("steps"),
+           "idle_fraction": {s: f.get("idle_fraction") for s, f in stages.items()} or None,
+           "time_to_first_step_s": round(marks["first_step"], 2) if "first_step" in marks else None,
+           "final_eval_s": round(marks["final_eval_line"] - marks["last_step_line"], 2)
+           if "final_eval_line" in marks else None,
+           "exit_after_summary_s": round(marks["exit"] - marks["summary"], 2) if "summary" in marks else None,
+           "wall_s": round(marks["exit"], 2)}
+    if dump:
+        row["py_spy_dump"] = dump[0][-6000:]
+    print(json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""The engine's host path (issue 44): DeepSpeed's throughput timer does not synchronise the device; identical
+decoder layers share one compiled code (regional compilation); an evaluation runs through the graphs training
+compiled, without compiling its own; the compile cache's folder is the config's."""
+import os
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from ds_async.config import ConfigError, parse
+from ds_async.models import (StagedPipelineModule, compiled_stage, dropout_free, llama, loss_as_in_training,
+                             model_config, use_compile_cache)
+
+
+def test_deepspeed_throughput_timer_is_off_unless_configured():
+    """DeepSpeed's pipeline engine starts its throughput timer at every forward pass, and by default each start
+    waits for the device (``timers.throughput.synchronized``): the host could never run ahead of the GPU."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from ds_async.builder import without_throughput_sync
+
+    base = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
+    assert DeepSpeedConfig(base, mpu=None).timers_config.enabled  # DeepSpeed's default
+    assert not DeepSpeedConfig(without_throughput_sync(base), mpu=None).timers_config.enabled
+    own = {**base, "timers": {"throughput": {"enabled": True, "synchronized": False}}}
+    assert without_throughput_sync(own) == own  # a config that sets it keeps it
+
+
+def _layers(n: int, hidden: int = 32):
+    cfg = parse({"model": {"config": {"hidden_size": hidden, "intermediate_size": 2 * hidden,
+                                      "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": n,
+                                      "vocab_size": 50, "max_position_embeddings": 16}}})
+    hf = model_config(cfg)
+    return hf, [llama.DecoderLayerPipe(hf, i, seed=3) for i in range(n)] + [llama.HeadPipe(hf, seed=3, index=n + 1)]
+
+
+def test_identical_decoder_layers_share_one_compiled_code():
+    """``compile_scope = "layer"`` is regional compilation: each decoder layer is compiled on its own, and all of
+    them run one compiled code (Dynamo's cache is keyed by the code; the weights are graph inputs), so a stage of
+    4 decoder layers compiles one decoder graph and the head's, not one per layer."""
+    _, layers = _layers(4)
+    torch._dynamo.reset()
+    counters.clear()
+    for layer in layers:
+        layer.compile(backend="aot_eager")
+    x = torch.randn(2, 16, 32, requires_grad=True, generator=torch.Generator().manual_seed(0))
+    out = torch.nn.Sequential(*layers)(x)
+    out.float().square().mean().backward()
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+class _Stage(torch.nn.Module):
+    """A stage with StagedPipelineModule's own forward (without DeepSpeed's process groups)."""
+
+    forward = StagedPipelineModule.forward
+    _forward_as_in_training = StagedPipelineModule._forward_as_in_training
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+        self._compiled_stage = compiled_stage(layers, backend="aot_eager")
+        self.recompute_layers, self.micro_offset, self.eval_as_training = 0, 0, True
+
+
+def test_evaluation_reuses_the_training_graphs():
+    """Training compiles the stage and the loss; an evaluation (``eval()`` and ``no_grad``, as DeepSpeed's
+    ``eval_batch`` runs it) then compiles nothing, returns detached results equal to training's forward, and leaves
+    the modules in evaluation mode."""
+    hf, layers = _layers(2)
+    assert dropout_free(hf)
+    torch._dynamo.reset()
+    stage = _Stage(layers)
+    loss_fn = loss_as_in_training(torch.compile(lambda logits, labels: torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten()), backend="aot_eager"))
+    x = torch.randn(2, 16, 32, requires_grad=True, generator=torch.Generator().manual_seed(2))
+    labels = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(3))
+    stage.train()
+    out = stage(x)
+    loss = loss_fn(out, labels)
+    loss.backward()
+    stage.eval()
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
+        out_eval = stage(x.detach())
+        loss_eval = loss_fn(out_eval, labels)
+    assert torch.equal(out_eval, out.detach()) and torch.equal(loss_eval, loss.detach())
+    assert not out_eval.requires_grad and not loss_eval.requires_grad
+    assert not any(m.training for m in stage.modules())
+
+
+def test_dropout_or_jitter_keeps_evaluation_graphs_of_its_own():
+    hf, _ = _layers(1)
+    hf.attention_dropout = 0.1
+    assert not dropout_free(hf)
+
+
+def test_compile_cache_folder_is_the_configs(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    model = {"model": {"config": {"hidden_size": 32}}}
+    assert parse(model).performance.compile_cache == "~/.cache/ds_async/compile"
+    use_compile_cache(parse(model).performance.compile_cache)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / ".cache" / "ds_async" / "compile")
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    assert cache_dir() == str(tmp_path / ".cache" / "ds_async" / "compile")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
+    use_compile_cache(None)  # null: torch's own location
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"
+    with pytest.raises(ConfigError, match="ds_async.performance.data_reader"):
+        parse({**model, "performance": {"data_reader": "thread"}})
+
+
+def test_the_command_line_exits_at_once_after_its_summary(tmp_path):
+    """``python launch/train.py`` with its training stream in a reader process ends within a second or two of its
+    summary line: the reader stops at once, evaluations read no stream (their micro-batches are read at start), and
+    the process ends without the interpreter's teardown (its exit handlers waited out arrow's grace period and
+    Inductor's compile workers)."""
+    import json
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from distributed import job_env
+
+    root = Path(__file__).resolve().parents[1]
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 9,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+              "ds_async": {"model": {"config": {"vocab_size": 320, "hidden_size": 32, "intermediate_size": 64,
+                                                "num_hidden_layers": 1, "num_attention_heads": 2,
+                                                "num_key_value_heads": 2, "max_position_embeddings": 32}},
+                           "tokenizer": "train:300", "pipeline_stages": 1,
+                           "data": {"train": "gensim:lee", "validation": "gensim:lee", "seq_len": 32,
+                                    "shuffle_buffer": 20},
+                           "train": {"steps": 3}, "eval": {"every": 0, "batches": 2},
+                           "performance": {"data_reader": "process"},
+                           "logging": {"dir": str(tmp_path / "runs"), "run_name": "exit", "progress": False,
+                                       "plot": False},
+                           "checkpoint": {"final": False}}}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    proc = subprocess.Popen([sys.executable, str(root / "launch" / "train.py"), "--config", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=job_env(), cwd=tmp_path)
+    seen, lines = None, []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("ds_async summary:"):
+            seen = time.monotonic()
+    assert proc.wait(timeout=300) == 0, "".join(lines[-30:])
+    assert seen is not None, "".join(lines[-30:])
+    assert time.monotonic() - seen < 2.0
