@@ -6,6 +6,8 @@ our class. Everything else (config parsing, optimizer and scheduler construction
 from __future__ import annotations
 
 import os
+import random
+import socket
 
 import deepspeed
 from deepspeed.accelerator import get_accelerator
@@ -15,6 +17,25 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from .optim.client import client_optimizer
 from .pipe.engine import AsyncPipelineEngine
 from .pipe.version_rule import SYNC
+
+
+def free_local_port() -> int:
+    """A local port free now for a process group's store (``MASTER_PORT``), outside the kernel's ephemeral range
+    (32768-60999 on Linux): a port the kernel hands out (``bind(0)``) it may hand out again, as the source port of any
+    of the many connections gloo opens, before the store listens on it; ports below the range are only taken by
+    explicit binds."""
+    rng = random.Random(os.urandom(8))
+    for _ in range(100):
+        port = rng.randrange(20000, 29000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    with socket.socket() as s:  # every try taken: let the kernel choose
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def init_distributed() -> None:

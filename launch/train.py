@@ -16,7 +16,6 @@ status).
 """
 import argparse
 import os
-import socket
 import sys
 
 import torch
@@ -27,6 +26,7 @@ console.quiet_imports()  # before DeepSpeed and transformers are imported, which
 
 import deepspeed  # noqa: E402
 
+from ds_async.builder import free_local_port  # noqa: E402
 from ds_async.checkpoint import CheckpointError  # noqa: E402
 from ds_async.config import ConfigError  # noqa: E402
 from ds_async.data import DataError  # noqa: E402
@@ -53,11 +53,9 @@ def without_launcher(config: str) -> None:
         raise ConfigError(f"no launcher: ds_async.pipeline_stages is {p}, so the job needs {p} processes (or a "
                           f"multiple of {p}): deepspeed --num_gpus {p} launch/train.py --config {config} (or "
                           f"torchrun --nproc_per_node {p} launch/train.py --config {config})")
-    with socket.socket() as s:  # a free port for the one-process group
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_local_port())})
+
 
 
 def parse_args(argv=None) -> argparse.Namespace:

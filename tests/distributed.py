@@ -9,10 +9,8 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,26 +19,16 @@ from pathlib import Path
 
 import torch
 
+from ds_async.builder import free_local_port
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 
 
 def free_port() -> int:
-    """A port to listen on, free now, outside the kernel's ephemeral range (32768-60999 here).
-
-    A port the kernel hands out (``bind(0)``) is one it may hand out again, as the source port of any of the
-    many connections gloo opens, before the job that was told to listen on it does; ports below the range are only
-    taken by explicit binds. Every listening port of the tests comes from here."""
-    rng = random.Random(os.urandom(8))
-    for _ in range(100):
-        port = rng.randrange(20000, 29000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port in 20000-29000")
+    """A port to listen on, free now, outside the kernel's ephemeral range: every listening port of the tests comes
+    from here (:func:`ds_async.builder.free_local_port`)."""
+    return free_local_port()
 
 
 class _JobServer:
@@ -212,9 +200,8 @@ def assert_params_close(have: dict, want: dict, rel: float) -> None:
                                  f"{w.numel()} entries differ, max abs {diff.max().item():.3g}")
 
 
-def train_py_error(argv: list[str], capsys) -> str:
-    """``launch/train.py ARGV`` in this process: it must exit 1 with ``ds_async: error: ...`` as its last stderr
-    line, which is returned (``capsys``: pytest's fixture of the calling test)."""
+def train_py_exit(argv: list[str]) -> int:
+    """``launch/train.py ARGV`` in this process, which must end by ``sys.exit``; returns its status."""
     import runpy
 
     import pytest
@@ -226,7 +213,13 @@ def train_py_error(argv: list[str], capsys) -> str:
             runpy.run_path(str(ROOT / "launch" / "train.py"), run_name="__main__")
     finally:
         sys.argv = saved
-    assert exit_info.value.code == 1
+    return exit_info.value.code
+
+
+def train_py_error(argv: list[str], capsys) -> str:
+    """``launch/train.py ARGV`` in this process: it must exit 1 with ``ds_async: error: ...`` as its last stderr
+    line, which is returned (``capsys``: pytest's fixture of the calling test)."""
+    assert train_py_exit(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("ds_async: error: "), err
     return err[-1]

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import json
 import re
-import runpy
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from distributed import free_port, job_env
+from distributed import free_port, job_env, train_py_exit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,12 +65,5 @@ def test_deepspeed_examples_launch_line_runs_quietly_and_errors_print_once(tmp_p
 
 def test_two_different_configs_are_refused(tmp_path, capsys):
     """``--config`` and DeepSpeed's ``--deepspeed_config`` naming two files: refused by the argument parser."""
-    saved = sys.argv
-    sys.argv = ["train.py", "--config", "a.json", "--deepspeed_config", "b.json"]
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            runpy.run_path(str(ROOT / "launch" / "train.py"), run_name="__main__")
-    finally:
-        sys.argv = saved
-    assert exit_info.value.code == 2
+    assert train_py_exit(["--config", "a.json", "--deepspeed_config", "b.json"]) == 2
     assert "two configs given: --config a.json, --deepspeed_config b.json; pass one" in capsys.readouterr().err

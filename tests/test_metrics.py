@@ -135,18 +135,19 @@ def test_grad_norm_is_the_one_the_engine_clips_by(work, monkeypatch):
     CPU in fp32): under 2bw the pipeline's global norm of gradients taken on W(t-1), on the reporting rank. Both
     schedules' first steps see W(0) and the same batch: the same norm."""
     from ds_async import emulate
+    from ds_async.pipe import delayed
 
     logged = {s: [v for _, v in summary(work, s)["history"]["grad_norm"]] for s in SCHEDULES}
     assert logged["2bw"][0] == pytest.approx(logged["1f1b"][0], rel=1e-6)
     assert logged["2bw"][1] != pytest.approx(logged["1f1b"][1], rel=1e-6)  # W(0) again vs W(1)
-    original, norms = emulate.sum_in_stage_order, []
+    original, norms = delayed.sum_in_stage_order, []
 
     def recording(parts):
         total = original(parts)
         norms.append(float(total.sqrt()))
         return total
 
-    monkeypatch.setattr(emulate, "sum_in_stage_order", recording)
+    monkeypatch.setattr(delayed, "sum_in_stage_order", recording)
     for schedule in SCHEDULES:
         norms.clear()
         emulate.run(str(work / f"metrics-{schedule}.json"), run_name=f"emulated-{schedule}", device="cpu")
