@@ -201,18 +201,22 @@ def assert_params_close(have: dict, want: dict, rel: float) -> None:
 
 
 def train_py_exit(argv: list[str]) -> int:
-    """``launch/train.py ARGV`` in this process, which must end by ``sys.exit``; returns its status."""
+    """``launch/train.py ARGV`` in this process, which must end by ``sys.exit``; returns its status. The environment
+    is put back afterwards: a run without a launcher sets RANK, WORLD_SIZE and MASTER_PORT for its one-process group,
+    which a later job this process starts would otherwise take for its launcher's."""
     import runpy
 
     import pytest
 
-    saved = sys.argv
+    saved, environ = sys.argv, dict(os.environ)
     sys.argv = ["train.py", *argv]
     try:
         with pytest.raises(SystemExit) as exit_info:
             runpy.run_path(str(ROOT / "launch" / "train.py"), run_name="__main__")
     finally:
         sys.argv = saved
+        os.environ.clear()
+        os.environ.update(environ)
     return exit_info.value.code
 
 
