@@ -94,13 +94,27 @@ def pairs(runs: list[dict]) -> list[tuple[dict, dict]]:
             for sync in runs if not sync["flush_free"] and sync["job"] == run["job"]]
 
 
-def first_reach(losses: list, clock: list, target: float) -> tuple[int, float] | None:
-    """(step, seconds) of the first validation point at or below ``target``, None if none is."""
-    seconds = dict((s, t) for s, t in clock)
-    for step, loss in losses:
-        if loss <= target and step in seconds:
-            return step, seconds[step]
+def time_to_loss(seconds: list[float], losses: list[float], target: float) -> float | None:
+    """Wall-clock seconds at which a validation curve first reaches ``target`` (linear between evaluation points;
+    the first point counts as reached at its own time), or None if it never does. ``seconds`` may be any increasing
+    x of the evaluations: given their steps it gives the (fractional) step of the same crossing."""
+    for k, (t, loss) in enumerate(zip(seconds, losses)):
+        if loss <= target:
+            if k == 0:
+                return float(t)
+            t0, l0 = seconds[k - 1], losses[k - 1]
+            return float(t0 + (t - t0) * (l0 - target) / (l0 - loss))
     return None
+
+
+def first_reach(validation: list, clock: list, target: float) -> tuple[float, float] | None:
+    """(step, seconds) at which a run's validation curve (``[step, loss]`` pairs, with ``clock`` its
+    ``[step, seconds]``) first reaches ``target``, by :func:`time_to_loss`; None if it never does."""
+    losses = [loss for _, loss in validation]
+    step = time_to_loss([s for s, _ in validation], losses, target)
+    if step is None:
+        return None
+    return step, time_to_loss([t for _, t in clock], losses, target)
 
 
 def compare(sync: dict, run: dict) -> dict:
@@ -172,8 +186,8 @@ def comparison_lines(result: dict) -> list[str]:
             lines.append(f"  did not reach the synchronous run's final validation loss {result['target_loss']:.4f}")
         else:
             lines.append(f"  reached the synchronous run's final validation loss {result['target_loss']:.4f} at step "
-                         f"{mine[0]} after {mine[1]:,.1f} s of training (the synchronous run: step {theirs[0]}, "
-                         f"{theirs[1]:,.1f} s)" + _sooner(result["sooner"]))
+                         f"{mine[0]:,.0f} after {mine[1]:,.1f} s of training (the synchronous run: step "
+                         f"{theirs[0]:,.0f}, {theirs[1]:,.1f} s)" + _sooner(result["sooner"]))
     return lines
 
 

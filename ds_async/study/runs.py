@@ -38,6 +38,7 @@ import numpy as np
 import pandas as pd
 
 from .. import report as your_runs  # `report` here is the results page's
+from ..report import time_to_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "launch" / "study" / "results"
@@ -951,19 +952,6 @@ def delay_block(runs: pd.DataFrame) -> str:
     table = delay_table(runs)
     shown = _fmt(table, {c: "+3" if c.startswith("gap") or "−" in c else 3 for c in table.columns[2:]})
     return markdown(shown, index=False) + "\n" + _ran(runs[runs["group"] == "long-delay"])
-
-
-def time_to_loss(seconds: list[float], losses: list[float], target: float) -> float | None:
-    """Wall-clock seconds at which a validation curve first reaches ``target`` (linear between evaluation points;
-    the first point counts as reached at its own time), or None if it never does. ``seconds`` may be any increasing
-    x of the evaluations: given their steps it gives the (fractional) step of the same crossing."""
-    for k, (t, loss) in enumerate(zip(seconds, losses)):
-        if loss <= target:
-            if k == 0:
-                return float(t)
-            t0, l0 = seconds[k - 1], losses[k - 1]
-            return float(t0 + (t - t0) * (l0 - target) / (l0 - loss))
-    return None
 
 
 TIME_TO_LOSS = "time_to_loss.json"  # launch/study/time_to_loss.py's output, committed beside runs.csv
