@@ -236,6 +236,11 @@ class PerformanceConfig:
     by runs and processes: a run whose layers, shapes and torch match an earlier one's loads their compiled code
     instead of compiling it. ``~`` and environment variables are expanded. null: torch's own location
     (``TORCHINDUCTOR_CACHE_DIR``, else a folder in /tmp)."""
+    cuda_graphs: bool = False
+    """Replay each stage's forward and backward as CUDA graphs (:mod:`ds_async.pipe.graphs`): one launch per pass
+    instead of one per kernel, for stages whose host issues passes slower than the GPU runs them. One captured pair
+    per weight slot and micro-batch in flight, each holding its own activations and parameter gradients (more
+    memory); bit-equal to the ungraphed run. GPUs only; not with activation checkpointing or dropout."""
     data_reader: Literal["auto", "process", "main"] = "auto"
     """Where the training stream is tokenized and packed: ``process`` in a reader process per data-reading rank,
     16 steps of micro-batches at a time, arriving pinned and copied to the GPU without blocking; ``main`` in the
@@ -431,6 +436,10 @@ def parse(section: dict) -> DsAsyncConfig:
     if perf.compile_scope == "stage" and perf.activation_checkpoint_interval:
         raise ConfigError("ds_async.performance.compile_scope: 'stage' needs activation_checkpoint_interval 0 "
                           "(checkpointing runs layer by layer)")
+    if perf.cuda_graphs and (any(recompute) or perf.activation_checkpoint_interval):
+        raise ConfigError("ds_async.performance.cuda_graphs: needs activation_checkpoint_layers 0 and "
+                          "activation_checkpoint_interval 0 (a recomputed forward would run outside the replayed "
+                          "backward)")
     if (cfg.model.path is None) == (not cfg.model.config):
         raise ConfigError("ds_async.model: set exactly one of 'config' (inline HF config) and 'path' (a directory)")
     if (cfg.partition.method == "explicit") != (cfg.partition.boundaries is not None):

@@ -128,8 +128,11 @@ class Trainer:
         self.preemption: Preemption | None = None  # SIGTERM handling, from setup on (a run that saves)
         init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        fp8.check(cfg.performance.fp8, self.ds_config, cfg.performance.compile,
-                  torch.device(get_accelerator().current_device_name()))
+        device = torch.device(get_accelerator().current_device_name())
+        fp8.check(cfg.performance.fp8, self.ds_config, cfg.performance.compile, device)
+        if cfg.performance.cuda_graphs and device.type != "cuda":
+            raise ConfigError(f"ds_async.performance.cuda_graphs: CUDA graphs need an NVIDIA GPU; this run is on "
+                              f"{device.type}: set it to false")
         tbs, self.mbs, self.gas = cfgmod.check_batch(self.ds_config, self.cfg, self.world)
         self.length = steps_for(self.cfg, tbs * self.cfg.data.seq_len)  # the run's; max_steps only stops it early
         self.ds_config = cfgmod.with_schedule_length(self.ds_config, self.length)

@@ -14,6 +14,7 @@ from deepspeed.pipe import PipelineModule
 
 from ..config import ConfigError, DsAsyncConfig, check_boundaries, check_recompute, recomputed_layers
 from .. import fp8, hub
+from ..pipe.graphs import GraphedStage
 from . import hf_io, llama, mixtral
 
 FAMILIES = {"llama": llama, "mixtral": mixtral}
@@ -40,6 +41,7 @@ class StagedPipelineModule(PipelineModule):
         self._explicit = boundaries
         super().__init__(layers, **kwargs)
         self._compiled_stage = None
+        self._graphed: GraphedStage | None = None
         self.eval_as_training = False
         """Run forwards without gradients (evaluation) through the training graphs: see
         :meth:`_forward_as_in_training`."""
@@ -69,12 +71,22 @@ class StagedPipelineModule(PipelineModule):
             raise ValueError("a stage compiled as one region cannot checkpoint or seed layer by layer")
         self._compiled_stage = compiled_stage(self.forward_funcs, **compile_kwargs)
 
+    def graph_stage(self) -> None:
+        """Replay this stage's passes as CUDA graphs (``performance.cuda_graphs``; :mod:`ds_async.pipe.graphs`),
+        over its compiled region if it has one; after :meth:`compile_stage`."""
+        if self.recomputes or self.seed_layers:
+            raise ValueError("a graphed stage cannot checkpoint or seed layer by layer")
+        layers = [f for f in self.forward_funcs if isinstance(f, torch.nn.Module)]
+        self._graphed = GraphedStage(layers, self._compiled_stage or _in_sequence(self.forward_funcs))
+
     def forward(self, forward_input):
         if self.eval_as_training and not torch.is_grad_enabled():
             return self._forward_as_in_training(forward_input)
-        if self._compiled_stage is None and not self.recompute_layers:
+        if self._compiled_stage is None and self._graphed is None and not self.recompute_layers:
             return super().forward(forward_input)
         self.micro_offset += 1  # as DeepSpeed's forward; only seeded layers read it, refused above
+        if self._graphed is not None and self.training and torch.is_grad_enabled():
+            return self._graphed(forward_input)
         if self._compiled_stage is not None:
             return self._compiled_stage(forward_input)
         x, left = forward_input, self.recompute_layers
@@ -170,6 +182,10 @@ def compiled_stage(layers, **compile_kwargs):
     loses that as idle time. Parameters are graph inputs, so swapping in
     another weight version recompiles nothing.
     """
+    return torch.compile(_in_sequence(layers), **compile_kwargs)
+
+
+def _in_sequence(layers):
     layers = list(layers)
 
     def run(x):
@@ -177,7 +193,7 @@ def compiled_stage(layers, **compile_kwargs):
             x = layer(x)
         return x
 
-    return torch.compile(run, **compile_kwargs)
+    return run
 
 
 def model_config(cfg: DsAsyncConfig, tokenizer=None):
@@ -328,6 +344,11 @@ def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineMod
         if dropout_free(hf_config):
             module.eval_as_training = True
             module.loss_fn = loss_as_in_training(module.loss_fn)
+    if perf.cuda_graphs:
+        if not dropout_free(hf_config):
+            raise ConfigError("ds_async.performance.cuda_graphs: the model has dropout (or router jitter), whose "
+                              "random masks a replayed graph would repeat: set those to 0 or cuda_graphs to false")
+        module.graph_stage()
     return module
 
 

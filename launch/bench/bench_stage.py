@@ -14,7 +14,9 @@ engine does, micro-batches interleaved 1F1B-style with two in flight):
 - ``gpu_ms``: CUDA-event time of the same passes, issued back to back.
 
 Scopes: ``eager``; ``layer`` (``torch.compile`` per decoder layer, ``performance.compile``); ``stage`` (one
-compiled region over all the stage's layers, ``performance.compile_scope = "stage"``). Results:
+compiled region over all the stage's layers, ``performance.compile_scope = "stage"``); ``graphs`` (that region's
+passes replayed as CUDA graphs, ``performance.cuda_graphs``); ``graphs-eager`` (uncompiled layers replayed).
+``--fp8 RECIPE`` converts the layers' products as ``performance.fp8`` does. Results:
 ``launch/bench/RESULTS.md``; scopes tried and dropped (C++ wrapper, CUDA graphs, Triton GEMMs, fused projections):
 ``CHANGELOG.md``.
 """
@@ -24,30 +26,38 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 import time
 import warnings
 
 import torch
 
 
-def build(args, scope: str):
+def build(args, scope: str, fp8: str | None = None):
     from transformers import LlamaConfig
 
+    from ds_async import fp8 as fp8_products
     from ds_async.models import compiled_stage, llama
+    from ds_async.pipe.graphs import GraphedStage
     from ds_async.pipe.versions import WeightVersions
 
     cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.ffn, num_attention_heads=args.heads,
-                      num_key_value_heads=args.heads, num_hidden_layers=args.layers, vocab_size=32000,
-                      max_position_embeddings=args.seq_len, tie_word_embeddings=False)
+                      num_key_value_heads=args.kv_heads or args.heads, num_hidden_layers=args.layers,
+                      vocab_size=32000, max_position_embeddings=args.seq_len, tie_word_embeddings=False)
     llama.check_supported(cfg)
     layers = [llama.DecoderLayerPipe(cfg, i) for i in range(args.layers)]
     stage = torch.nn.ModuleList(layers).to("cuda", torch.bfloat16)
+    if fp8 is not None:  # as the pipeline converts them: before compiling, parameters unchanged
+        for layer in layers:
+            fp8_products.convert(layer, fp8)
     if scope == "layer":
         for layer in layers:
             layer.compile()
     forward = torch.nn.Sequential(*layers)  # layer by layer, as DeepSpeed's PipelineModule runs them
-    if scope == "stage":
+    if scope in ("stage", "graphs"):
         forward = compiled_stage(layers)
+    if scope in ("graphs", "graphs-eager"):
+        forward = GraphedStage(layers, forward)
     versions = WeightVersions(stage, 2)
     versions.publish(1, needed_from=0)
     return forward, versions
@@ -98,9 +108,9 @@ def host_profile(forward, versions, x, grad, args) -> dict:
                      "self_ms_per_mb": round(e.self_cpu_time_total / 1000 / n, 3)} for e in top]}
 
 
-def measure(args, scope: str) -> dict:
+def measure(args, scope: str, fp8: str | None = None) -> dict:
     torch.manual_seed(0)
-    forward, versions = build(args, scope)
+    forward, versions = build(args, scope, fp8)
     shape = (args.micro_batch_size, args.seq_len, args.hidden)
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
@@ -146,11 +156,16 @@ def measure(args, scope: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scopes", default="eager,layer,stage", help="comma list of eager, layer, stage")
+    ap.add_argument("--scopes", default="eager,layer,stage",
+                    help="comma list of eager, layer, stage, graphs (the stage region replayed as CUDA graphs: "
+                    "performance.cuda_graphs), graphs-eager (uncompiled layers replayed)")
     ap.add_argument("--layers", type=int, default=4, help="decoder layers in the stage")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=5632)
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
+    ap.add_argument("--fp8", default="none",
+                    help="comma list of performance.fp8 recipes (rowwise, tensorwise, ...) or none, each a run")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--micro-batch-size", type=int, default=2)
     ap.add_argument("--micro-batches", type=int, default=8)
@@ -175,22 +190,24 @@ def main() -> None:
         # The compile caches do not key on the SDPA restriction: a cached graph would keep the first backend.
         torch._inductor.config.fx_graph_cache = False
         torch._functorch.config.enable_autograd_cache = False
-    unknown = set(args.scopes.split(",")) - {"eager", "layer", "stage"}
+    unknown = set(args.scopes.split(",")) - {"eager", "layer", "stage", "graphs", "graphs-eager"}
     if unknown:
         ap.error(f"unknown scopes {sorted(unknown)}")
-    runs = [(s, b, lib) for s in args.scopes.split(",") for b in args.sdpa.split(",") for lib in args.blas.split(",")]
-    for scope, sdpa, blas in runs:
+    runs = [(s, b, lib, f) for s in args.scopes.split(",") for b in args.sdpa.split(",")
+            for lib in args.blas.split(",") for f in args.fp8.split(",")]
+    for scope, sdpa, blas, fp8 in runs:
         if blas != "default":
             torch.backends.cuda.preferred_blas_library(blas)
         try:
             with sdpa_kernel(backends[sdpa]) if sdpa != "auto" else contextlib.nullcontext():
-                result = measure(args, scope)
+                result = measure(args, scope, None if fp8 == "none" else fp8)
         except Exception as e:  # a restricted SDPA backend may not support these shapes: say so in the row
             result = {"scope": scope, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-        row = {"bench": "stage_passes", **result, "sdpa_restricted_to": sdpa,
+        row = {"bench": "stage_passes", **result, "fp8": None if fp8 == "none" else fp8, "sdpa_restricted_to": sdpa,
                "blas": str(torch.backends.cuda.preferred_blas_library()), "layers": args.layers,
                "seq_len": args.seq_len,
-               "micro_batch_size": args.micro_batch_size, "device": torch.cuda.get_device_name(),
+               "hidden": args.hidden, "ffn": args.ffn, "heads": args.heads, "kv_heads": args.kv_heads or args.heads,
+               "micro_batch_size": args.micro_batch_size, "command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(),
                "torch": torch.__version__, "code": code_version()}
         print("STAGE " + json.dumps(row), flush=True)
         if args.out:
