@@ -7,6 +7,9 @@ refusals (no GPU, activation checkpointing). The GPU tests skip on CPU; their ou
 ``launch/bench/results/cuda_graphs_tests_1xH200.txt``.
 """
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +22,7 @@ from ds_async.config import ConfigError, parse
 from ds_async.models import compiled_stage, llama
 from ds_async.pipe.graphs import GraphedStage
 from ds_async.pipe.versions import WeightVersions
-from distributed import train_py_error, train_py_exit
+from distributed import train_py_error
 
 ROOT = Path(__file__).resolve().parents[1]
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -110,7 +113,11 @@ def test_demo_config_trains_bit_equal_with_graphs(tmp_path):
     """The shipped 2BW + Muon + EF demo config on one GPU, one stage: losses, validation and final weights equal."""
     summaries, weights = {}, {}
     for graphs in (False, True):
-        assert train_py_exit(["--config", str(_demo_config(tmp_path, graphs))]) == 0
+        # a separate process: a finished run ends its process without the interpreter's teardown
+        proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), "--config",
+                               str(_demo_config(tmp_path, graphs))], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")})
+        assert proc.returncode == 0, proc.stderr[-3000:]
         summaries[graphs] = json.loads((tmp_path / "runs" / f"graphs-{graphs}" / "summary.json").read_text())
         step = checkpoint.step_dir(tmp_path / f"ckpt-{graphs}", 12)
         weights[graphs] = {f"{f.name}:{k}": v for f in sorted(step.glob("*.safetensors"))
