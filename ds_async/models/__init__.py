@@ -42,6 +42,7 @@ class StagedPipelineModule(PipelineModule):
         super().__init__(layers, **kwargs)
         self._compiled_stage = None
         self._graphed: GraphedStage | None = None
+        self._evaluating = False  # inside _forward_as_in_training: graphs are for training's passes only
         self.eval_as_training = False
         """Run forwards without gradients (evaluation) through the training graphs: see
         :meth:`_forward_as_in_training`."""
@@ -72,8 +73,10 @@ class StagedPipelineModule(PipelineModule):
         self._compiled_stage = compiled_stage(self.forward_funcs, **compile_kwargs)
 
     def graph_stage(self) -> None:
-        """Replay this stage's passes as CUDA graphs (``performance.cuda_graphs``; :mod:`ds_async.pipe.graphs`),
-        over its compiled region if it has one; after :meth:`compile_stage`."""
+        """Replay this stage's training passes as CUDA graphs (``performance.cuda_graphs``;
+        :mod:`ds_async.pipe.graphs`), over its compiled region if it has one; after :meth:`compile_stage`. An
+        evaluation runs ungraphed: it would capture graphs (and gradient buffers) for the master weights that no
+        training pass uses."""
         if self.recomputes or self.seed_layers:
             raise ValueError("a graphed stage cannot checkpoint or seed layer by layer")
         layers = [f for f in self.forward_funcs if isinstance(f, torch.nn.Module)]
@@ -85,7 +88,7 @@ class StagedPipelineModule(PipelineModule):
         if self._compiled_stage is None and self._graphed is None and not self.recompute_layers:
             return super().forward(forward_input)
         self.micro_offset += 1  # as DeepSpeed's forward; only seeded layers read it, refused above
-        if self._graphed is not None and self.training and torch.is_grad_enabled():
+        if self._graphed is not None and self.training and torch.is_grad_enabled() and not self._evaluating:
             return self._graphed(forward_input)
         if self._compiled_stage is not None:
             return self._compiled_stage(forward_input)
@@ -107,10 +110,12 @@ class StagedPipelineModule(PipelineModule):
         ``no_grad`` compiled its own graphs for a computation that without dropout is the same. The autograd graph of one micro-batch lives until its outputs are detached, as in training."""
         modes = [(m, m.training) for m in self.modules()]
         self.train()
+        self._evaluating = True
         try:
             with torch.enable_grad():
                 out = self.forward(_as_leaves(forward_input))
         finally:
+            self._evaluating = False
             for m, mode in modes:
                 m.training = mode
         return _detached(out)

@@ -113,9 +113,10 @@ class _Instance:
         self.lease: int | None = None
 
     def __call__(self, inputs: tuple):
-        for static, given in zip(self.inputs, inputs):
-            if torch.is_tensor(static) and static.data_ptr() != given.data_ptr():
-                static.copy_(given)
+        with torch.no_grad():
+            for static, given in zip(self.inputs, inputs):
+                if torch.is_tensor(static) and static.data_ptr() != given.data_ptr():
+                    static.copy_(given)
         lease_id = next(self._ids)
         self.lease = lease_id
         lease = _Lease()
