@@ -241,6 +241,11 @@ class PerformanceConfig:
     instead of one per kernel, for stages whose host issues passes slower than the GPU runs them. One captured pair
     per weight slot and micro-batch in flight, each holding its own activations and parameter gradients (more
     memory); bit-equal to the ungraphed run. GPUs only; not with activation checkpointing or dropout."""
+    deterministic: bool = False
+    """The same bits on every run on the same machine: torch's deterministic algorithms (Inductor's compiled code
+    follows them too; an op that has none stops the run with torch's error naming it), cuBLAS's fixed workspace and
+    no cuDNN autotuning. Slower: for debugging and for comparing two runs exactly (torchtitan's
+    ``debug.deterministic``). Off, GPU runs differ in the last bits from run to run (atomic additions)."""
     data_reader: Literal["auto", "process", "main"] = "auto"
     """Where the training stream is tokenized and packed: ``process`` in a reader process per data-reading rank,
     16 steps of micro-batches at a time, arriving pinned and copied to the GPU without blocking; ``main`` in the

@@ -51,7 +51,7 @@ from .cadence import Cadence
 from .config import ConfigError, data_parallel_degree, gradient_clipping
 from .data import DataError
 from .flops import model_flops_per_token
-from .job import default_run_name, seed_everything, steps_for
+from .job import default_run_name, seed_everything, steps_for, use_deterministic
 from .metrics import HostValue
 from .models import check_seq_len, check_vocab, decoder_layers, hf_io
 from .models.partition import build_layers, stage_bounds, stage_of_layers
@@ -203,6 +203,7 @@ class Emulation:
         if self.precision == "bf16" and self.cfg.train.on_nonfinite == "skip":
             raise ConfigError("ds_async.train.on_nonfinite: 'skip' needs fp32 or torch_autocast weights, not bf16")
         seed_everything(self.cfg.seed)
+        use_deterministic(self.cfg.performance.deterministic)
 
     def _build(self) -> None:
         """Run folder, tokenizer, model, optimizer (bf16: with fp32 masters), LR scheduler and the trainer."""

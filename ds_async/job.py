@@ -5,6 +5,7 @@ checkpoints record. Both import it; neither imports the other.
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 
@@ -18,6 +19,16 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def use_deterministic(on: bool) -> None:
+    """``performance.deterministic``: torch's deterministic algorithms, cuBLAS's fixed workspace (read when cuBLAS
+    starts, so before the model's first product) and no cuDNN autotuning. Off: left as torch has them."""
+    if not on:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
 
 
 def optimizer_type(ds_config: dict) -> str | None:

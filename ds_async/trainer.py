@@ -22,7 +22,7 @@ from . import resume as policy
 from .cadence import Cadence
 from .checkpoint.folder import agree
 from .config import ConfigError, DsAsyncConfig
-from .job import default_run_name, optimizer_type, seed_everything, steps_for
+from .job import default_run_name, optimizer_type, seed_everything, steps_for, use_deterministic
 from .models import check_seq_len, check_vocab, hf_io
 from .preempt import Preempted, Preemption
 
@@ -156,6 +156,7 @@ class Trainer:
         import torch.distributed as tdist
 
         seed_everything(self.cfg.seed)
+        use_deterministic(self.cfg.performance.deterministic)
         self.group = tdist.new_group(backend="gloo")  # host-side agreement: checkpoint files, loss flags
         ckpt = self.cfg.checkpoint
         # Python runs signal handlers in the main thread only; a trainer run elsewhere leaves SIGTERM as it is.

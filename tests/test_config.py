@@ -1,11 +1,14 @@
 """The ds_async config section fails at start, with one message naming the key."""
 import json
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from ds_async import config
 from ds_async.config import ConfigError
+from ds_async.job import use_deterministic
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -237,3 +240,16 @@ def test_explicit_boundaries_must_cut_every_layer_into_the_stages_in_order(bound
     with pytest.raises(ConfigError, match=r"^ds_async\.partition\.boundaries: need 4"):
         stage_bounds("explicit", [nn.Identity() for _ in range(6)], 3, boundaries)
     assert config.check_boundaries((0, 1, 5, 6), 3, 6) == [0, 1, 5, 6]
+
+
+def test_deterministic_turns_on_torch_s_deterministic_algorithms(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        use_deterministic(parse().performance.deterministic)
+        assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+        use_deterministic(parse(performance={"deterministic": True}).performance.deterministic)
+        assert torch.are_deterministic_algorithms_enabled() and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(before)

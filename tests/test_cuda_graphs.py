@@ -2,7 +2,8 @@
 
 On GPUs: a stage replayed from graphs against the same stage run as compiled (two weight versions, two
 micro-batches in flight, 1F1B order), output by output and gradient by gradient; and the shipped 2BW demo config
-trained through ``launch/train.py`` on one GPU with and without graphs, weights compared at the end. On CPU: the
+trained through ``launch/train.py`` on one GPU with and without graphs (``performance.deterministic``, which the
+comparison needs), weights compared at the end. On CPU: the
 refusals (no GPU, activation checkpointing). The GPU tests skip on CPU; their output on the device is committed in
 ``launch/bench/results/cuda_graphs_tests_1xH200.txt``.
 """
@@ -101,7 +102,8 @@ def _demo_config(tmp_path: Path, graphs: bool) -> Path:
     ds["logging"] = {"dir": str(tmp_path / "runs"), "every": 1, "run_name": f"graphs-{graphs}", "progress": False,
                      "plot": False}
     ds["checkpoint"] = {"dir": str(tmp_path / f"ckpt-{graphs}"), "every": 0, "final": True}
-    ds["performance"] = {"compile": True, "compile_scope": "stage", "cuda_graphs": graphs is True,
+    # deterministic: two ungraphed runs without it differ from step 5 on (atomic additions in the compiled backward)
+    ds["performance"] = {"compile": True, "compile_scope": "stage", "cuda_graphs": graphs is True, "deterministic": True,
                          "compile_cache": str(tmp_path / "cache")}
     path = tmp_path / f"graphs-{graphs}.json"
     path.write_text(json.dumps(config))
