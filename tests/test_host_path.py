@@ -61,6 +61,7 @@ class _Stage(torch.nn.Module):
         self.layers = torch.nn.ModuleList(layers)
         self._compiled_stage = compiled_stage(layers, backend="aot_eager")
         self.recompute_layers, self.micro_offset, self.eval_as_training = 0, 0, True
+        self._graphed, self._evaluating = None, False
 
 
 def test_evaluation_reuses_the_training_graphs():
