@@ -12,6 +12,7 @@ import json
 import threading
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from .config import ConfigError, DsAsyncConfig
 from .job import default_run_name, optimizer_type, seed_everything, steps_for
 from .models import check_seq_len, check_vocab, hf_io
 from .preempt import Preempted, Preemption
+
+if TYPE_CHECKING:  # the engine's module imports DeepSpeed, which the trainer imports only once it builds an engine
+    from .pipe.engine import StepReport
 
 
 def _resume_from(resume: str, cfg: DsAsyncConfig, ckpt_root: Path) -> Path | None:
@@ -479,8 +483,8 @@ class Trainer:
         try:
             for step in range(self.start + 1, self.total_steps + 1):
                 last = self.preemption is not None and self.preemption.last_step()
-                self.train_step(step, drain=last)
-                self._log_gathered(step)
+                report = self.train_step(step, drain=last)
+                self._log_gathered(step, report)
                 if last and step != self.total_steps:
                     self._stop_preempted(step)
                 if step != self.total_steps and self.cadence.evaluates(step):
@@ -492,23 +496,26 @@ class Trainer:
             self._close_stopped(f"{type(e).__name__}: {e}")
             raise
 
-    def train_step(self, step: int, drain: bool = False) -> None:
+    def train_step(self, step: int, drain: bool = False) -> StepReport:
         """Run batch ``step - 1``; report the losses that have reached the host. ``drain``: the pipeline drains
-        after this step whatever the cadence plans (a preempted run's last step)."""
+        after this step whatever the cadence plans (a preempted run's last step). Returns what the engine
+        measured in the step."""
         from . import metrics
 
         engine = self.engine
         next_drain = step if drain else self.cadence.next_drain(step)
         engine.drain_after(next_drain - 1)  # flush-free: drain only where the pipeline must be empty
         self.clock.begin(step)
-        loss = engine.train_batch(self.train_iter)  # None off the last stage under flush-free schedules
+        report = engine.train_step(self.train_iter)  # its loss is None off the last stage under flush-free rules
         self.clock.end(step)  # before the loss's copy is queued: once the loss is on the host, so is this mark
-        norm = self.grad_norm.take() if self.grad_norm is not None else None
+        norm = self.grad_norm.take(report) if self.grad_norm is not None else None
+        loss = report.loss
         self.in_flight.append((step, None if loss is None else metrics.HostValue(loss), engine.get_lr()[0], norm))
         drained = next_drain == step or not engine.is_async
         self._report(step if drained else step - 1, drained)
         if self.monitor is not None:
             self._stop_if_nonfinite(upto=step if drained else None)
+        return report
 
     def _report(self, upto: int, drained: bool = True) -> None:
         while self.in_flight and self.in_flight[0][0] <= upto:
@@ -527,11 +534,12 @@ class Trainer:
                                 grad_norm=None if norm is None else float(norm), step_time=self.clock.window_mean(s))
         self.ds_monitor.flush()
 
-    def _log_gathered(self, step: int) -> None:
-        """The figures that need every rank (collectives, on their steps only): the optimizer's and the stages'."""
+    def _log_gathered(self, step: int, report: StepReport) -> None:
+        """The figures that need every rank (collectives, on their steps only): the optimizer's (of the step that
+        returned ``report``) and the stages'."""
         log_cfg = self.cfg.logging
         if log_cfg.optimizer_every and step % log_cfg.optimizer_every == 0:
-            self.log.optimizer(step, self.engine.optimizer_stats())
+            self.log.optimizer(step, self.engine.optimizer_stats(report))
         if step != self.total_steps and (log_cfg.stages_every and step % log_cfg.stages_every == 0
                                          or self.cadence.evaluates(step)):
             self.log.stages(step, self._gather_stages()[0])
