@@ -23,6 +23,20 @@ class ConfigError(ValueError):
     """A problem in the user's config; the message names the offending key."""
 
 
+class OptimizerSetupError(ConfigError):
+    """An ``"optimizer"`` block, or a combination of optimizer, precision and ZeRO stage, that ds_async cannot run
+    as written; the message names the key."""
+
+
+def did_you_mean(word: str, known, prefix: str = "", cutoff: float = 0.6, fold_case: bool = False) -> str:
+    """`` (did you mean '<prefix><nearest>'?)`` for the nearest of ``known`` to a misspelled ``word``, or ``""``.
+    ``fold_case``: a name that differs only in case is the nearest."""
+    known = list(known)
+    hint = [k for k in known if k.lower() == word.lower()] if fold_case else []
+    hint = hint or difflib.get_close_matches(word, known, n=1, cutoff=cutoff)
+    return f" (did you mean '{prefix}{hint[0]}'?)" if hint else ""
+
+
 @dataclass
 class ModelConfig:
     family: Literal["llama", "mixtral"] = "llama"
@@ -381,9 +395,8 @@ def from_dict(cls, raw: dict, prefix: str):
     fields = {f.metadata.get("key", f.name): f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
-        hint = difflib.get_close_matches(unknown[0], fields, n=1)
-        suggestion = f" (did you mean '{prefix}.{hint[0]}'?)" if hint else ""
-        raise ConfigError(f"{prefix}.{unknown[0]}: unknown key{suggestion}; known keys: {sorted(fields)}")
+        raise ConfigError(f"{prefix}.{unknown[0]}: unknown key{did_you_mean(unknown[0], fields, prefix + '.')}; "
+                          f"known keys: {sorted(fields)}")
     return cls(**{fields[k]: _check(v, hints[fields[k]], f"{prefix}.{k}") for k, v in raw.items()})
 
 
@@ -454,6 +467,60 @@ def parse_correction(raw: dict, prefix: str = "ds_async.correction") -> Correcti
     return cfg
 
 
+def correction_config(spec: CorrectionConfig | dict | None) -> CorrectionConfig:
+    """A correction as the library takes it (``None``, its JSON dict or a :class:`CorrectionConfig`), checked."""
+    if spec is None:
+        return CorrectionConfig()
+    cfg = spec if isinstance(spec, CorrectionConfig) else parse_correction(spec)
+    cfg.check()
+    return cfg
+
+
+OWN_OPTIMIZER_TYPES = ("muon", "lion")
+"""Optimizer types only ds_async implements (by lowercase name); DeepSpeed must be handed them as client
+optimizers."""
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """DeepSpeed's ``"optimizer"`` block with ds_async's delay correction, read once (:func:`parse_optimizer`): what
+    the engine's client optimizer, the emulation's optimizer and the planner's byte model are built from."""
+
+    type: str
+    """``optimizer.type`` as written (DeepSpeed's, a ``torch.optim`` class, or ds_async's Muon/Lion)."""
+    params: dict
+    """``optimizer.params``, the optimizer's keyword arguments."""
+    correction: CorrectionConfig
+    """``ds_async.correction``."""
+
+    @property
+    def kind(self) -> str:
+        """The type by lowercase name, as DeepSpeed compares it."""
+        return self.type.lower()
+
+    @property
+    def ds_async_builds(self) -> bool:
+        """Whether ds_async builds this optimizer (a Muon/Lion type, or any correction), which the engine must pass
+        to DeepSpeed as a client optimizer instead of letting DeepSpeed build one from the block."""
+        return self.kind in OWN_OPTIMIZER_TYPES or self.correction.type != "none"
+
+
+def parse_optimizer(block, correction: CorrectionConfig | dict | None = None) -> OptimizerSpec | None:
+    """The :class:`OptimizerSpec` of DeepSpeed's ``"optimizer"`` block (``None`` without one) and a correction
+    (:func:`correction_config`); a block of the wrong shape is an :class:`OptimizerSetupError` naming the key.
+    Whether its type and params build is checked where they are built (``ds_async.optim``)."""
+    if block is None:
+        return None
+    if not isinstance(block, dict):
+        raise OptimizerSetupError(f"optimizer: expected an object with \"type\" and \"params\", got {block!r}")
+    kind, params = block.get("type"), block.get("params", {})
+    if not isinstance(kind, str):
+        raise OptimizerSetupError(f"optimizer.type: required, the optimizer's name (e.g. \"AdamW\"), got {kind!r}")
+    if not isinstance(params, dict):
+        raise OptimizerSetupError(f"optimizer.params: expected an object of the optimizer's arguments, got {params!r}")
+    return OptimizerSpec(kind, dict(params), correction_config(correction))
+
+
 GRADIENT_CLIPPING_DEFAULT = 1.0
 """DeepSpeed's ``gradient_clipping`` when the JSON has none (``deepspeed.runtime.constants``)."""
 
@@ -473,9 +540,9 @@ def check_batch(ds_config: dict, cfg: DsAsyncConfig, world_size: int) -> tuple[i
     p = cfg.pipeline_stages
     batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     for key in ds_config:
-        near = difflib.get_close_matches(key, batch_keys, n=1, cutoff=0.85)
-        if near and key != near[0]:
-            raise ConfigError(f"{key}: not a DeepSpeed key (did you mean '{near[0]}'?)")
+        hint = did_you_mean(key, batch_keys, cutoff=0.85) if key not in batch_keys else ""
+        if hint:
+            raise ConfigError(f"{key}: not a DeepSpeed key{hint}")
     if world_size % p:
         raise ConfigError(f"ds_async.pipeline_stages: {p} does not divide the world size {world_size}")
     dp = world_size // p

@@ -28,11 +28,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from . import config as cfgmod
-from .config import ConfigError, check_batch, data_parallel_degree, gradient_clipping, recomputed_layers
+from .config import (ConfigError, check_batch, data_parallel_degree, gradient_clipping, parse_optimizer,
+                     recomputed_layers)
 from .flops import layer_flops_per_token
 from .models import FAMILIES, check_seq_len, model_config
 from .models.partition import stage_bounds
-from .optim import needs_client_optimizer
 from .optim.muon import SPLIT_GATE_UP, check_split_gate_up, split_rows
 from .optim.roles import fused_gate_up, param_roles
 from .optim.sharded import partition_params
@@ -106,17 +106,16 @@ def job_of(ds_config: dict, cfg, world: int):
     block = ds_config.get("optimizer")
     if not isinstance(block, dict) or "type" not in block:
         raise ConfigError("optimizer: the planner needs the optimizer block (type and params)")
-    kind = str(block["type"]).lower()
+    spec = parse_optimizer(block, cfg.correction)
+    kind, params = spec.kind, spec.params
     if kind not in STATE_BYTES:
-        raise ConfigError(f"optimizer.type: the planner knows {sorted(STATE_BYTES)}, not {block['type']!r}")
-    params = block.get("params") or {}
+        raise ConfigError(f"optimizer.type: the planner knows {sorted(STATE_BYTES)}, not {spec.type!r}")
     split = params.get("split_gate_up", SPLIT_GATE_UP) if kind == "muon" else False
     try:
         check_split_gate_up(split)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    client = needs_client_optimizer(block, cfg.correction)
-    path = "master-weights" if bf16 and client else "deepspeed-bf16" if bf16 else "plain"
+    path = "master-weights" if bf16 and spec.ds_async_builds else "deepspeed-bf16" if bf16 else "plain"
     zero = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
     if zero >= 2:
         raise ConfigError(f"zero_optimization.stage: {zero}; pipelines run ZeRO stage 0 or 1")
