@@ -23,8 +23,8 @@ from . import resume as policy
 from .cadence import Cadence
 from .checkpoint.folder import agree
 from .config import ConfigError, DsAsyncConfig
-from .job import default_run_name, optimizer_type, seed_everything, steps_for
-from .models import check_seq_len, check_vocab, hf_io
+from .job import default_run_name, optimizer_type, seed_everything, start_run_log, steps_for
+from .models import check_seq_len, check_vocab
 from .preempt import Preempted, Preemption
 
 if TYPE_CHECKING:  # the engine's module imports DeepSpeed, which the trainer imports only once it builds an engine
@@ -440,7 +440,6 @@ class Trainer:
         import torch.distributed as tdist
 
         from . import metrics, telemetry
-        from .flops import model_flops_per_token
 
         cfg, engine, log_cfg = self.cfg, self.engine, self.cfg.logging
         layout = [None] * self.world  # (stage, replica, reports) of every rank
@@ -453,22 +452,12 @@ class Trainer:
         self.grad_norm = telemetry.GradNormTap(engine) if engine.is_reporting_rank else None
         self.ds_monitor = metrics.DeepSpeedMonitor(engine, next(r for r, (*_, reports) in enumerate(layout) if reports))
         peak = telemetry.peak_flops(log_cfg.peak_tflops, engine.device)
-        self.log = metrics.RunLogger(self.run_dir, self.total_steps, self.tokens_per_step,
-                                     enabled=engine.is_reporting_rank, progress=log_cfg.progress,
-                                     every=log_cfg.every, start_step=self.start, window=log_cfg.window,
-                                     warmup=log_cfg.warmup_steps,
-                                     flops_per_step=model_flops_per_token(self.hf_config, cfg.data.seq_len)
-                                     * self.tokens_per_step,
-                                     peak_flops=None if peak is None else peak * self.world, monitor=self.ds_monitor,
-                                     seconds_before=float(carried.get("seconds", 0.0)))
-        self.log.history.update(carried.get("history", {}))
-        self.log.manifest(config_file=str(self.config_path), ds_async=cfgmod.resolved(cfg), deepspeed=self.ds_config,
-                          card=metrics.card_name(engine.device), world_size=self.world,
-                          pipeline_stages=cfg.pipeline_stages, data_parallel=engine.grid.data_parallel_size,
-                          micro_batch_size=self.mbs,
-                          micro_batches=self.gas, tokens_per_step=self.tokens_per_step, total_steps=self.total_steps,
-                          model=hf_io.config_dict(self.hf_config),
-                          resumed_from=str(self.resume_from) if self.resume_from else None)
+        self.log = start_run_log(
+            self.run_dir, cfg, self.config_path, self.ds_config, self.hf_config, start_step=self.start,
+            total_steps=self.total_steps, tokens_per_step=self.tokens_per_step, micro_batch_size=self.mbs,
+            micro_batches=self.gas, data_parallel=engine.grid.data_parallel_size,
+            peak_flops=None if peak is None else peak * self.world, carried=carried, resumed_from=self.resume_from,
+            enabled=engine.is_reporting_rank, monitor=self.ds_monitor, card=metrics.card_name(engine.device))
         # (step, loss and gradient norm on their way to the host, lr). Under flush-free schedules a step's loss is
         # read after the next step is queued (a drain reads at once), so the last stage's host never waits for its
         # GPU to empty. Its norm exists later on the GPU (once stage 0 has finished the batch): the step is logged
