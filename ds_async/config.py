@@ -65,7 +65,7 @@ class PartitionConfig:
 class DataSource:
     """A dataset as ``datasets.load_dataset(path, name=..., revision=..., data_dir=..., data_files=..., split=...,
     streaming=True)`` takes it, or (``data.validation`` only) ``from_train``: documents held out of the training
-    data. ``ds_async/data.py`` resolves and checks it (``resolve_source``)."""
+    data. ``ds_async/data/sources.py`` resolves and checks it (``resolve_source``)."""
 
     path: str | None = None
     """What ``load_dataset`` takes: a hub dataset (``allenai/c4``, ``hf://datasets/HuggingFaceFW/fineweb``), a local

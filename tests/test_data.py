@@ -619,7 +619,7 @@ def test_the_exit_waits_for_arrow_threads_from_the_close_not_the_last_read(corpu
     called without an active exception": 2 of 5 loaded 4-step CPU runs did). The exit's wait counts from the close."""
     import time
 
-    from ds_async import data
+    from ds_async.data import sources as data
 
     batches = PackedBatches(load_text_stream(str(corpus / "enwiki-train-*.parquet"), "train"), tokenizer,
                             seq_len=32, micro_batch_size=2, seed=0, shuffle_buffer=4)
