@@ -1,10 +1,10 @@
 """The training job: config -> tokenizer -> pipeline model -> engine -> train/eval/save loop -> logs.
 
 :class:`Trainer` holds one job's parts and runs it in small steps (``setup``, built by
-:class:`~ds_async.trainer_setup.TrainerSetup`; ``train_step``, ``validate``, ``save``, ``close``); when to evaluate, save and drain is :class:`~ds_async.cadence.Cadence`'s plan, which the
-emulation shares. ``launch/train.py`` is a thin command-line wrapper around :func:`train`. Checkpoints
-(:mod:`ds_async.checkpoint`) are saved on drained pipelines, like evaluations, and ``resume`` continues a run
-exactly where one stopped.
+:class:`~ds_async.trainer_setup.TrainerSetup`; ``train_step``, ``validate``, ``save``, ``close``); when to evaluate,
+save and drain is :class:`~ds_async.cadence.Cadence`'s plan, which the emulation shares. ``launch/train.py`` is a
+thin command-line wrapper around :func:`train`. Checkpoints (:mod:`ds_async.checkpoint`) are saved on drained
+pipelines, like evaluations, and ``resume`` continues a run exactly where one stopped.
 """
 from __future__ import annotations
 

@@ -33,7 +33,8 @@ from .resume import check_optimizer_type, checkpoint_to_resume, config_keys, str
 
 
 def _or_error(fn, *args):
-    """``fn(*args)``, or the ConfigError or CheckpointError it raised (for :func:`~ds_async.checkpoint.folder.agree`)."""
+    """``fn(*args)``, or the ConfigError or CheckpointError it raised (for
+    :func:`~ds_async.checkpoint.folder.agree`)."""
     try:
         return fn(*args)
     except (ConfigError, checkpoint.CheckpointError) as e:

@@ -22,8 +22,8 @@ from datasets.distributed import split_dataset_by_node
 from ..config import DataConfig
 from ..hub import one_line
 from .sources import DataError, describe, load_text_stream, read_rows, resolve_source
-from .text import (COUNTED_REASONS, HELD_OUT, PIECE_CHARS, SKIP_REASONS, document_encoder, eos_id, next_piece, text_digest,
-                   usable_text)
+from .text import (COUNTED_REASONS, HELD_OUT, PIECE_CHARS, SKIP_REASONS, document_encoder, eos_id, next_piece,
+                   text_digest, usable_text)
 
 class _QuietRefill(logging.Filter):
     """datasets warns that a loaded shuffle-buffer state has no buffer content. Our streams use datasets' shuffle

@@ -18,7 +18,8 @@ import datasets
 from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
 
 from .. import corpus, hub
-from ..config import ConfigError, DataConfig, DataSource, from_dict
+from ..config import ConfigError, DataConfig, from_dict
+from ..config_sections import DataSource
 from ..corpus import EMBEDDED_CORPUS  # ships with Python itself: the default, nothing to install
 from ..hub import one_line
 

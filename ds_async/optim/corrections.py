@@ -124,9 +124,9 @@ class NesterovLookahead(Correction):
 
 
 def build_correction(spec) -> Correction | None:
-    """A correction from ``None``, a :class:`Correction`, a ``ds_async.config.CorrectionConfig`` or its JSON dict
-    (``{"type": "ef", "lambda": 1.0}``, ``{"type": "nesterov", "momentum": 0.9, "delay": 1}``, ``{"type": "none"}``;
-    strict: an unknown key, or a key of another type, raises naming it)."""
+    """A correction from ``None``, a :class:`Correction`, a ``ds_async.config_sections.CorrectionConfig`` or its JSON
+    dict (``{"type": "ef", "lambda": 1.0}``, ``{"type": "nesterov", "momentum": 0.9, "delay": 1}``,
+    ``{"type": "none"}``; strict: an unknown key, or a key of another type, raises naming it)."""
     if isinstance(spec, Correction):
         return spec
     cfg = correction_config(spec)
