@@ -50,10 +50,9 @@ from . import data, fp8, jsonfile, metrics, telemetry, tokenizer
 from .cadence import Cadence
 from .config import ConfigError, data_parallel_degree, gradient_clipping
 from .data import DataError
-from .flops import model_flops_per_token
-from .job import default_run_name, seed_everything, steps_for, use_deterministic
+from .job import default_run_name, seed_everything, start_run_log, steps_for, use_deterministic
 from .metrics import HostValue
-from .models import check_seq_len, check_vocab, decoder_layers, hf_io
+from .models import check_seq_len, check_vocab, decoder_layers
 from .models.partition import build_layers, stage_bounds, stage_of_layers
 from .nonfinite import NonFiniteLoss, SkipNonFinite
 from .optim import Muon, build_optimizer
@@ -325,27 +324,19 @@ class Emulation:
     def start_logging(self, state: dict | None = None) -> None:
         """The run folder's logger and manifest; a restored ``state`` carries its curves and clock over."""
 
-        cfg, dp = self.cfg, self.dp
-        peak = telemetry.peak_flops(cfg.logging.peak_tflops, self.device)
-        self.log = metrics.RunLogger(
-            self.run_dir, self.total_steps, self.tokens_per_step, enabled=True, progress=cfg.logging.progress,
-            every=cfg.logging.every, start_step=self.done, window=cfg.logging.window, warmup=cfg.logging.warmup_steps,
-            flops_per_step=model_flops_per_token(self.hf_config, cfg.data.seq_len) * self.tokens_per_step,
-            peak_flops=peak, seconds_before=state.get("seconds", 0.0) if state else 0.0)
-        if state:
-            self.log.history = {**self.log.history, **state["history"]}  # keys a saved state lacks start empty
-        self.log.manifest(config_file=str(self.config_path), ds_async=cfgmod.resolved(cfg), deepspeed=self.ds_config,
-                          world_size=cfg.pipeline_stages * dp, pipeline_stages=cfg.pipeline_stages, data_parallel=dp,
-                          micro_batch_size=self.mbs, micro_batches=self.gas, tokens_per_step=self.tokens_per_step,
-                          total_steps=self.total_steps, model=hf_io.config_dict(self.hf_config),
-                          resumed_from=self.resumed_from,
-                          emulation={"device": str(self.device), "card": metrics.card_name(self.device),
-                                     "precision": self.precision,
-                                     "parameters": sum(q.numel() for q in self.layers.parameters()),
-                                     "compile": cfg.performance.compile, "partition": self.bounds,
-                                     "torch_threads": torch.get_num_threads(),
-                                     # the tokenizer's thread pool (None: one thread per core)
-                                     "tokenizer_threads": os.environ.get("RAYON_NUM_THREADS")})
+        cfg = self.cfg
+        self.log = start_run_log(
+            self.run_dir, cfg, self.config_path, self.ds_config, self.hf_config, start_step=self.done,
+            total_steps=self.total_steps, tokens_per_step=self.tokens_per_step, micro_batch_size=self.mbs,
+            micro_batches=self.gas, data_parallel=self.dp,
+            peak_flops=telemetry.peak_flops(cfg.logging.peak_tflops, self.device), carried=state,
+            resumed_from=self.resumed_from,
+            emulation={"device": str(self.device), "card": metrics.card_name(self.device), "precision": self.precision,
+                       "parameters": sum(q.numel() for q in self.layers.parameters()),
+                       "compile": cfg.performance.compile, "partition": self.bounds,
+                       "torch_threads": torch.get_num_threads(),
+                       # the tokenizer's thread pool (None: one thread per core)
+                       "tokenizer_threads": os.environ.get("RAYON_NUM_THREADS")})
 
     def report(self, upto_all: bool = False) -> None:
         """Log the steps whose figures have reached the host (all of them with ``upto_all``)."""

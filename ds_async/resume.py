@@ -20,12 +20,19 @@ the DeepSpeed keys as the engine got them) and the run length its LR schedule wa
 
 A key no pattern names is ``applied``. Keys missing from an older checkpoint's manifest count as unchanged; keys
 this config lacks (a block removed) have the new value None.
+
+Also which checkpoint ``--resume`` names (:func:`checkpoint_to_resume`), a job's config as the keys compared
+(:func:`config_keys`), the optimizer type a resumed run must keep (:func:`check_optimizer_type`) and what a saved
+position in the training stream refers to (:func:`stream_recipe`).
 """
 from __future__ import annotations
 
 import fnmatch
+from pathlib import Path
 
-from .config import ConfigError
+from . import checkpoint
+from .config import ConfigError, DsAsyncConfig
+from .job import optimizer_type
 
 REFUSED, APPLIED, LENGTH, LAYOUT, CARRIED, FREE = "refused", "applied", "length", "layout", "carried", "free"
 
@@ -153,3 +160,54 @@ def length_line(policy: str, step: int, saved_length: int, length: int, schedule
     if schedule != length:
         return head + f"{scheduler} stays the {schedule}-step schedule, holding its final LR past step {schedule}{lrs}"
     return head + f"{scheduler} is recomputed for {length} steps, as a run of that length has it{lrs}"
+
+
+def checkpoint_to_resume(resume: str, cfg: DsAsyncConfig, ckpt_root: Path) -> Path | None:
+    """The checkpoint ``--resume`` means: ``latest`` is the newest complete one in the run's checkpoint folder
+    (None if it has none: the run starts at step 0); anything else is a checkpoint folder, a folder of them, or a
+    run folder (its ``checkpoints/``), which must hold a complete checkpoint (CheckpointError naming it if not)."""
+    if resume == "latest":
+        if cfg.checkpoint.dir is None and cfg.logging.run_name is None:
+            raise ConfigError("--resume: this run's checkpoint folder is not fixed (its run name is a timestamp): "
+                              "set ds_async.checkpoint.dir or ds_async.logging.run_name (--run-name), or pass "
+                              "--resume PATH")
+        return checkpoint.resolve(ckpt_root)
+    path = Path(resume)
+    if not path.exists():
+        raise checkpoint.CheckpointError(f"--resume {resume}: no such checkpoint or folder")
+    found = checkpoint.resolve(path)
+    if found is None and (path / "checkpoints").is_dir():  # a run folder
+        found = checkpoint.resolve(path / "checkpoints")
+    if found is None:
+        raise checkpoint.CheckpointError(
+            f"--resume {resume}: no complete checkpoint there (a checkpoint folder step_N with {checkpoint.MANIFEST}, "
+            "a folder of them, or a run folder with them in checkpoints/); nothing to resume from")
+    return found
+
+
+def config_keys(section: dict, ds_config: dict) -> dict:
+    """A job's config as the flat keys :mod:`ds_async.resume` compares: ``ds_async.<key>`` and
+    ``deepspeed.<key>``."""
+    return {**flatten(section, "ds_async"), **flatten(ds_config, "deepspeed")}
+
+
+def check_optimizer_type(manifest: dict, ds_config: dict, folder) -> None:
+    """A resumed run must step with the optimizer type its checkpoint was saved with: another type's state would load
+    without a word and drop what it cannot use (AdamW's moments as SGD's absent momentum). Compared without case;
+    a manifest that records no optimizer is not checked."""
+    saved = (manifest.get("optimizer") or {}).get("type")
+    now = optimizer_type(ds_config)
+    if "optimizer" in manifest and str(saved).lower() != str(now).lower():
+        raise ConfigError(f"optimizer.type: {now!r}, but the checkpoint {folder} was saved with {saved!r}, whose "
+                          "state does not carry over to another optimizer; resume with the same type, or start a "
+                          "new run from its weights (ds_async.model.path after python -m ds_async.export)")
+
+
+def stream_recipe(section: dict) -> dict:
+    """What decides the training stream's documents and their order, from a resolved ``ds_async`` section: a saved
+    position in the stream refers to these."""
+    stream = section.get("data") or {}
+    validation = stream.get("validation")
+    return {**{f"data.{k}": stream.get(k) for k in ("train", "text_field", "seq_len", "shuffle_buffer", "min_chars")},
+            "data.validation.from_train": validation.get("from_train") if isinstance(validation, dict) else None,
+            "seed": section.get("seed")}

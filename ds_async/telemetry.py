@@ -3,7 +3,7 @@ norm and the peak FLOP rate MFU is quoted against. CPU-safe; on ordinary steps n
 its GPU (the pipeline relies on the host running ahead).
 
 - **Step time** (:class:`StageClock`): per train step, the span between two marks on the current stream, one
-  before ``engine.train_batch`` and one after it (on GPUs CUDA events: the span is the GPU's time for the call's
+  before ``engine.train_step`` and one after it (on GPUs CUDA events: the span is the GPU's time for the call's
   work, since the engine's compute stream waits for the caller's stream on entry and the caller's stream for it on
   exit; on CPU ``time.perf_counter``). Evaluations, saves and logging between steps fall outside every span.
   Spans are read only once their end event has completed (``query()``, never a wait) or after a value that was
@@ -16,7 +16,7 @@ its GPU (the pipeline relies on the host running ahead).
 - **Gradient norm** (:class:`GradNormTap`): the pipeline's global norm that the engine clips by, on every rank
   (the stages all-gather their squared norms ahead of the step).
 
-Cost per step, on every rank: two CUDA events around ``train_batch`` and two around each forward and backward pass,
+Cost per step, on every rank: two CUDA events around ``train_step`` and two around each forward and backward pass,
 and event queries; on the reporting rank a pinned-memory copy of the norm, read once it has landed (at the latest
 one step later). No host waits for its GPU. Collectives: the per-stage figures are an object all-gather over all
 ranks, on ``logging.stages_every`` steps, at evaluations and at the end only (the trainer gathers them).
@@ -155,8 +155,8 @@ def time_passes(engine, clock: StageClock) -> None:
 class GradNormTap:
     """The pipeline's gradient norm of each step, as the engine clips by it, on its way to the host.
 
-    ds_async's engine hands over the pipeline's squared norm it computed in the step (``take_grad_norm_sq``), under
-    every schedule and for every optimizer whose norm it computes; after each ``train_batch`` the tap starts a
+    ds_async's engine reports the pipeline's squared norm it computed in the step (``StepReport.grad_norm_sq``),
+    under every schedule and for every optimizer whose norm it computes; after each ``train_step`` the tap starts a
     non-blocking copy of it on the stream that computes it (the side stream under 2BW). Where DeepSpeed's optimizer
     computes the norm itself (ZeRO, fp16) the engine's ``get_global_grad_norm()`` is taken instead. ``None`` with
     clipping off: no norm is computed then.
@@ -165,14 +165,13 @@ class GradNormTap:
     def __init__(self, engine):
         self.engine = engine
 
-    def take(self):
-        """This step's norm (a :class:`HostValue`, a float or ``None``); call once after each ``train_batch``."""
-        side = getattr(getattr(self.engine, "streams", None), "side", None)
-        take = getattr(self.engine, "take_grad_norm_sq", None)  # absent on a stock DeepSpeed engine
-        sq = take() if take is not None else None
-        if sq is not None:
+    def take(self, report):
+        """The norm of the step that returned ``report`` (a :class:`~ds_async.pipe.engine.StepReport`): a
+        :class:`HostValue`, a float or ``None``."""
+        side = self.engine.streams.side
+        if report.grad_norm_sq is not None:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                norm = sq.sqrt()  # on the stream that computes sq
+                norm = report.grad_norm_sq.sqrt()  # on the stream that computes it
             return HostValue(norm, stream=side)
         norm = self.engine.get_global_grad_norm()
         if torch.is_tensor(norm):

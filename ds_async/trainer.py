@@ -1,91 +1,30 @@
 """The training job: config -> tokenizer -> pipeline model -> engine -> train/eval/save loop -> logs.
 
-:class:`Trainer` holds one job's parts and runs it in small steps (``setup``, ``train_step``, ``validate``,
-``save``, ``close``); when to evaluate, save and drain is :class:`~ds_async.cadence.Cadence`'s plan, which the
-emulation shares. ``launch/train.py`` is a thin command-line wrapper around :func:`train`. Checkpoints
-(:mod:`ds_async.checkpoint`) are saved on drained pipelines, like evaluations, and ``resume`` continues a run
-exactly where one stopped.
+:class:`Trainer` holds one job's parts and runs it in small steps (``setup``, built by
+:class:`~ds_async.trainer_setup.TrainerSetup`; ``train_step``, ``validate``, ``save``, ``close``); when to evaluate,
+save and drain is :class:`~ds_async.cadence.Cadence`'s plan, which the emulation shares. ``launch/train.py`` is a
+thin command-line wrapper around :func:`train`. Checkpoints (:mod:`ds_async.checkpoint`) are saved on drained
+pipelines, like evaluations, and ``resume`` continues a run exactly where one stopped.
 """
 from __future__ import annotations
 
-import json
-import threading
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as tdist
 
 from . import checkpoint
 from . import config as cfgmod
-from . import console, fp8, tokenizer
-from . import resume as policy
-from .cadence import Cadence
-from .checkpoint.folder import agree
-from .config import ConfigError, DsAsyncConfig
-from .job import default_run_name, optimizer_type, seed_everything, steps_for, use_deterministic
-from .models import check_seq_len, check_vocab, hf_io
+from . import data, fp8, metrics, telemetry
+from .builder import init_distributed
+from .checkpoint import folder
+from .job import optimizer_type, start_run_log, steps_for
+from .nonfinite import NonFiniteLoss, NonFiniteWeights, SkipNonFinite, weights_nonfinite
+from .optim.client import check_optimizer_block
+from .pipe.engine import StepReport
 from .preempt import Preempted, Preemption
-
-
-def _resume_from(resume: str, cfg: DsAsyncConfig, ckpt_root: Path) -> Path | None:
-    """The checkpoint ``--resume`` means: ``latest`` is the newest complete one in the run's checkpoint folder
-    (None if it has none: the run starts at step 0); anything else is a checkpoint folder, a folder of them, or a
-    run folder (its ``checkpoints/``), which must hold a complete checkpoint (CheckpointError naming it if not)."""
-    from . import checkpoint
-
-    if resume == "latest":
-        if cfg.checkpoint.dir is None and cfg.logging.run_name is None:
-            raise ConfigError("--resume: this run's checkpoint folder is not fixed (its run name is a timestamp): "
-                              "set ds_async.checkpoint.dir or ds_async.logging.run_name (--run-name), or pass "
-                              "--resume PATH")
-        return checkpoint.resolve(ckpt_root)
-    path = Path(resume)
-    if not path.exists():
-        raise checkpoint.CheckpointError(f"--resume {resume}: no such checkpoint or folder")
-    found = checkpoint.resolve(path)
-    if found is None and (path / "checkpoints").is_dir():  # a run folder
-        found = checkpoint.resolve(path / "checkpoints")
-    if found is None:
-        raise checkpoint.CheckpointError(
-            f"--resume {resume}: no complete checkpoint there (a checkpoint folder step_N with {checkpoint.MANIFEST}, "
-            "a folder of them, or a run folder with them in checkpoints/); nothing to resume from")
-    return found
-
-
-def _or_error(fn, *args):
-    """``fn(*args)``, or the ConfigError or CheckpointError it raised (for :func:`~ds_async.checkpoint.folder.agree`)."""
-    try:
-        return fn(*args)
-    except (ConfigError, checkpoint.CheckpointError) as e:
-        return e
-
-
-def _config_keys(section: dict, ds_config: dict) -> dict:
-    """A job's config as the flat keys :mod:`ds_async.resume` compares: ``ds_async.<key>`` and
-    ``deepspeed.<key>``."""
-    return {**policy.flatten(section, "ds_async"), **policy.flatten(ds_config, "deepspeed")}
-
-
-def check_optimizer_type(manifest: dict, ds_config: dict, folder) -> None:
-    """A resumed run must step with the optimizer type its checkpoint was saved with: another type's state would load
-    without a word and drop what it cannot use (AdamW's moments as SGD's absent momentum). Compared without case;
-    a manifest that records no optimizer is not checked."""
-    saved = (manifest.get("optimizer") or {}).get("type")
-    now = optimizer_type(ds_config)
-    if "optimizer" in manifest and str(saved).lower() != str(now).lower():
-        raise ConfigError(f"optimizer.type: {now!r}, but the checkpoint {folder} was saved with {saved!r}, whose "
-                          "state does not carry over to another optimizer; resume with the same type, or start a "
-                          "new run from its weights (ds_async.model.path after python -m ds_async.export)")
-
-
-def stream_recipe(section: dict) -> dict:
-    """What decides the training stream's documents and their order, from a resolved ``ds_async`` section: a saved
-    position in the stream refers to these."""
-    data = section.get("data") or {}
-    validation = data.get("validation")
-    return {**{f"data.{k}": data.get(k) for k in ("train", "text_field", "seq_len", "shuffle_buffer", "min_chars")},
-            "data.validation.from_train": validation.get("from_train") if isinstance(validation, dict) else None,
-            "seed": section.get("seed")}
+from .trainer_setup import TrainerSetup
 
 
 def train(config_path: str, max_steps: int | None = None, run_name: str | None = None,
@@ -106,16 +45,13 @@ def train(config_path: str, max_steps: int | None = None, run_name: str | None =
         trainer.release()
 
 
-class Trainer:
-    """One training job. ``setup`` builds everything (every rank), ``run`` trains to the end and returns the summary
-    on the reporting rank (``None`` elsewhere)."""
+class Trainer(TrainerSetup):
+    """One training job. ``setup`` builds everything (every rank; :class:`~ds_async.trainer_setup.TrainerSetup`),
+    ``run`` trains to the end and returns the summary on the reporting rank (``None`` elsewhere)."""
 
     def __init__(self, config_path: str, max_steps: int | None = None, run_name: str | None = None):
         from deepspeed import comm as dist
         from deepspeed.accelerator import get_accelerator
-
-        from .builder import init_distributed
-        from .optim.client import check_optimizer_block
 
         self.config_path = config_path
         self.ds_config, cfg = cfgmod.load(config_path)
@@ -131,8 +67,8 @@ class Trainer:
         device = torch.device(get_accelerator().current_device_name())
         fp8.check(cfg.performance.fp8, self.ds_config, cfg.performance.compile, device)
         if cfg.performance.cuda_graphs and device.type != "cuda":
-            raise ConfigError(f"ds_async.performance.cuda_graphs: CUDA graphs need an NVIDIA GPU; this run is on "
-                              f"{device.type}: set it to false")
+            raise cfgmod.ConfigError(f"ds_async.performance.cuda_graphs: CUDA graphs need an NVIDIA GPU; this run is "
+                                     f"on {device.type}: set it to false")
         tbs, self.mbs, self.gas = cfgmod.check_batch(self.ds_config, self.cfg, self.world)
         self.length = steps_for(self.cfg, tbs * self.cfg.data.seq_len)  # the run's; max_steps only stops it early
         self.ds_config = cfgmod.with_schedule_length(self.ds_config, self.length)
@@ -141,8 +77,6 @@ class Trainer:
         """After a failure: the run's own checkpoint folder (not a ``checkpoint.dir`` the config names) if this job
         holds it and saved nothing in it, then the run folder if nothing else is left in it (a trained tokenizer,
         logs of steps that ran, are kept)."""
-        from .checkpoint import folder
-
         if self.rank != 0 or self.ckpt_root is None or self.cfg.checkpoint.dir is not None:
             return
         if folder.discard_if_unused(self.ckpt_root) and self.run_dir is not None:
@@ -151,297 +85,10 @@ class Trainer:
             except OSError:
                 pass
 
-    # ------------------------------------------------------------------------------------------------ setup
-    def setup(self, resume: str | None = None) -> None:
-        import torch.distributed as tdist
-
-        seed_everything(self.cfg.seed)
-        use_deterministic(self.cfg.performance.deterministic)
-        self.group = tdist.new_group(backend="gloo")  # host-side agreement: checkpoint files, loss flags
-        ckpt = self.cfg.checkpoint
-        # Python runs signal handlers in the main thread only; a trainer run elsewhere leaves SIGTERM as it is.
-        if (ckpt.every > 0 or ckpt.final) and ckpt.preempt_grace_s > 0 and \
-                threading.current_thread() is threading.main_thread():
-            self.preemption = Preemption(ckpt.preempt_grace_s, self.group, say=self.rank == 0)
-        self.weights_ok_at, self.end_checked = None, False  # see _check_weights, _stop_if_nonfinite
-        self._locate_run(resume)
-        changed, lengths = self._plan_resume() if self.resume_from is not None else ({}, None)
-        self._build_engine(changed)
-        self._check_sources(self._build_data())
-        carried = self._restore(changed, lengths) if self.resume_from is not None else {}
-        self.start = self.engine.global_steps  # 0, or the step of the checkpoint it resumed from
-        if self.start >= self.total_steps:
-            bound = (f"--max-steps {self.max_steps}" if self.max_steps is not None and self.max_steps < self.start
-                     else f"the run's {self.total_steps} steps")
-            raise ConfigError(f"--resume: {self.resume_from} is at step {self.start}, and {bound} end there or "
-                              "before: nothing is left to train")
-        self.last_saved = self.start if self.resume_from is not None else None
-        if self.train_iter is not None:
-            self.train_iter.start()  # from the position checked and restored above
-        self._start_logging(carried)
-
-    def _locate_run(self, resume: str | None) -> None:
-        from deepspeed import comm as dist
-
-        from . import checkpoint
-
-        cfg = self.cfg
-        self.run_dir = Path(cfg.logging.dir) / agree(cfg.logging.run_name or default_run_name(cfg, self.ds_config),
-                                                      self.group)
-        self.ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
-        found = None
-        if self.rank == 0:
-            try:
-                try:
-                    self.run_dir.mkdir(parents=True, exist_ok=True)
-                except OSError as e:
-                    raise ConfigError(f"ds_async.logging.dir: cannot create the run folder {self.run_dir} "
-                                      f"({type(e).__name__}: {e.strerror or e})") from None
-                found = self._claim_checkpoint_dir(resume)
-            except (ConfigError, checkpoint.CheckpointError) as e:
-                found = e
-        self.resume_from = agree(found, self.group)
-        if resume is not None and self.resume_from is None and self.rank == 0:
-            print(f"ds_async: no complete checkpoint in {self.ckpt_root}; starting from step 0", flush=True)
-        dist.barrier()
-
-    def _claim_checkpoint_dir(self, resume: str | None) -> Path | None:
-        """Rank 0, before anything is built: a run that saves checks that its checkpoint folder can hold files
-        (created, a probe file written and removed) and locks it for the job's life (a second job on the folder is
-        refused); then finds the checkpoint to resume from, and refuses to start afresh over an earlier run's
-        checkpoints (its first save would move them aside). Returns the checkpoint to resume from or None."""
-        from . import checkpoint
-        from .checkpoint import folder
-
-        cfg, root = self.cfg, self.ckpt_root
-        saves = cfg.checkpoint.every > 0 or cfg.checkpoint.final
-        if saves:
-            try:
-                folder.prepare(root)
-            except OSError as e:
-                raise ConfigError(f"ds_async.checkpoint.dir: {root} cannot hold checkpoints ({type(e).__name__}: "
-                                  f"{e.strerror or e}); point it at a writable folder") from None
-            folder.lock(root)
-        found = _resume_from(resume, cfg, root) if resume is not None else None
-        newest = checkpoint.latest(root) if saves and resume is None else None
-        if newest is not None:
-            raise checkpoint.CheckpointError(
-                f"{root}: holds checkpoints of an earlier run (newest {newest.name}), which this run's first save "
-                "would move aside; pass --resume to continue that run, or give this one another run name "
-                "(--run-name) or ds_async.checkpoint.dir; to start over, move that folder away first")
-        return found
-
-    def _check_sources(self, error: Exception | None) -> None:
-        """``error``: this rank's failure to open its training stream, if any. Without one, on the ranks that read
-        data, buffer the training stream's first micro-batch (kept for the first step) and read the ``eval.batches``
-        micro-batches an evaluation reads, so that data that cannot be opened or read, holds no usable text (an empty
-        source, a wrong ``data.text_field``, nothing but non-UTF-8 lines) or too little for an evaluation stops the
-        job at start rather than at the first evaluation or mid-run. Every rank raises the first failing rank's
-        error. Of the documents read, half or more not UTF-8 is refused, a tenth gets a warning line
-        (:func:`ds_async.data.check_encoding`). The RNG states are left as they were."""
-        from . import data
-        from .checkpoint import folder
-        from .checkpoint.state import rng_state, set_rng_state
-
-        counts = {}
-        self.held_out = []  # the validation micro-batches
-        if error is None and self.needs_data:
-            saved = rng_state()
-            for key, role in (("ds_async.data.train", "train"), ("ds_async.data.validation", "validation")):
-                source = getattr(self.cfg.data, role)
-                if not source:
-                    continue
-                read = 0
-                try:
-                    if role == "train":
-                        batches = self.train_iter
-                        batches.peek()
-                    else:  # everything an evaluation reads, kept for every evaluation (they read the same)
-                        batches = self._stream("validation")
-                        try:
-                            for read in range(self.cfg.eval.batches):
-                                x, y = next(batches)
-                                self.held_out.append((x.to(self.engine.device), y.to(self.engine.device)))
-                        finally:
-                            batches.close()
-                    counts[key] = (batches.documents, batches.skipped["non_utf8"], data.describe(source))
-                except StopIteration:
-                    error = data.DataError(
-                        f"{key}: {data.describe(source)}: too little text for ds_async.eval.batches = "
-                        f"{self.cfg.eval.batches} micro-batches of {self.mbs} x {self.cfg.data.seq_len} tokens per "
-                        f"replica (data-parallel rank {self.engine.grid.data_parallel_id} ran out after {read})")
-                except (ConfigError, data.DataError, FileNotFoundError) as e:
-                    error = e if str(e).startswith(key) else type(e)(f"{key}: {e}")
-                except Exception as e:  # noqa: BLE001 - whatever the reader raised, as a one-line DataError
-                    error = data.DataError(f"{key}: {data.describe(source)}: cannot be read ({type(e).__name__}: "
-                                           f"{e})")
-                if error is not None:
-                    break
-            set_rng_state(saved)
-        gathered = folder.gather((error, counts), self.group)
-        errors = [e for e, _ in gathered if e is not None]
-        if errors:
-            raise errors[0]
-        for key in ("ds_async.data.train", "ds_async.data.validation"):
-            seen = [c[key] for _, c in gathered if key in c]
-            if seen:
-                warning = data.check_encoding(sum(d for d, _, _ in seen), sum(b for _, b, _ in seen),
-                                              f"{key}: {seen[0][2]}")
-                if warning and self.rank == 0:
-                    print(warning, flush=True)
-
-    def _build_engine(self, changed: dict[str, dict[str, tuple]]) -> None:
-        """The tokenizer, the model and the DeepSpeed engine. A resume first checks the model's config against the
-        checkpoint's, adding its applied changes to ``changed``."""
-        from deepspeed import comm as dist
-
-        from .builder import initialize
-        from .models import build_pipeline, model_config
-        from .nonfinite import LossMonitor, SkipNonFinite, check_skip_supported
-
-        cfg = self.cfg
-        if self.resume_from is not None and cfg.tokenizer.startswith("train:"):
-            # The one the saved run trained, checked against the checkpoint's manifest.
-            self.tok = tokenizer.load_from_checkpoint(self.resume_from)
-        else:
-            self.tok = tokenizer.resolve(cfg, self.run_dir, dist, group=self.group)
-        self.fingerprint = tokenizer.fingerprint(self.tok)  # checked on resume, recorded with every save
-        self.hf_config = model_config(cfg, self.tok)
-        if self.resume_from is not None:
-            for what, keys in self._check_model_unchanged().items():
-                changed.setdefault(what, {}).update(keys)
-        check_vocab(self.tok, self.hf_config, cfg.tokenizer)
-        check_seq_len(cfg, self.hf_config)
-        with console.deepspeed_quiet(cfg.logging.deepspeed_log):
-            module = build_pipeline(cfg, self.hf_config)
-            self.engine = engine = initialize(module, self.ds_config, schedule=cfg.schedule,
-                                              correction=cfg.correction,
-                                              fused_optimizer_step=cfg.performance.fused_optimizer_step,
-                                              stats_every=cfg.logging.optimizer_every)
-        self.monitor = None
-        if cfg.train.on_nonfinite == "skip":
-            check_skip_supported(engine.optimizer)
-            engine.optimizer = SkipNonFinite(engine.optimizer, self.group)
-        else:
-            self.monitor = LossMonitor(self.group, lag=engine.is_async)
-        self.tokens_per_step = engine.train_batch_size() * cfg.data.seq_len
-        self.total_steps = steps_for(cfg, self.tokens_per_step)
-        if self.max_steps is not None:
-            self.total_steps = min(self.total_steps, self.max_steps)
-        self.cadence = Cadence(self.total_steps, eval_every=cfg.eval.every, save_every=cfg.checkpoint.every,
-                               evaluate=bool(cfg.data.validation), final_save=cfg.checkpoint.final)
-
-    def _stream(self, role: str):
-        """This rank's micro-batches of ``data.train`` (shuffled, repeating) or ``data.validation`` (one pass)."""
-        from . import data
-
-        cfg, engine = self.cfg, self.engine
-        return data.open_batches(cfg.data, role, self.tok, self.mbs, dp_rank=engine.grid.data_parallel_id,
-                                 dp_world_size=engine.grid.data_parallel_size, seed=cfg.seed)
-
-    def _build_data(self) -> Exception | None:
-        """Open the training stream on the ranks that read data; returns the error that stopped it, for
-        :meth:`_check_sources` to raise on every rank."""
-        from .data import DataError
-
-        self.needs_data = self.engine.is_first_stage() or self.engine.is_last_stage()
-        self.train_iter, error = None, None
-        if self.needs_data:
-            try:
-                self.train_iter = self._read_ahead(self._stream("train"))
-            except (ConfigError, DataError, FileNotFoundError) as e:
-                error = e
-        return error
-
-    def _read_ahead(self, stream):
-        """``stream`` as the engine reads it (:class:`ds_async.prefetch.MicroBatchReader`): tokenized and packed in a
-        reader process a step at a time (``performance.data_reader``), or here one micro-batch at a time."""
-        import functools
-
-        from . import data
-        from .prefetch import MicroBatchReader
-
-        cfg, engine = self.cfg, self.engine
-        mode = cfg.performance.data_reader
-        background = mode == "process" or (mode == "auto" and engine.device.type == "cuda")
-        opener = functools.partial(data.open_batches, cfg.data, "train", self.tok, self.mbs,
-                                   dp_rank=engine.grid.data_parallel_id,
-                                   dp_world_size=engine.grid.data_parallel_size, seed=cfg.seed)
-        # A reader process hands over 16 steps at a time: per chunk the host pays a queue transfer, a pinned copy
-        # and the copy's launch, which at one step a chunk left the training loop waiting on the reader.
-        return MicroBatchReader(stream, opener, engine.device, chunk=16 * self.gas if background else 1,
-                                background=background)
-
-    def _plan_resume(self) -> tuple[dict[str, dict[str, tuple]], tuple[int, int, int] | None]:
-        """Before the engine is built: what ``--resume`` does with each key changed since the checkpoint
-        (:mod:`ds_async.resume`): ConfigError for a refused one; the LR schedule built for the length
-        ``train.on_resume_length`` says. Returns, for :meth:`_restore` to report, the changes by action and, if the
-        run's or the schedule's length changed, (the checkpoint's run length, this run's, the schedule's)."""
-        manifest = agree(_or_error(checkpoint.read_manifest, self.resume_from) if self.rank == 0 else None,
-                          self.group)
-        check_optimizer_type(manifest, self.ds_config, self.resume_from)
-        changed = policy.plan(_config_keys(manifest.get("ds_async") or {}, manifest.get("deepspeed") or {}),
-                              _config_keys(cfgmod.resolved(self.cfg), self.ds_config), self.resume_from)
-        saved_run = manifest.get("run_steps")
-        saved_schedule = ((manifest.get("deepspeed") or {}).get("scheduler") or {}).get("params", {}).get(
-            "total_num_steps", saved_run)
-        schedule = policy.schedule_length(self.cfg.train.on_resume_length, saved_schedule, self.length)
-        self.ds_config = cfgmod.with_schedule_length(self.ds_config, self.length, schedule)
-        moved = saved_run is not None and (saved_run != self.length or saved_schedule != schedule)
-        return changed, (saved_run, self.length, schedule) if moved else None
-
-    def _check_model_unchanged(self) -> dict[str, dict[str, tuple]]:
-        """A resume refuses a model whose architecture differs from the checkpoint's (its ``config.json``), naming
-        the key: weights of one shape load into another only to fail later, and a changed ``rope_theta`` or norm
-        epsilon would load and silently compute another function."""
-        file = Path(self.resume_from) / "config.json"
-        try:
-            saved = type(self.hf_config).from_dict(json.loads(file.read_text())).to_dict()
-        except (OSError, ValueError, TypeError):
-            return {}  # checked on load: the checkpoint's files are verified against its manifest
-        now = policy.model_keys(self.hf_config.to_dict())
-        # Over this model's keys: both sides hold every default, and config.json may hold entries of its own.
-        return policy.plan({k: v for k, v in policy.model_keys(saved).items() if k in now}, now, self.resume_from)
-
-    def _restore(self, changed: dict[str, dict[str, tuple]], lengths: tuple[int, int, int] | None) -> dict:
-        """Load the checkpoint; returns the trainer state this rank saved with it (its logger's clock and curves).
-        Rank 0 says what the resume applied: ``changed`` and ``lengths`` (from :meth:`_plan_resume`), and the LR
-        it continues at."""
-        from . import checkpoint
-
-        restored = checkpoint.load(self.engine, self.resume_from, group=self.group,
-                                   check={"tokenizer": self.fingerprint})
-        if self.train_iter is not None:
-            self.train_iter.load_state_dict(restored["data"])
-        if self.rank == 0:
-            step = self.engine.global_steps
-            print(f"ds_async: resumed from {self.resume_from} (step {step})", flush=True)
-            recipe = stream_recipe({})  # its keys have a line of their own, below
-            applied = {k: v for k, v in changed.get(policy.APPLIED, {}).items()
-                       if not any(k == f"ds_async.{r}" or k.startswith(f"ds_async.{r}.") for r in recipe)}
-            if applied:
-                print(policy.describe_applied(applied, step, *restored["lr"]), flush=True)
-            if lengths is not None:
-                print(policy.length_line(self.cfg.train.on_resume_length, step, *lengths,
-                                         cfgmod.length_scheduler(self.ds_config), *restored["lr"]), flush=True)
-            saved = stream_recipe(restored["manifest"].get("ds_async", {}))
-            now = stream_recipe(cfgmod.resolved(self.cfg))
-            moved = [k for k in now if saved.get(k) != now[k]]
-            if moved:
-                print(f"ds_async: warning: changed since the checkpoint: {', '.join(moved)}; the saved position "
-                      "in the training stream refers to the old data, so the run does not continue as it would have",
-                      flush=True)
-        return restored["extra"]
-
     def _start_logging(self, carried: dict) -> None:
         """The run's logs (:mod:`ds_async.metrics`) and what they measure (:mod:`ds_async.telemetry`): every rank
         times its steps and passes (idle per stage); the reporting rank reads the gradient norm and the rates.
         ``carried``: the logger state a resumed run's checkpoint saved (training clock, curves so far)."""
-        import torch.distributed as tdist
-
-        from . import metrics, telemetry
-        from .flops import model_flops_per_token
-
         cfg, engine, log_cfg = self.cfg, self.engine, self.cfg.logging
         layout = [None] * self.world  # (stage, replica, reports) of every rank
         tdist.all_gather_object(layout, (engine.stage_id, engine.grid.data_parallel_id, engine.is_reporting_rank),
@@ -453,22 +100,12 @@ class Trainer:
         self.grad_norm = telemetry.GradNormTap(engine) if engine.is_reporting_rank else None
         self.ds_monitor = metrics.DeepSpeedMonitor(engine, next(r for r, (*_, reports) in enumerate(layout) if reports))
         peak = telemetry.peak_flops(log_cfg.peak_tflops, engine.device)
-        self.log = metrics.RunLogger(self.run_dir, self.total_steps, self.tokens_per_step,
-                                     enabled=engine.is_reporting_rank, progress=log_cfg.progress,
-                                     every=log_cfg.every, start_step=self.start, window=log_cfg.window,
-                                     warmup=log_cfg.warmup_steps,
-                                     flops_per_step=model_flops_per_token(self.hf_config, cfg.data.seq_len)
-                                     * self.tokens_per_step,
-                                     peak_flops=None if peak is None else peak * self.world, monitor=self.ds_monitor,
-                                     seconds_before=float(carried.get("seconds", 0.0)))
-        self.log.history.update(carried.get("history", {}))
-        self.log.manifest(config_file=str(self.config_path), ds_async=cfgmod.resolved(cfg), deepspeed=self.ds_config,
-                          card=metrics.card_name(engine.device), world_size=self.world,
-                          pipeline_stages=cfg.pipeline_stages, data_parallel=engine.grid.data_parallel_size,
-                          micro_batch_size=self.mbs,
-                          micro_batches=self.gas, tokens_per_step=self.tokens_per_step, total_steps=self.total_steps,
-                          model=hf_io.config_dict(self.hf_config),
-                          resumed_from=str(self.resume_from) if self.resume_from else None)
+        self.log = start_run_log(
+            self.run_dir, cfg, self.config_path, self.ds_config, self.hf_config, start_step=self.start,
+            total_steps=self.total_steps, tokens_per_step=self.tokens_per_step, micro_batch_size=self.mbs,
+            micro_batches=self.gas, data_parallel=engine.grid.data_parallel_size,
+            peak_flops=None if peak is None else peak * self.world, carried=carried, resumed_from=self.resume_from,
+            enabled=engine.is_reporting_rank, monitor=self.ds_monitor, card=metrics.card_name(engine.device))
         # (step, loss and gradient norm on their way to the host, lr). Under flush-free schedules a step's loss is
         # read after the next step is queued (a drain reads at once), so the last stage's host never waits for its
         # GPU to empty. Its norm exists later on the GPU (once stage 0 has finished the batch): the step is logged
@@ -478,13 +115,11 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------------- the loop
     def run(self) -> dict | None:
-        from .nonfinite import NonFiniteLoss, NonFiniteWeights
-
         try:
             for step in range(self.start + 1, self.total_steps + 1):
                 last = self.preemption is not None and self.preemption.last_step()
-                self.train_step(step, drain=last)
-                self._log_gathered(step)
+                report = self.train_step(step, drain=last)
+                self._log_gathered(step, report)
                 if last and step != self.total_steps:
                     self._stop_preempted(step)
                 if step != self.total_steps and self.cadence.evaluates(step):
@@ -496,23 +131,24 @@ class Trainer:
             self._close_stopped(f"{type(e).__name__}: {e}")
             raise
 
-    def train_step(self, step: int, drain: bool = False) -> None:
+    def train_step(self, step: int, drain: bool = False) -> StepReport:
         """Run batch ``step - 1``; report the losses that have reached the host. ``drain``: the pipeline drains
-        after this step whatever the cadence plans (a preempted run's last step)."""
-        from . import metrics
-
+        after this step whatever the cadence plans (a preempted run's last step). Returns what the engine
+        measured in the step."""
         engine = self.engine
         next_drain = step if drain else self.cadence.next_drain(step)
         engine.drain_after(next_drain - 1)  # flush-free: drain only where the pipeline must be empty
         self.clock.begin(step)
-        loss = engine.train_batch(self.train_iter)  # None off the last stage under flush-free schedules
+        report = engine.train_step(self.train_iter)  # its loss is None off the last stage under flush-free rules
         self.clock.end(step)  # before the loss's copy is queued: once the loss is on the host, so is this mark
-        norm = self.grad_norm.take() if self.grad_norm is not None else None
+        norm = self.grad_norm.take(report) if self.grad_norm is not None else None
+        loss = report.loss
         self.in_flight.append((step, None if loss is None else metrics.HostValue(loss), engine.get_lr()[0], norm))
         drained = next_drain == step or not engine.is_async
         self._report(step if drained else step - 1, drained)
         if self.monitor is not None:
             self._stop_if_nonfinite(upto=step if drained else None)
+        return report
 
     def _report(self, upto: int, drained: bool = True) -> None:
         while self.in_flight and self.in_flight[0][0] <= upto:
@@ -531,11 +167,12 @@ class Trainer:
                                 grad_norm=None if norm is None else float(norm), step_time=self.clock.window_mean(s))
         self.ds_monitor.flush()
 
-    def _log_gathered(self, step: int) -> None:
-        """The figures that need every rank (collectives, on their steps only): the optimizer's and the stages'."""
+    def _log_gathered(self, step: int, report: StepReport) -> None:
+        """The figures that need every rank (collectives, on their steps only): the optimizer's (of the step that
+        returned ``report``) and the stages'."""
         log_cfg = self.cfg.logging
         if log_cfg.optimizer_every and step % log_cfg.optimizer_every == 0:
-            self.log.optimizer(step, self.engine.optimizer_stats())
+            self.log.optimizer(step, self.engine.optimizer_stats(report))
         if step != self.total_steps and (log_cfg.stages_every and step % log_cfg.stages_every == 0
                                          or self.cadence.evaluates(step)):
             self.log.stages(step, self._gather_stages()[0])
@@ -544,10 +181,6 @@ class Trainer:
         """Each stage's peak memory and idle fraction on the reporting rank (an object all-gather over all
         ranks): over the steps folded since the last gather, and over the whole run (after the warm-up). A stage's
         replicas: the largest peak, the idle time of all of them over their wall time."""
-        import torch.distributed as tdist
-
-        from . import telemetry
-
         self.clock.fold(wait=final)
         mine = {"peak_memory_gib": telemetry.peak_memory_gib(self.engine.device), "window": self.clock.take_window(),
                 "run": {"busy_s": self.clock.total_busy, "wall_s": self.clock.total_wall,
@@ -568,8 +201,6 @@ class Trainer:
         """``stop``: raise NonFiniteLoss if a step's loss up to ``upto`` was NaN/inf. At the end (``upto`` the last
         step, drained) also: warn about skipped steps and refuse a last step that was skipped (``skip``), and
         refuse non-finite weights."""
-        from .nonfinite import NonFiniteLoss
-
         bad = self.monitor.check(upto) if self.monitor is not None else None
         if bad is not None:
             step, kind = bad
@@ -582,19 +213,15 @@ class Trainer:
 
     def _kept(self) -> str:
         """Which checkpoint a run that stops now leaves as its newest (each one saved was checked finite)."""
-        from . import checkpoint
-
         if self.last_saved is None:
             return "no checkpoint was saved"
-        folder = self.resume_from if self.resume_from is not None and self.last_saved == self.start else \
+        newest = self.resume_from if self.resume_from is not None and self.last_saved == self.start else \
             checkpoint.step_dir(self.ckpt_root, self.last_saved)
-        return f"the newest checkpoint is {folder}"
+        return f"the newest checkpoint is {newest}"
 
     def _check_weights(self, step: int) -> None:
         """Every rank: raise NonFiniteWeights unless the (drained) weights after ``step`` are finite on all ranks.
         A step's loss is computed before its update, so it cannot tell whether the update overflowed."""
-        from .nonfinite import NonFiniteWeights, weights_nonfinite
-
         if self.weights_ok_at == step:
             return
         kind = weights_nonfinite(self.engine.module.parameters(), self.group)
@@ -607,8 +234,6 @@ class Trainer:
     def _check_skipped(self) -> None:
         """``skip``, at the end: a warning line naming the skipped steps, and NonFiniteLoss if the last step was
         one of them (the run would end on a non-finite loss; nothing is saved after the newest checkpoint)."""
-        from .nonfinite import NonFiniteLoss, SkipNonFinite
-
         opt = self.engine.optimizer
         if not isinstance(opt, SkipNonFinite) or not opt.skipped_calls:
             return
@@ -635,8 +260,6 @@ class Trainer:
         return self.engine.eval_batch(it, num_micro_batches=self.cfg.eval.batches).item()
 
     def save(self, step: int) -> None:
-        from . import checkpoint
-
         self._stop_if_nonfinite(upto=step)
         self._check_weights(step)  # a checkpoint holds finite weights, or is not written
         checkpoint.save(self.engine, self.ckpt_root, hf_config=self.hf_config, tokenizer=self.tok,
@@ -668,8 +291,6 @@ class Trainer:
 
     def _checkpoints_named(self) -> dict:
         """The summary's ``checkpoint`` (the newest this run saved) and ``resumed_from``."""
-        from . import checkpoint
-
         return {"checkpoint": str(checkpoint.step_dir(self.ckpt_root, self.last_saved))
                 if self.last_saved is not None else None,
                 "resumed_from": str(self.resume_from) if self.resume_from else None}
@@ -687,10 +308,7 @@ class Trainer:
 
     def close(self) -> dict | None:
         """The final evaluation and save, and the run summary (on the reporting rank)."""
-        import torch.distributed as tdist
         from deepspeed import comm as dist
-
-        from . import data
 
         total, engine = self.total_steps, self.engine
         self._stop_if_nonfinite(upto=total)

@@ -133,10 +133,14 @@ def job_train(out: Path, stages: int, steps: int, mbs: int, gas: int, seq_len: i
     if count_calls:
         for i, layer in enumerate(engine.module.forward_funcs):
             layer.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
-    losses = [engine.train_batch(it) for _ in range(steps)]
+    if stock:  # DeepSpeed's own engine: its train_batch returns the loss alone
+        losses = [engine.train_batch(it) for _ in range(steps)]
+    else:
+        reports = [engine.train_step(it) for _ in range(steps)]
+        losses = [r.loss for r in reports]
     if count_calls and engine.grid.data_parallel_id == 0:
         (out / f"calls_stage{engine.stage_id}.json").write_text(json.dumps(calls))
-    optimizer_stats = engine.optimizer_stats() if stats else None  # collective: every rank
+    optimizer_stats = engine.optimizer_stats(reports[-1]) if stats else None  # collective: every rank
     _save_params(engine, out)
     master = getattr(engine.optimizer, "fp32_groups_flat_partition", None)  # DeepSpeed's bf16 optimizer
     if hasattr(engine.optimizer, "master_of"):  # ds_async's MasterWeights, in the module's parameter order

@@ -244,7 +244,7 @@ def test_ds_async_optimizer_params_are_named_as_they_are_built():
 def test_resume_with_another_optimizer_type_is_refused():
     """The type a checkpoint was saved with against the resumed run's (the 2-rank refusal is in
     tests/test_checkpoint.py); a checkpoint saved before the type was recorded is not checked."""
-    from ds_async.trainer import check_optimizer_type
+    from ds_async.resume import check_optimizer_type
 
     saved = {"optimizer": {"type": "AdamW"}}
     check_optimizer_type(saved, {"optimizer": {"type": "adamw"}}, "ckpt")

@@ -808,7 +808,7 @@ def test_checkpoint_folder_lock_refuses_a_second_holder_until_it_dies(tmp_path):
 
 def test_resume_path_takes_a_run_folder_and_refuses_one_without_checkpoints(tmp_path):
     from ds_async.config import parse
-    from ds_async.trainer import _resume_from
+    from ds_async.resume import checkpoint_to_resume as _resume_from
 
     cfg = parse({"model": {"config": TINY}, "train": {"steps": 3}})
     run = tmp_path / "runs" / "R"

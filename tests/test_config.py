@@ -179,7 +179,7 @@ def test_default_run_name_without_an_optimizer_block():
 
 
 def test_the_stream_recipe_a_resume_compares_names_what_moves_the_saved_position():
-    from ds_async.trainer import stream_recipe
+    from ds_async.resume import stream_recipe
 
     def recipe(**over):
         section = {"model": {"config": {"vocab_size": 64}}, "train": {"steps": 1},

@@ -9,7 +9,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from ds_async.config import ConfigError, DataConfig, DataSource, parse
+from ds_async.config import ConfigError, DataConfig, parse
+from ds_async.config_sections import DataSource
 from ds_async.data import (
     LEE_CORPUS,
     DataError,
@@ -474,7 +475,8 @@ def test_hf_paths_go_to_datasets_unchanged_and_fail_in_one_line():
     assert resolve_files(files, "train") == ("parquet", [files])
     # Offline (as here, and made sure of by HF_HUB_OFFLINE): datasets' own error, in one line that names the key and
     # the source. A subprocess, as huggingface_hub reads HF_HUB_OFFLINE when imported.
-    code = ("import sys; from ds_async.data import DataError, load_text_stream; from ds_async.config import DataSource\n"
+    code = ("import sys; from ds_async.data import DataError, load_text_stream\n"
+            "from ds_async.config_sections import DataSource\n"
             "for source in sys.argv[1:]:\n"
             "    try: load_text_stream(DataSource(path=source, name='sample-10BT') if source.endswith('fineweb') else "
             "source, 'train', key='ds_async.data.train')\n"
@@ -619,7 +621,7 @@ def test_the_exit_waits_for_arrow_threads_from_the_close_not_the_last_read(corpu
     called without an active exception": 2 of 5 loaded 4-step CPU runs did). The exit's wait counts from the close."""
     import time
 
-    from ds_async import data
+    from ds_async.data import sources as data
 
     batches = PackedBatches(load_text_stream(str(corpus / "enwiki-train-*.parquet"), "train"), tokenizer,
                             seq_len=32, micro_batch_size=2, seed=0, shuffle_buffer=4)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from distributed import free_port
+from ds_async import memory_model
 from ds_async import plan as planner
 from ds_async.models.partition import build_layers
 
@@ -190,7 +191,7 @@ def test_muon_workspace_against_live_tensors(tmp_path, family):
         out = orthogonalise_batched(directions)
     del out
     have = live.peak + nbytes(directions)
-    want = planner.muon_workspace(shapes)
+    want = memory_model.muon_workspace(shapes)
     print(f"{family}: planned {want}, live {have}")
     assert want == have
 
@@ -229,7 +230,7 @@ def test_muon_workspace_of_a_stage_follows_its_groups(tmp_path, split, fused_ste
         del out, directions
     job = planner.job_of(ds_config, cfg, world=2)
     assert job.split_gate_up is split
-    want = planner.muon_step_workspace(job, planner.layers_of(hf, "mixtral", 64)[stage])
+    want = memory_model.muon_step_workspace(job, planner.layers_of(hf, "mixtral", 64)[stage])
     print(f"split {split}, fused step {fused_step}: planned {want}, live {peak}")
     assert want == peak
 

@@ -21,7 +21,7 @@ from . import FAMILIES, model_config
 
 def build_layers(model, seed: int = 0, loss_chunk: int = 0):
     """The whole model of a ``ds_async.model`` section (a dict such as ``{"family": ..., "config": {...}}`` or
-    ``{"path": ...}``, or a parsed :class:`~ds_async.config.ModelConfig`) as the pipeline's layer list
+    ``{"path": ...}``, or a parsed :class:`~ds_async.config_sections.ModelConfig`) as the pipeline's layer list
     ``[embedding, decoder x L, head]``, each layer seeded as on its stage.
 
     Returns ``(layers, loss_fn, hf_config)``: an ``nn.ModuleList``, the family's ``loss_fn(logits, labels)`` (chunked

@@ -1,36 +1,26 @@
 """Optimizers from the DeepSpeed JSON ``"optimizer"`` block, ds_async's own optimizers and delay corrections."""
 from __future__ import annotations
 
-import difflib
 import inspect
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from .corrections import Correction, ErrorFeedback, NesterovLookahead, build_correction, is_correction
+from ..config import OptimizerSpec, did_you_mean, parse_optimizer
+from .corrections import Correction, ErrorFeedback, NesterovLookahead, build_correction
 from .muon import Muon, muon_param_groups
 from .optimizers import SGD, AdamW, Lion, UpdateOptimizer
 from .roles import ROLES, param_roles, role_groups
 
-__all__ = ["build_optimizer", "needs_client_optimizer", "UpdateOptimizer", "AdamW", "SGD", "Lion", "Muon",
-           "muon_param_groups", "Correction", "ErrorFeedback", "NesterovLookahead", "build_correction", "ROLES",
-           "param_roles", "role_groups"]
-
-# Types only ds_async implements; DeepSpeed must be handed them as a client optimizer.
-OWN_TYPES = ("muon", "lion")
+__all__ = ["build_optimizer", "UpdateOptimizer", "AdamW", "SGD", "Lion", "Muon", "muon_param_groups", "Correction",
+           "ErrorFeedback", "NesterovLookahead", "build_correction", "ROLES", "param_roles", "role_groups"]
 
 
-def needs_client_optimizer(block: dict, correction=None) -> bool:
-    """Whether ``build_optimizer(block, ..., correction)`` builds a ds_async optimizer (a Muon/Lion type, or any
-    correction), which the engine must pass to DeepSpeed as a client optimizer instead of letting DeepSpeed build
-    one from the block."""
-    return block["type"].lower() in OWN_TYPES or is_correction(correction)
-
-
-def build_optimizer(block: dict, model_or_params: nn.Module | Iterable, correction=None, *,
+def build_optimizer(block: dict | OptimizerSpec, model_or_params: nn.Module | Iterable, correction=None, *,
                     orthogonalise=None) -> torch.optim.Optimizer:
-    """The optimizer for a DeepSpeed ``{"type": ..., "params": {...}}`` block.
+    """The optimizer for a DeepSpeed ``{"type": ..., "params": {...}}`` block, or its parsed
+    :class:`~ds_async.config.OptimizerSpec` (which carries the correction).
 
     Without a correction, ``Adam``/``AdamW`` (with ``"torch_adam": true``) and any other ``torch.optim`` type
     (``SGD``) build exactly what DeepSpeed builds from the same block, so that the emulation steps bit-for-bit like
@@ -46,9 +36,14 @@ def build_optimizer(block: dict, model_or_params: nn.Module | Iterable, correcti
     :func:`~ds_async.optim.muon.orthogonalise_batched`; e.g. :func:`~ds_async.optim.ns_split.orthogonalise_split`
     across replicas).
     """
-    kind, kwargs = block["type"], dict(block.get("params", {}))
-    corr = build_correction(correction)
-    lk = kind.lower()
+    if isinstance(block, OptimizerSpec):
+        spec, corr = block, build_correction(block.correction)
+    elif isinstance(correction, Correction):  # a correction built by the caller
+        spec, corr = parse_optimizer(block), correction
+    else:
+        spec = parse_optimizer(block, correction)
+        corr = build_correction(spec.correction)
+    kind, kwargs, lk = spec.type, dict(spec.params), spec.kind
     if lk == "muon":
         if not isinstance(model_or_params, nn.Module):
             raise ValueError("optimizer type Muon routes parameters by their role in the model: pass the model "
@@ -94,6 +89,5 @@ def _check_keys(kind: str, kwargs: dict, fn, exclude: tuple[str, ...]) -> None:
     known = [n for n in inspect.signature(fn).parameters if n not in exclude]
     for key in kwargs:
         if key not in known:
-            hint = difflib.get_close_matches(key, known, n=1)
-            suggestion = f" (did you mean '{hint[0]}'?)" if hint else ""
-            raise ValueError(f"optimizer.params.{key}: unknown key for type {kind!r}{suggestion}; known keys: {known}")
+            raise ValueError(f"optimizer.params.{key}: unknown key for type {kind!r}{did_you_mean(key, known)}; "
+                             f"known keys: {known}")

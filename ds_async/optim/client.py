@@ -28,7 +28,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from . import build_optimizer, needs_client_optimizer
+from ..config import OWN_OPTIMIZER_TYPES, OptimizerSetupError, OptimizerSpec, did_you_mean, parse_optimizer
+from . import build_optimizer
 from .corrections import ErrorFeedback
 from .master import MasterWeights
 from .ns_split import orthogonalise_split
@@ -37,10 +38,6 @@ from .sharded import ShardedOptimizer
 log = logging.getLogger(__name__)
 
 MATRIX_TYPES = ("muon",)
-
-
-class OptimizerSetupError(ValueError):
-    """A combination of optimizer, precision and ZeRO stage that ds_async cannot run as written."""
 
 
 # What DeepSpeed builds for its own types (``DeepSpeedEngine._configure_basic_optimizer``), by lowercase name: the
@@ -55,53 +52,53 @@ _DEEPSPEED_TYPES = {
 }
 
 
-def check_optimizer_block(ds_config: dict, correction=None) -> None:
-    """Refuse, before anything is built, an ``"optimizer"`` block that cannot be built, naming ``optimizer.type``
-    or ``optimizer.params``: a type that is neither DeepSpeed's, a ``torch.optim`` class nor ds_async's (Muon,
-    Lion; AdamW and SGD with a correction), or params the optimizer's class does not take or rejects (torch's classes
-    are built once on a stand-in tensor to check the values). ds_async's own types are checked as they are built
-    (:func:`client_optimizer`)."""
-    import difflib
+def check_optimizer_block(ds_config: dict, correction=None) -> OptimizerSpec | None:
+    """The ``"optimizer"`` block's :class:`~ds_async.config.OptimizerSpec` (``None`` without one); refuse, before
+    anything is built, a block that cannot be built, naming ``optimizer.type`` or ``optimizer.params``: a type that
+    is neither DeepSpeed's, a ``torch.optim`` class nor ds_async's (Muon, Lion; AdamW and SGD with a correction), or
+    params the optimizer's class does not take or rejects (torch's classes are built once on a stand-in tensor to
+    check the values). ds_async's own types are checked as they are built (:func:`client_optimizer`)."""
+    spec = parse_optimizer(ds_config.get("optimizer"), correction)
+    if spec is not None and not spec.ds_async_builds:
+        _check_deepspeed_block(spec)
+    return spec
+
+
+def _deepspeed_class(spec: OptimizerSpec):
+    """``(class, keys DeepSpeed takes out of the params first)`` of a type DeepSpeed or torch builds; the class is
+    ``None`` for DeepSpeed's types not checked here; an unknown type is refused with the nearest names."""
     import importlib
-    import inspect
 
     from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
 
-    from . import OWN_TYPES
-
-    block = ds_config.get("optimizer")
-    if block is None:
-        return
-    if not isinstance(block, dict):
-        raise OptimizerSetupError(f"optimizer: expected an object with \"type\" and \"params\", got {block!r}")
-    kind, params = block.get("type"), block.get("params", {})
-    if not isinstance(kind, str):
-        raise OptimizerSetupError(f"optimizer.type: required, the optimizer's name (e.g. \"AdamW\"), got {kind!r}")
-    if not isinstance(params, dict):
-        raise OptimizerSetupError(f"optimizer.params: expected an object of the optimizer's arguments, got {params!r}")
-    if needs_client_optimizer(block, correction):
-        return
-    lk = kind.lower()
+    kind, lk, params = spec.type, spec.kind, spec.params
     if lk in _DEEPSPEED_TYPES or lk in DEEPSPEED_OPTIMIZERS:
         target, extra = _DEEPSPEED_TYPES.get(lk, (None, ()))
         if lk in ("adam", "adamw") and params.get("torch_adam"):
             target = "torch.optim:AdamW" if lk == "adamw" or params.get("adam_w_mode", True) else "torch.optim:Adam"
-        cls = None
-        if target is not None:
-            module, name = target.split(":")
-            cls = getattr(importlib.import_module(module), name)
-    else:
-        cls, extra = getattr(torch.optim, kind, None), ()
-        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-            known = sorted({*DEEPSPEED_OPTIMIZERS, *(t for t in OWN_TYPES)}) + sorted(
-                n for n, c in vars(torch.optim).items() if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
-                and c is not torch.optim.Optimizer)
-            hint = [k for k in known if k.lower() == lk] or difflib.get_close_matches(kind, known, n=1, cutoff=0.6)
-            suggestion = f" (did you mean '{hint[0]}'?)" if hint else ""
-            raise OptimizerSetupError(f"optimizer.type: {kind!r} is not an optimizer DeepSpeed or ds_async knows"
-                                      f"{suggestion}: DeepSpeed's {', '.join(DEEPSPEED_OPTIMIZERS)}, ds_async's Muon "
-                                      "and Lion, or a torch.optim class by its exact name")
-    if "max_grad_norm" in params and lk != "lamb":
+        if target is None:
+            return None, extra
+        module, name = target.split(":")
+        return getattr(importlib.import_module(module), name), extra
+    cls = getattr(torch.optim, kind, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        known = sorted({*DEEPSPEED_OPTIMIZERS, *OWN_OPTIMIZER_TYPES}) + sorted(
+            n for n, c in vars(torch.optim).items() if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
+            and c is not torch.optim.Optimizer)
+        raise OptimizerSetupError(f"optimizer.type: {kind!r} is not an optimizer DeepSpeed or ds_async knows"
+                                  f"{did_you_mean(kind, known, fold_case=True)}: DeepSpeed's "
+                                  f"{', '.join(DEEPSPEED_OPTIMIZERS)}, ds_async's Muon and Lion, or a torch.optim "
+                                  "class by its exact name")
+    return cls, ()
+
+
+def _check_deepspeed_block(spec: OptimizerSpec) -> None:
+    """The params of a type DeepSpeed builds, against its class's signature and (torch's) values."""
+    import inspect
+
+    kind, params = spec.type, spec.params
+    cls, extra = _deepspeed_class(spec)
+    if "max_grad_norm" in params and spec.kind != "lamb":
         raise OptimizerSetupError("optimizer.params.max_grad_norm: not an optimizer parameter under DeepSpeed; use "
                                   "the top-level \"gradient_clipping\"")
     if cls is None:
@@ -113,10 +110,8 @@ def check_optimizer_block(ds_config: dict, correction=None) -> None:
         known += [k for k in extra if k not in known]
         for key in kwargs:
             if key not in known:
-                hint = difflib.get_close_matches(key, known, n=1)
-                suggestion = f" (did you mean '{hint[0]}'?)" if hint else ""
                 raise OptimizerSetupError(f"optimizer.params.{key}: not a parameter of {kind!r} ({cls.__name__})"
-                                          f"{suggestion}; it takes {', '.join(known)}")
+                                          f"{did_you_mean(key, known)}; it takes {', '.join(known)}")
     if cls.__module__.startswith("torch.optim"):
         try:  # torch checks the values as it builds (a negative lr, betas that are not a pair, a string)
             cls([torch.zeros(1, requires_grad=True)], **kwargs)
@@ -125,14 +120,14 @@ def check_optimizer_block(ds_config: dict, correction=None) -> None:
                                       f"{type(e).__name__}: {e}") from None
 
 
-def _build(block: dict, module: nn.Module, correction, orthogonalise=None):
-    """ds_async's optimizer for ``block``; a block it cannot build is an OptimizerSetupError naming the key."""
+def _build(spec: OptimizerSpec, module: nn.Module, orthogonalise=None):
+    """ds_async's optimizer for ``spec``; a block it cannot build is an OptimizerSetupError naming the key."""
     try:
-        return build_optimizer(block, module, correction, orthogonalise=orthogonalise)
+        return build_optimizer(spec, module, orthogonalise=orthogonalise)
     except (TypeError, ValueError) as e:
         text = str(e)
         raise OptimizerSetupError(text if text.startswith("optimizer.") else
-                                  f"optimizer.params: {block['type']!r} rejects them: {type(e).__name__}: {text}") \
+                                  f"optimizer.params: {spec.type!r} rejects them: {type(e).__name__}: {text}") \
             from None
 
 
@@ -151,15 +146,14 @@ def client_optimizer(module: nn.Module, ds_config: dict, correction, dp_group, d
     (``fused``: its step in a few passes per tensor, ``performance.fused_optimizer_step``; ``device``: where the
     masters live).
     """
-    check_optimizer_block(ds_config, correction)
-    block = ds_config.get("optimizer")
-    if block is None or not needs_client_optimizer(block, correction):
+    spec = check_optimizer_block(ds_config, correction)
+    if spec is None or not spec.ds_async_builds:
         return ds_config, None
-    kind = block["type"].lower()
+    kind = spec.kind
     config = {k: v for k, v in ds_config.items() if k != "optimizer"}
     zero = _zero(ds_config)
     stage = int(zero.get("stage", 0))
-    what = f"optimizer type {block['type']!r}"
+    what = f"optimizer type {spec.type!r}"
     if (ds_config.get("fp16") or {}).get("enabled"):
         raise OptimizerSetupError(f"{what}: fp16 is not supported by ds_async's optimizers; use bf16 or "
                                   "torch_autocast")
@@ -177,7 +171,7 @@ def client_optimizer(module: nn.Module, ds_config: dict, correction, dp_group, d
         config = {k: v for k, v in config.items() if k != "bf16"}
         # DeepSpeed all-reduces gradients in bf16 under its bf16 mode; keep that (it sees fp32 from here on).
         config.setdefault("communication_data_type", "bf16")
-        optimizer = _build(block, module, correction, _newton_schulz(kind, stage, dp_group, dp_world))
+        optimizer = _build(spec, module, _newton_schulz(kind, stage, dp_group, dp_world))
         if fused and optimizer.correction is not None and not isinstance(optimizer.correction, ErrorFeedback):
             raise OptimizerSetupError(f"ds_async.performance.fused_optimizer_step: implemented for the 'ef' "
                                       f"correction or none, not {type(optimizer.correction).__name__}; set it to "
@@ -194,18 +188,18 @@ def client_optimizer(module: nn.Module, ds_config: dict, correction, dp_group, d
         raise OptimizerSetupError(f"ds_async.performance.fused_optimizer_step: with {what} it needs bf16 weights "
                                   "(\"bf16\": {\"enabled\": true})")
     if kind in MATRIX_TYPES:
-        optimizer = _build(block, module, correction, _newton_schulz(kind, stage, dp_group, dp_world))
+        optimizer = _build(spec, module, _newton_schulz(kind, stage, dp_group, dp_world))
         if stage == 1:
             # DeepSpeed's ZeRO-1 would flatten the matrices; shard whole tensors across the replicas instead.
             config["zero_optimization"] = {**zero, "stage": 0}
             if dp_world > 1:
                 log.info("ds_async: ZeRO-1 for %s is ds_async's tensor-granular sharding over %d replicas",
-                         block["type"], dp_world)
+                         spec.type, dp_world)
                 optimizer = ShardedOptimizer(optimizer, dp_group)
         return config, optimizer
     if stage == 1:
         config["zero_allow_untested_optimizer"] = True  # elementwise: correct on DeepSpeed's flat partitions
-    return config, _build(block, module, correction)
+    return config, _build(spec, module)
 
 
 def _newton_schulz(kind: str, zero_stage: int, dp_group, dp_world: int):

@@ -52,6 +52,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..config import correction_config
+
 
 class Correction:
     """A transform of each parameter's update; subclasses keep what they need in ``state`` under ``buffer_key``
@@ -121,25 +123,13 @@ class NesterovLookahead(Correction):
         return deltas
 
 
-def is_correction(spec) -> bool:
-    """Whether :func:`build_correction` of ``spec`` gives a correction (without building one)."""
-    from ..config import CorrectionConfig, parse_correction
-
-    if spec is None or isinstance(spec, Correction):
-        return spec is not None
-    return (spec if isinstance(spec, CorrectionConfig) else parse_correction(spec)).type != "none"
-
-
 def build_correction(spec) -> Correction | None:
-    """A correction from ``None``, a :class:`Correction`, a ``ds_async.config.CorrectionConfig`` or its JSON dict
-    (``{"type": "ef", "lambda": 1.0}``, ``{"type": "nesterov", "momentum": 0.9, "delay": 1}``, ``{"type": "none"}``;
-    strict: an unknown key, or a key of another type, raises naming it)."""
-    from ..config import CorrectionConfig, parse_correction
-
-    if spec is None or isinstance(spec, Correction):
+    """A correction from ``None``, a :class:`Correction`, a ``ds_async.config_sections.CorrectionConfig`` or its JSON
+    dict (``{"type": "ef", "lambda": 1.0}``, ``{"type": "nesterov", "momentum": 0.9, "delay": 1}``,
+    ``{"type": "none"}``; strict: an unknown key, or a key of another type, raises naming it)."""
+    if isinstance(spec, Correction):
         return spec
-    cfg = spec if isinstance(spec, CorrectionConfig) else parse_correction(spec)
-    cfg.check()
+    cfg = correction_config(spec)
     if cfg.type == "ef":
         return ErrorFeedback(lam=1.0 if cfg.lam is None else cfg.lam)
     if cfg.type == "nesterov":

@@ -15,8 +15,9 @@ from .optimizers import finish_stats, stack_sums
 from .sharded import ShardedOptimizer
 
 
-def optimizer_stats(engine) -> dict[str, float]:
-    """The last step's figures for the whole model, from an :class:`~ds_async.pipe.engine.AsyncPipelineEngine`."""
+def optimizer_stats(engine, staleness_sq: torch.Tensor | None) -> dict[str, float]:
+    """The last step's figures for the whole model, from an :class:`~ds_async.pipe.engine.AsyncPipelineEngine` and
+    the staleness that step measured on this stage (its report's ``staleness_sq``)."""
     engine.wait_for_step()  # the step may still be queued on the side stream
     base = base_optimizer(engine.optimizer)
     inner = base.optimizer if isinstance(base, ShardedOptimizer) else base
@@ -26,7 +27,6 @@ def optimizer_stats(engine) -> dict[str, float]:
         raw = inner.stat_sums()
         sums = dict(zip(raw, stack_sums(raw).tolist()))
         lrs = inner.last_lrs
-    staleness_sq = engine.take_staleness_sq()
     if staleness_sq is not None and first_replica:
         sums["staleness_sq"] = staleness_sq.item()
     gathered = [None] * dist.get_world_size()

@@ -7,10 +7,24 @@ flush-free rule (``2bw``, ``pipedream``) a :class:`~ds_async.pipe.schedule.Flush
 gathered ahead of the step, the optimizer step at the batch boundary while the next batch is in flight (on GPUs on
 a side stream), and a loss report that involves only the last stage's replicas. How the optimizer takes the
 norm and steps is the stage's :mod:`~ds_async.pipe.steps` plan.
+
+What a batch measured comes back from :meth:`AsyncPipelineEngine.train_step` as a :class:`StepReport` (the loss, the
+pipeline's squared gradient norm, the staleness of the weights); ``train_batch`` is DeepSpeed's API and returns the
+loss alone. Between the instructions of one batch the engine keeps a :class:`BatchState`, made anew at the start of
+every ``train_step``, because DeepSpeed's call structure has no return path there:
+
+- DeepSpeed runs a schedule's instructions as ``fn(**cmd.kwargs)`` and drops what they return, so this stage's
+  squared norm goes from the batch reduce (``_exec_batch_reduce``) to the batch step (``_exec_batch_step``) through
+  the batch state;
+- DeepSpeed's ``_take_model_step`` calls ``clip_fp32_gradients()`` without arguments, so the pipeline's norm that the
+  batch step gathered ahead of DeepSpeed's step reaches the clip through it too;
+- under ``1f1b`` DeepSpeed's own ``train_batch`` runs the whole batch and returns the loss alone, and the step
+  measures the norm and the staleness inside it, so what the report carries is collected there as well.
 """
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from types import MethodType
 
 import torch
@@ -20,11 +34,39 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..optim.clip import clip_, squared_norm, sum_in_stage_order
 from ..optim.master import MasterWeights
+from ..optim.stats import optimizer_stats
 from . import bf16, steps
 from . import schedule as fs
 from . import version_rule
 from .streams import StageStreams, to_device
 from .versions import WeightVersions
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one :meth:`AsyncPipelineEngine.train_step` measured on this rank (tensors on the device, not waited for).
+
+    ``loss``: the batch's mean loss (averaged over replicas) on the last stage; under flush-free rules ``None`` on
+    the other stages. ``grad_norm_sq``: the pipeline's squared gradient norm the step clipped by, on every rank;
+    ``None`` with clipping off or where DeepSpeed's optimizer computes the norm itself (ZeRO, fp16).
+    ``staleness_sq``: ``||W_used - W_current||^2`` on this stage, on the steps the engine's ``stats_every`` measures;
+    ``None`` on the others and under ``1f1b``.
+    """
+    loss: torch.Tensor | None
+    grad_norm_sq: torch.Tensor | None
+    staleness_sq: torch.Tensor | None
+
+
+@dataclass
+class BatchState:
+    """Values of one batch that pass between DeepSpeed's instructions, where DeepSpeed gives them no return path
+    (the module docstring says where). ``stage_sq``: this stage's squared gradient norm, from the batch reduce to the
+    batch step; ``global_sq``: the pipeline's, from the batch step to DeepSpeed's clip if the step plan did not bind
+    it; ``grad_norm_sq`` and ``staleness_sq``: what the :class:`StepReport` carries."""
+    stage_sq: torch.Tensor | None = None
+    global_sq: torch.Tensor | None = None
+    grad_norm_sq: torch.Tensor | None = None
+    staleness_sq: torch.Tensor | None = None
 
 
 class AsyncPipelineEngine(PipelineEngine):
@@ -41,9 +83,7 @@ class AsyncPipelineEngine(PipelineEngine):
         self._drain_at: int | None = None  # last batch of the current segment, when known in advance
         self._next_forward = 0  # global index of the next micro-batch this stage will forward
         self._batch_losses: dict[int, torch.Tensor] = {}
-        self._stage_sq = self._global_sq = None  # squared gradient norm: this stage's (reduce), the pipeline's (step)
-        self._staleness_sq = None
-        self._grad_norm_sq = None  # the pipeline's squared gradient norm, until taken (take_grad_norm_sq)
+        self._batch = BatchState()  # made anew by every train_step
         self.versions = None
         self.streams = StageStreams(enabled=self.is_async and self.device.type == "cuda")
         if self.is_async:
@@ -85,14 +125,22 @@ class AsyncPipelineEngine(PipelineEngine):
             self._segment[0].end_batch = batch + 1
 
     def train_batch(self, data_iter=None, flush: bool = False):
-        """Run batch ``t = global_steps`` until this stage has applied its update.
+        """DeepSpeed's API: :meth:`train_step`'s loss alone."""
+        return self.train_step(data_iter, flush).loss
+
+    def train_step(self, data_iter=None, flush: bool = False) -> StepReport:
+        """Run batch ``t = global_steps`` until this stage has applied its update; what it measured.
 
         Under a flush-free rule the pipeline is not drained: forwards of the next batch may already have run, and
-        the iterator keeps being read across calls. ``flush=True`` drains it after this batch. Returns the batch's
-        mean loss (averaged over replicas) on the last stage and ``None`` on the others, which never wait for it.
+        the iterator keeps being read across calls. ``flush=True`` drains it after this batch. The report's loss is
+        the batch's mean loss (averaged over replicas) on the last stage and ``None`` on the others, which never
+        wait for it.
         """
-        if not self.is_async:
-            return super().train_batch(data_iter)
+        self._batch = BatchState()
+        loss = super().train_batch(data_iter) if not self.is_async else self._train_flush_free(data_iter, flush)
+        return StepReport(loss, self._batch.grad_norm_sq, self._batch.staleness_sq)
+
+    def _train_flush_free(self, data_iter, flush: bool):
         if not torch.is_grad_enabled():
             raise RuntimeError("train_batch() requires gradients enabled")
         if data_iter is not None:
@@ -176,7 +224,7 @@ class AsyncPipelineEngine(PipelineEngine):
             self._cast_like_one_replica_reduce()
         if self.gradient_clipping() > 0.0:
             grads = self.step_plan.norm_grads()
-            self._stage_sq = None if grads is None else squared_norm(grads)
+            self._batch.stage_sq = None if grads is None else squared_norm(grads)
 
     def _cast_like_one_replica_reduce(self):
         """What DeepSpeed's all-reduce over one replica changes, without its flatten/cast/copy passes: only the cast
@@ -195,11 +243,11 @@ class AsyncPipelineEngine(PipelineEngine):
         """The pipeline's squared norm: the stages' parts gathered and added in stage order, as the emulation adds
         them (an all-reduce adds in its backend's order, e.g. gloo with 4 ranks: s0 + (s1 + (s2 + s3))). Every path
         to the norm (flush-free step, flushed step, DeepSpeed's clip) comes through here, so this is where the norm is
-        kept for :meth:`take_grad_norm_sq`."""
+        kept for the batch's :class:`StepReport`."""
         parts = [torch.empty_like(sq) for _ in range(self.num_stages)]
         dist.all_gather(parts, sq, group=self.grid.get_pipe_parallel_group())
-        self._grad_norm_sq = sum_in_stage_order(parts)
-        return self._grad_norm_sq
+        self._batch.grad_norm_sq = sum_in_stage_order(parts)
+        return self._batch.grad_norm_sq
 
     def set_pass_timer(self, timer) -> None:
         """Call ``timer.pass_begin()`` (a token) before and ``timer.pass_end(token)`` after every forward and backward
@@ -256,7 +304,7 @@ class AsyncPipelineEngine(PipelineEngine):
         needed = self.rule.weight_version(self._next_forward, self.stage_id, self.num_stages, self.micro_batches)
         # The norm's all-gather holds SMs on every stage until the last joins: the schedule issues this step when
         # stage 0 finishes the batch, and the side stream starts it only once this stage's passes got as far.
-        with self.streams.on_side(after_current=self._stage_sq is not None):  # behind this batch's reduce
+        with self.streams.on_side(after_current=self._batch.stage_sq is not None):  # behind this batch's reduce
             self._step_and_publish(batch, needed)
             self.streams.published(batch + 1)
 
@@ -264,17 +312,18 @@ class AsyncPipelineEngine(PipelineEngine):
         if self.stats_every and (batch + 1) % self.stats_every == 0:
             used = self.rule.weight_version(batch * self.micro_batches, self.stage_id, self.num_stages,
                                             self.micro_batches)
-            self._staleness_sq = self.versions.distance_sq(used)
-        if self._stage_sq is not None:
-            self._global_sq, self._stage_sq = self._global_norm_sq(self._stage_sq), None
+            self._batch.staleness_sq = self.versions.distance_sq(used)
+        state = self._batch
+        if state.stage_sq is not None:
+            state.global_sq, state.stage_sq = self._global_norm_sq(state.stage_sq), None
         timed = self._step_events is not None and self.device.type == "cuda"
         if timed:  # after the norm's all-gather: the step, not the wait for the other stages
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         slot = self.versions.claim(batch + 1, needed_from=needed) if self.step_plan.writes_slot else None
-        step = self.step_plan.bind(self._global_sq, slot)
+        step = self.step_plan.bind(state.global_sq, slot)
         if step is not None:
-            self._global_sq = None  # taken; otherwise clip_fp32_gradients takes it
+            state.global_sq = None  # taken; otherwise clip_fp32_gradients takes it
         with bf16.stepping_with(self.optimizer, step) if step is not None else nullcontext():
             self._exec_optimizer_step()
         if slot is None:
@@ -295,7 +344,7 @@ class AsyncPipelineEngine(PipelineEngine):
         if self.step_plan.grads_wait:
             return  # the plan's step applies the clip factor as it reads the bf16 gradients
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        sq, self._global_sq = self._global_sq, None  # gathered by _step_and_publish under flush-free schedules
+        sq, self._batch.global_sq = self._batch.global_sq, None  # gathered by _step_and_publish under flush-free rules
         clip_(grads, self._global_norm_sq(squared_norm(grads)) if sq is None else sq, self.gradient_clipping())
 
     _ASYNC_INSTRUCTIONS = {
@@ -305,22 +354,10 @@ class AsyncPipelineEngine(PipelineEngine):
         fs.OptimizerStep: _exec_batch_step,
     }
 
-    def take_grad_norm_sq(self) -> torch.Tensor | None:
-        """The pipeline's squared gradient norm (the stages' shares all-gathered ahead of the step, on every rank, as
-        the step clips by it) computed since the last call, once; ``None`` if none was (clipping off, or DeepSpeed's
-        optimizer computes the norm itself)."""
-        sq, self._grad_norm_sq = self._grad_norm_sq, None
-        return sq
-
-    def take_staleness_sq(self) -> torch.Tensor | None:
-        """``||W_used - W_current||^2`` on this stage at the last measured step (see ``stats_every``), once."""
-        sq, self._staleness_sq = self._staleness_sq, None
-        return sq
-
-    def optimizer_stats(self) -> dict[str, float]:
-        """The last step's optimizer figures for the whole model (:func:`ds_async.optim.stats.optimizer_stats`)."""
-        from ..optim.stats import optimizer_stats
-        return optimizer_stats(self)
+    def optimizer_stats(self, report: StepReport) -> dict[str, float]:
+        """The optimizer figures of the step that returned ``report``, for the whole model
+        (:func:`ds_async.optim.stats.optimizer_stats`)."""
+        return optimizer_stats(self, report.staleness_sq)
 
     def eval_batch(self, data_iter, *args, **kwargs):
         if self._segment is not None:

@@ -30,6 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..report import time_to_loss
 from . import driver
 from .driver import override, parse_set
 
@@ -66,8 +67,6 @@ def length(steps: int, evals: int) -> dict:
 
 
 def result(summary: dict, manifest: dict, tokens_per_step: int, target: float) -> dict:
-    from .runs import time_to_loss  # pandas: only when the comparison is made
-
     history = summary["history"]
     val, seconds = history["validation"], history["validation_seconds"]
     losses = [v for _, v in val]
@@ -119,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                                 args.port)
     tokens_per_step = summaries["sync"]["tokens"] // summaries["sync"]["steps"]
     target = summaries["sync"]["final_validation_loss"]
-    from .runs import model_parameters  # pandas, as above
+    from .rows import model_parameters  # pandas: only when the comparison is made
 
     manifests = {name: json.loads((out / name / "manifest.json").read_text()) for name in summaries}
     config = args.config.resolve()

@@ -141,7 +141,6 @@ def skip_optimizer_step(engine) -> None:
     params = [p for _, _, p in engine.versions.entries]
 
     def drop_grads():
-        engine._global_sq = None
         for p in params:
             p.grad = None
         engine.global_steps += 1  # what DeepSpeed's step counts, which the engine reads as the batch index

@@ -1,0 +1,301 @@
+"""How a training job (:class:`~ds_async.trainer.Trainer`) is built, on every rank: its run folder and checkpoint
+folder agreed and locked, the checkpoint ``--resume`` names and what may change since it
+(:mod:`ds_async.resume`), the engine, the data streams and the sources checked before the first step, and the
+restored state. :class:`TrainerSetup` holds these steps of ``setup``; the trainer is the rest of the job (the loop,
+its logs, evaluation, saves, the end).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from pathlib import Path
+
+import torch.distributed as tdist
+
+from . import checkpoint
+from . import config as cfgmod
+from . import console, data, tokenizer
+from . import resume as policy
+from .builder import initialize
+from .cadence import Cadence
+from .checkpoint import folder
+from .checkpoint.folder import agree
+from .checkpoint.state import rng_state, set_rng_state
+from .config import ConfigError
+from .data import DataError
+from .job import default_run_name, seed_everything, steps_for, use_deterministic
+from .models import build_pipeline, check_seq_len, check_vocab, model_config
+from .nonfinite import LossMonitor, SkipNonFinite, check_skip_supported
+from .prefetch import MicroBatchReader
+from .preempt import Preemption
+from .resume import check_optimizer_type, checkpoint_to_resume, config_keys, stream_recipe
+
+
+def _or_error(fn, *args):
+    """``fn(*args)``, or the ConfigError or CheckpointError it raised (for
+    :func:`~ds_async.checkpoint.folder.agree`)."""
+    try:
+        return fn(*args)
+    except (ConfigError, checkpoint.CheckpointError) as e:
+        return e
+
+
+class TrainerSetup:
+    """The set-up steps of a :class:`~ds_async.trainer.Trainer` (it sets the config, ranks and run length in its
+    ``__init__``); :meth:`setup` runs them in order."""
+
+    def setup(self, resume: str | None = None) -> None:
+        seed_everything(self.cfg.seed)
+        use_deterministic(self.cfg.performance.deterministic)
+        self.group = tdist.new_group(backend="gloo")  # host-side agreement: checkpoint files, loss flags
+        ckpt = self.cfg.checkpoint
+        # Python runs signal handlers in the main thread only; a trainer run elsewhere leaves SIGTERM as it is.
+        if (ckpt.every > 0 or ckpt.final) and ckpt.preempt_grace_s > 0 and \
+                threading.current_thread() is threading.main_thread():
+            self.preemption = Preemption(ckpt.preempt_grace_s, self.group, say=self.rank == 0)
+        self.weights_ok_at, self.end_checked = None, False  # see _check_weights, _stop_if_nonfinite
+        self._locate_run(resume)
+        changed, lengths = self._plan_resume() if self.resume_from is not None else ({}, None)
+        self._build_engine(changed)
+        self._check_sources(self._build_data())
+        carried = self._restore(changed, lengths) if self.resume_from is not None else {}
+        self.start = self.engine.global_steps  # 0, or the step of the checkpoint it resumed from
+        if self.start >= self.total_steps:
+            bound = (f"--max-steps {self.max_steps}" if self.max_steps is not None and self.max_steps < self.start
+                     else f"the run's {self.total_steps} steps")
+            raise ConfigError(f"--resume: {self.resume_from} is at step {self.start}, and {bound} end there or "
+                              "before: nothing is left to train")
+        self.last_saved = self.start if self.resume_from is not None else None
+        if self.train_iter is not None:
+            self.train_iter.start()  # from the position checked and restored above
+        self._start_logging(carried)
+
+    def _locate_run(self, resume: str | None) -> None:
+        from deepspeed import comm as dist
+
+        cfg = self.cfg
+        self.run_dir = Path(cfg.logging.dir) / agree(cfg.logging.run_name or default_run_name(cfg, self.ds_config),
+                                                      self.group)
+        self.ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        found = None
+        if self.rank == 0:
+            try:
+                try:
+                    self.run_dir.mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    raise ConfigError(f"ds_async.logging.dir: cannot create the run folder {self.run_dir} "
+                                      f"({type(e).__name__}: {e.strerror or e})") from None
+                found = self._claim_checkpoint_dir(resume)
+            except (ConfigError, checkpoint.CheckpointError) as e:
+                found = e
+        self.resume_from = agree(found, self.group)
+        if resume is not None and self.resume_from is None and self.rank == 0:
+            print(f"ds_async: no complete checkpoint in {self.ckpt_root}; starting from step 0", flush=True)
+        dist.barrier()
+
+    def _claim_checkpoint_dir(self, resume: str | None) -> Path | None:
+        """Rank 0, before anything is built: a run that saves checks that its checkpoint folder can hold files
+        (created, a probe file written and removed) and locks it for the job's life (a second job on the folder is
+        refused); then finds the checkpoint to resume from, and refuses to start afresh over an earlier run's
+        checkpoints (its first save would move them aside). Returns the checkpoint to resume from or None."""
+        cfg, root = self.cfg, self.ckpt_root
+        saves = cfg.checkpoint.every > 0 or cfg.checkpoint.final
+        if saves:
+            try:
+                folder.prepare(root)
+            except OSError as e:
+                raise ConfigError(f"ds_async.checkpoint.dir: {root} cannot hold checkpoints ({type(e).__name__}: "
+                                  f"{e.strerror or e}); point it at a writable folder") from None
+            folder.lock(root)
+        found = checkpoint_to_resume(resume, cfg, root) if resume is not None else None
+        newest = checkpoint.latest(root) if saves and resume is None else None
+        if newest is not None:
+            raise checkpoint.CheckpointError(
+                f"{root}: holds checkpoints of an earlier run (newest {newest.name}), which this run's first save "
+                "would move aside; pass --resume to continue that run, or give this one another run name "
+                "(--run-name) or ds_async.checkpoint.dir; to start over, move that folder away first")
+        return found
+
+    def _check_sources(self, error: Exception | None) -> None:
+        """``error``: this rank's failure to open its training stream, if any. Without one, on the ranks that read
+        data, buffer the training stream's first micro-batch (kept for the first step) and read the ``eval.batches``
+        micro-batches an evaluation reads, so that data that cannot be opened or read, holds no usable text (an empty
+        source, a wrong ``data.text_field``, nothing but non-UTF-8 lines) or too little for an evaluation stops the
+        job at start rather than at the first evaluation or mid-run. Every rank raises the first failing rank's
+        error. Of the documents read, half or more not UTF-8 is refused, a tenth gets a warning line
+        (:func:`ds_async.data.check_encoding`). The RNG states are left as they were."""
+        counts = {}
+        self.held_out = []  # the validation micro-batches
+        if error is None and self.needs_data:
+            saved = rng_state()
+            for key, role in (("ds_async.data.train", "train"), ("ds_async.data.validation", "validation")):
+                source = getattr(self.cfg.data, role)
+                if not source:
+                    continue
+                read = 0
+                try:
+                    if role == "train":
+                        batches = self.train_iter
+                        batches.peek()
+                    else:  # everything an evaluation reads, kept for every evaluation (they read the same)
+                        batches = self._stream("validation")
+                        try:
+                            for read in range(self.cfg.eval.batches):
+                                x, y = next(batches)
+                                self.held_out.append((x.to(self.engine.device), y.to(self.engine.device)))
+                        finally:
+                            batches.close()
+                    counts[key] = (batches.documents, batches.skipped["non_utf8"], data.describe(source))
+                except StopIteration:
+                    error = data.DataError(
+                        f"{key}: {data.describe(source)}: too little text for ds_async.eval.batches = "
+                        f"{self.cfg.eval.batches} micro-batches of {self.mbs} x {self.cfg.data.seq_len} tokens per "
+                        f"replica (data-parallel rank {self.engine.grid.data_parallel_id} ran out after {read})")
+                except (ConfigError, data.DataError, FileNotFoundError) as e:
+                    error = e if str(e).startswith(key) else type(e)(f"{key}: {e}")
+                except Exception as e:  # noqa: BLE001 - whatever the reader raised, as a one-line DataError
+                    error = data.DataError(f"{key}: {data.describe(source)}: cannot be read ({type(e).__name__}: "
+                                           f"{e})")
+                if error is not None:
+                    break
+            set_rng_state(saved)
+        gathered = folder.gather((error, counts), self.group)
+        errors = [e for e, _ in gathered if e is not None]
+        if errors:
+            raise errors[0]
+        for key in ("ds_async.data.train", "ds_async.data.validation"):
+            seen = [c[key] for _, c in gathered if key in c]
+            if seen:
+                warning = data.check_encoding(sum(d for d, _, _ in seen), sum(b for _, b, _ in seen),
+                                              f"{key}: {seen[0][2]}")
+                if warning and self.rank == 0:
+                    print(warning, flush=True)
+
+    def _build_engine(self, changed: dict[str, dict[str, tuple]]) -> None:
+        """The tokenizer, the model and the DeepSpeed engine. A resume first checks the model's config against the
+        checkpoint's, adding its applied changes to ``changed``."""
+        from deepspeed import comm as dist
+
+        cfg = self.cfg
+        if self.resume_from is not None and cfg.tokenizer.startswith("train:"):
+            # The one the saved run trained, checked against the checkpoint's manifest.
+            self.tok = tokenizer.load_from_checkpoint(self.resume_from)
+        else:
+            self.tok = tokenizer.resolve(cfg, self.run_dir, dist, group=self.group)
+        self.fingerprint = tokenizer.fingerprint(self.tok)  # checked on resume, recorded with every save
+        self.hf_config = model_config(cfg, self.tok)
+        if self.resume_from is not None:
+            for what, keys in self._check_model_unchanged().items():
+                changed.setdefault(what, {}).update(keys)
+        check_vocab(self.tok, self.hf_config, cfg.tokenizer)
+        check_seq_len(cfg, self.hf_config)
+        with console.deepspeed_quiet(cfg.logging.deepspeed_log):
+            module = build_pipeline(cfg, self.hf_config)
+            self.engine = engine = initialize(module, self.ds_config, schedule=cfg.schedule,
+                                              correction=cfg.correction,
+                                              fused_optimizer_step=cfg.performance.fused_optimizer_step,
+                                              stats_every=cfg.logging.optimizer_every)
+        self.monitor = None
+        if cfg.train.on_nonfinite == "skip":
+            check_skip_supported(engine.optimizer)
+            engine.optimizer = SkipNonFinite(engine.optimizer, self.group)
+        else:
+            self.monitor = LossMonitor(self.group, lag=engine.is_async)
+        self.tokens_per_step = engine.train_batch_size() * cfg.data.seq_len
+        self.total_steps = steps_for(cfg, self.tokens_per_step)
+        if self.max_steps is not None:
+            self.total_steps = min(self.total_steps, self.max_steps)
+        self.cadence = Cadence(self.total_steps, eval_every=cfg.eval.every, save_every=cfg.checkpoint.every,
+                               evaluate=bool(cfg.data.validation), final_save=cfg.checkpoint.final)
+
+    def _stream(self, role: str):
+        """This rank's micro-batches of ``data.train`` (shuffled, repeating) or ``data.validation`` (one pass)."""
+        cfg, engine = self.cfg, self.engine
+        return data.open_batches(cfg.data, role, self.tok, self.mbs, dp_rank=engine.grid.data_parallel_id,
+                                 dp_world_size=engine.grid.data_parallel_size, seed=cfg.seed)
+
+    def _build_data(self) -> Exception | None:
+        """Open the training stream on the ranks that read data; returns the error that stopped it, for
+        :meth:`_check_sources` to raise on every rank."""
+        self.needs_data = self.engine.is_first_stage() or self.engine.is_last_stage()
+        self.train_iter, error = None, None
+        if self.needs_data:
+            try:
+                self.train_iter = self._read_ahead(self._stream("train"))
+            except (ConfigError, DataError, FileNotFoundError) as e:
+                error = e
+        return error
+
+    def _read_ahead(self, stream):
+        """``stream`` as the engine reads it (:class:`ds_async.prefetch.MicroBatchReader`): tokenized and packed in a
+        reader process a step at a time (``performance.data_reader``), or here one micro-batch at a time."""
+        cfg, engine = self.cfg, self.engine
+        mode = cfg.performance.data_reader
+        background = mode == "process" or (mode == "auto" and engine.device.type == "cuda")
+        opener = functools.partial(data.open_batches, cfg.data, "train", self.tok, self.mbs,
+                                   dp_rank=engine.grid.data_parallel_id,
+                                   dp_world_size=engine.grid.data_parallel_size, seed=cfg.seed)
+        # A reader process hands over 16 steps at a time: per chunk the host pays a queue transfer, a pinned copy
+        # and the copy's launch, which at one step a chunk left the training loop waiting on the reader.
+        return MicroBatchReader(stream, opener, engine.device, chunk=16 * self.gas if background else 1,
+                                background=background)
+
+    def _plan_resume(self) -> tuple[dict[str, dict[str, tuple]], tuple[int, int, int] | None]:
+        """Before the engine is built: what ``--resume`` does with each key changed since the checkpoint
+        (:mod:`ds_async.resume`): ConfigError for a refused one; the LR schedule built for the length
+        ``train.on_resume_length`` says. Returns, for :meth:`_restore` to report, the changes by action and, if the
+        run's or the schedule's length changed, (the checkpoint's run length, this run's, the schedule's)."""
+        manifest = agree(_or_error(checkpoint.read_manifest, self.resume_from) if self.rank == 0 else None,
+                          self.group)
+        check_optimizer_type(manifest, self.ds_config, self.resume_from)
+        changed = policy.plan(config_keys(manifest.get("ds_async") or {}, manifest.get("deepspeed") or {}),
+                              config_keys(cfgmod.resolved(self.cfg), self.ds_config), self.resume_from)
+        saved_run = manifest.get("run_steps")
+        saved_schedule = ((manifest.get("deepspeed") or {}).get("scheduler") or {}).get("params", {}).get(
+            "total_num_steps", saved_run)
+        schedule = policy.schedule_length(self.cfg.train.on_resume_length, saved_schedule, self.length)
+        self.ds_config = cfgmod.with_schedule_length(self.ds_config, self.length, schedule)
+        moved = saved_run is not None and (saved_run != self.length or saved_schedule != schedule)
+        return changed, (saved_run, self.length, schedule) if moved else None
+
+    def _check_model_unchanged(self) -> dict[str, dict[str, tuple]]:
+        """A resume refuses a model whose architecture differs from the checkpoint's (its ``config.json``), naming
+        the key: weights of one shape load into another only to fail later, and a changed ``rope_theta`` or norm
+        epsilon would load and silently compute another function."""
+        file = Path(self.resume_from) / "config.json"
+        try:
+            saved = type(self.hf_config).from_dict(json.loads(file.read_text())).to_dict()
+        except (OSError, ValueError, TypeError):
+            return {}  # checked on load: the checkpoint's files are verified against its manifest
+        now = policy.model_keys(self.hf_config.to_dict())
+        # Over this model's keys: both sides hold every default, and config.json may hold entries of its own.
+        return policy.plan({k: v for k, v in policy.model_keys(saved).items() if k in now}, now, self.resume_from)
+
+    def _restore(self, changed: dict[str, dict[str, tuple]], lengths: tuple[int, int, int] | None) -> dict:
+        """Load the checkpoint; returns the trainer state this rank saved with it (its logger's clock and curves).
+        Rank 0 says what the resume applied: ``changed`` and ``lengths`` (from :meth:`_plan_resume`), and the LR
+        it continues at."""
+        restored = checkpoint.load(self.engine, self.resume_from, group=self.group,
+                                   check={"tokenizer": self.fingerprint})
+        if self.train_iter is not None:
+            self.train_iter.load_state_dict(restored["data"])
+        if self.rank == 0:
+            step = self.engine.global_steps
+            print(f"ds_async: resumed from {self.resume_from} (step {step})", flush=True)
+            recipe = stream_recipe({})  # its keys have a line of their own, below
+            applied = {k: v for k, v in changed.get(policy.APPLIED, {}).items()
+                       if not any(k == f"ds_async.{r}" or k.startswith(f"ds_async.{r}.") for r in recipe)}
+            if applied:
+                print(policy.describe_applied(applied, step, *restored["lr"]), flush=True)
+            if lengths is not None:
+                print(policy.length_line(self.cfg.train.on_resume_length, step, *lengths,
+                                         cfgmod.length_scheduler(self.ds_config), *restored["lr"]), flush=True)
+            saved = stream_recipe(restored["manifest"].get("ds_async", {}))
+            now = stream_recipe(cfgmod.resolved(self.cfg))
+            moved = [k for k in now if saved.get(k) != now[k]]
+            if moved:
+                print(f"ds_async: warning: changed since the checkpoint: {', '.join(moved)}; the saved position "
+                      "in the training stream refers to the old data, so the run does not continue as it would have",
+                      flush=True)
+        return restored["extra"]
