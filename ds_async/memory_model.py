@@ -50,6 +50,7 @@ class Job:
     compiled: bool = False    # performance.compile: inductor's saved tensors (see compiled_decoder_bytes)
     clip: float = 0.0         # gradient_clipping
     fp8: bool = False         # performance.fp8: the decoder layers' products in FP8 (fp8_workspace)
+    cuda_graphs: bool = False  # performance.cuda_graphs: captured instances keep their own pools (graph_instances)
 
     @property
     def weight_bytes(self) -> int:
@@ -144,6 +145,7 @@ class Stage:
     activations: int = 0
     activations_per_micro_batch: int = 0
     in_flight: int = 0
+    graphs: int = 0                      # CUDA graph instances' pools (performance.cuda_graphs), held all run
     grads_next: int = 0                  # the next batch's gradients while this batch's wait for the step (2BW)
     at_step: int = 0                     # micro-batches held when the optimizer step is issued
     peak_phase: str = ""                 # passes or step: which phase sets the peak
@@ -350,6 +352,19 @@ def fp8_workspace(job: Job, hf) -> int:
     h, f = hf.hidden_size, hf.intermediate_size
     largest = h * f if job.family == "llama" else h * h  # Mixtral's experts stay in bf16 (ds_async.fp8)
     return 2 * largest + 2 * job.tokens * (max(h, f) if job.family == "llama" else h)
+
+
+def graph_instances(job: Job, stage: int) -> int:
+    """Captured forward/backward pairs stage ``stage`` holds under ``performance.cuda_graphs`` (0 without): one per
+    weight slot a forward runs on (the master under 1F1B, each held version when flush-free) and micro-batch in
+    flight (:mod:`ds_async.pipe.graphs`; an upper bound: a slot's group grows to the micro-batches in flight on it at
+    once). Each keeps its memory pool for the whole run: one micro-batch's activations and working set, and a
+    gradient buffer per parameter."""
+    if not job.cuda_graphs:
+        return 0
+    rule = get(job.schedule)
+    slots = rule.max_versions(stage, job.stages, job.micro_batches) if rule.flush_free else 1
+    return slots * in_flight(job, stage)
 
 
 def in_flight(job: Job, stage: int) -> int:

@@ -32,7 +32,8 @@ from .config import (ConfigError, check_batch, data_parallel_degree, gradient_cl
                      recomputed_layers)
 from .flops import layer_flops_per_token
 from .memory_model import (CONTEXT_GIB, GIB, STATE_BYTES, Job, Layer, Stage, activation_memory, bubble,
-                           grads_wait_on_master, in_flight, state_memory, step_phase, step_workspace)
+                           graph_instances, grads_wait_on_master, in_flight, state_memory, step_phase,
+                           step_workspace)
 from .models import FAMILIES, check_seq_len, model_config
 from .models.partition import stage_bounds
 from .optim.muon import SPLIT_GATE_UP, check_split_gate_up
@@ -82,7 +83,8 @@ def job_of(ds_config: dict, cfg, world: int):
                recompute=tuple(recomputed_layers(cfg.performance, cfg.pipeline_stages))
                if cfg.performance.activation_checkpoint_layers else (),
                loss_chunk=cfg.performance.loss_chunk, compiled=bool(cfg.performance.compile),
-               clip=gradient_clipping(ds_config), split_gate_up=split, fp8=cfg.performance.fp8 is not None)
+               clip=gradient_clipping(ds_config), split_gate_up=split, fp8=cfg.performance.fp8 is not None,
+               cuda_graphs=cfg.performance.cuda_graphs)
 
 
 def layers_of(hf_config, family: str, seq_len: int) -> list[Layer]:
@@ -137,6 +139,10 @@ def stage_plan(job: Job, hf, layers: list[Layer], bounds: list[int], stage: int,
     out.activations_per_micro_batch = per
     out.activations = out.in_flight * per + working
     out.at_step, between = step_phase(job, stage)
+    instances = graph_instances(job, stage)
+    if instances:  # the in-flight micro-batches live in the instances' pools; outside them only the transient rest
+        out.graphs = instances * (per + working + job.weight_bytes * out.params)
+        out.activations, per = working, 0
     if between and grads_wait_on_master(job):  # the next batch's gradients, on a version slot, beside the waiting
         out.grads_next = job.weight_bytes * out.params
     out.context = int(CONTEXT_GIB * GIB)
@@ -149,8 +155,9 @@ def stage_plan(job: Job, hf, layers: list[Layer], bounds: list[int], stage: int,
     return out
 
 
-STATE_ROWS = ("weights", "versions", "grads", "masters", "optimizer", "correction")
-"""A stage's state rows; its total is the state, the larger of the passes' peak (activations, grads_next) and the
+STATE_ROWS = ("weights", "versions", "grads", "masters", "optimizer", "correction", "graphs")
+"""A stage's state rows (``graphs``: CUDA graph pools, held all run); its total is the state, the larger of the
+passes' peak (activations, grads_next) and the
 step's (step_workspace, ``at_step`` micro-batches' activations, grads_next), and the context."""
 
 def balanced_bounds(costs: list[float], stages: int) -> list[int]:
@@ -194,6 +201,7 @@ class Plan:
     zero: int
     checkpoint_interval: int
     loss_chunk: int
+    cuda_graphs: bool
     params: int
     active_params: int
     gpu_memory: int
@@ -232,8 +240,9 @@ RECOMPUTE_HEADROOM = 0.9
 def suggest_recompute(job: Job, hf, layers: list[Layer], bounds: list[int], gpu_bytes: int
                       ) -> tuple[list[int], int] | None:
     """The fewest decoder layers each stage recomputes (``activation_checkpoint_layers``) for every stage to stay
-    under ``RECOMPUTE_HEADROOM`` of the card, with the largest stage total; ``None`` if recomputing all does not."""
-    base = dataclasses.replace(job, checkpoint_interval=0)
+    under ``RECOMPUTE_HEADROOM`` of the card, with the largest stage total; ``None`` if recomputing all does not.
+    Without CUDA graphs, which a recomputing stage cannot use."""
+    base = dataclasses.replace(job, checkpoint_interval=0, cuda_graphs=False)
     counts, peak = [], 0
     for stage, (a, b) in enumerate(zip(bounds, bounds[1:])):
         decoders = sum(1 for x in layers[a:b] if x.kind == "decoder")
@@ -275,7 +284,7 @@ def plan(config_path: str, gpus: int | None = None, gpu_memory_gib: float | None
                 micro_batch=job.micro_batch, micro_batches=job.micro_batches, seq_len=job.seq_len,
                 schedule=job.schedule, optimizer=job.optimizer, correction=job.correction, precision=job.precision,
                 optimizer_path=job.path, zero=job.zero, checkpoint_interval=job.checkpoint_interval,
-                loss_chunk=job.loss_chunk, params=sum(x.params for x in layers),
+                loss_chunk=job.loss_chunk, cuda_graphs=job.cuda_graphs, params=sum(x.params for x in layers),
                 active_params=sum(x.active for x in layers), gpu_memory=gpu_bytes,
                 bubble=bubble(job.schedule, job.stages, job.micro_batches),
                 bubble_1f1b=bubble("1f1b", job.stages, job.micro_batches),
@@ -320,13 +329,14 @@ def render(p: Plan) -> str:
             f"; optimizer {p.optimizer}, correction {p.correction}, ZeRO {p.zero}",
             f"memory    {checkpointing(p)}, loss chunk {p.loss_chunk or '-'}; "
             f"GiB per GPU, card {p.gpu_memory / GIB:.1f} GiB", ""]
-    head = ("stage", "layers", "params", "weights", "versions", "grads", "masters", "optim", "correct", "step",
+    head = ("stage", "layers", "params", "weights", "versions", "grads", "masters", "optim", "correct", "graphs",
+            "step",
             "activ", "x", "next", "peak", "context", "total", "fits")
     table = [head]
     for s in p.stage_list:
         table.append((str(s.stage), f"{s.layers[0]}-{s.layers[1] - 1}", _b(s.params), _g(s.weights),
                       _g(s.versions), _g(s.grads), _g(s.masters), _g(s.optimizer), _g(s.correction),
-                      _g(s.step_workspace), _g(s.activations), str(s.in_flight), _g(s.grads_next),
+                      _g(s.graphs), _g(s.step_workspace), _g(s.activations), str(s.in_flight), _g(s.grads_next),
                       f"{s.peak_phase}" + (f" ({s.at_step})" if s.peak_phase == "step" else ""), _g(s.context), _g(s.total),
                       "yes" if s.fits else "NO"))
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
@@ -336,7 +346,8 @@ def render(p: Plan) -> str:
     rows += ["", "(x: micro-batches in flight; activ = x per-micro-batch activations + one working set; next: the "
              "next batch's gradients beside the waiting ones; total = the state + the larger of the passes (activ + "
              "next) and the step (step + the activations of the micro-batches held then, in brackets, + next) + "
-             "context)",
+             "context; graphs: the CUDA graph instances' pools, each a micro-batch's activations, a working set and "
+             "a gradient buffer per parameter)",
              f"bubble    {p.schedule}: {rule_note}",
              f"smallest m {p.min_micro_batches} ({p.schedule}); memory does not grow with m >= p",
              f"balance   boundaries {p.boundaries}: largest stage {p.flops_imbalance:.3f}x the mean FLOPs",
@@ -358,9 +369,10 @@ def checkpointing(p: Plan) -> str:
 def recompute_note(p: Plan) -> str:
     if p.suggested_recompute is None:
         return f"recomputing every decoder layer does not keep a stage under {RECOMPUTE_HEADROOM:.0%} of the card"
-    return (f"suggest \"activation_checkpoint_layers\": {p.suggested_recompute} (the fewest per stage that stay "
-            f"under {RECOMPUTE_HEADROOM:.0%} of the card: peak {p.suggested_recompute_peak / GIB:.1f} GiB; largest "
-            f"stage {p.suggested_recompute_imbalance:.3f}x the mean FLOPs with the recompute)")
+    without = " and cuda_graphs false, which recompute excludes" if p.cuda_graphs else ""
+    return (f"suggest \"activation_checkpoint_layers\": {p.suggested_recompute}{without} (the fewest per stage "
+            f"that stay under {RECOMPUTE_HEADROOM:.0%} of the card: peak {p.suggested_recompute_peak / GIB:.1f} GiB; "
+            f"largest stage {p.suggested_recompute_imbalance:.3f}x the mean FLOPs with the recompute)")
 
 
 def to_json(p: Plan) -> dict:

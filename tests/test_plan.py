@@ -720,3 +720,26 @@ def test_parameter_partition_counts_each_layer_on_the_meta_device(tmp_path, fami
     real = [sum(p.numel() for p in spec.build().parameters() if p.requires_grad)
             for spec in FAMILIES[family].layer_specs(hf, seed=0)]
     assert trainable_counts(reading) == real and len(real) == TINY["num_hidden_layers"] + 2
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b"])
+def test_cuda_graphs_hold_a_pool_per_slot_and_micro_batch_in_flight(tmp_path, schedule):
+    """``performance.cuda_graphs``: each stage holds one captured instance per weight slot its forwards run on (the
+    master under 1F1B, 2BW's versions) and micro-batch in flight, each with a micro-batch's activations, a working
+    set and a gradient buffer per parameter, all run long; the in-flight activations are then no longer counted
+    apart. The suggested recompute is one without graphs (a recomputing stage cannot use them)."""
+    plain = planner.plan(str(write_config(tmp_path, stages=2, gas=4, schedule=schedule, name="a.json")), gpus=2,
+                         gpu_memory_gib=80)
+    graphed = planner.plan(str(write_config(tmp_path, stages=2, gas=4, schedule=schedule, name="b.json",
+                                            performance={"cuda_graphs": True})), gpus=2, gpu_memory_gib=80)
+    assert graphed.cuda_graphs and not plain.cuda_graphs
+    for p, g in zip(plain.stage_list, graphed.stage_list):
+        slots = 2 if schedule == "2bw" else 1
+        instances = slots * p.in_flight
+        assert p.graphs == 0 and p.in_flight == 2 - p.stage  # 1F1B with m = 4 >= p: p - s in flight either way
+        per_instance = p.activations_per_micro_batch + (p.activations - p.in_flight * p.activations_per_micro_batch) \
+            + 2 * p.params
+        assert g.graphs == instances * per_instance, (g.stage, g.graphs, instances, per_instance)
+        assert g.activations == p.activations - p.in_flight * p.activations_per_micro_batch
+        assert g.total > p.total
+    assert graphed.suggested_recompute == plain.suggested_recompute
