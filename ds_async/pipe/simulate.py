@@ -64,7 +64,16 @@ def simulate(rule: str | version_rule.VersionRule, stages: int, micro_batches: i
     nsteps = len(per_stage[0])
     if any(len(x) != nsteps for x in per_stage):
         raise ScheduleError("stages disagree on the number of steps")
+    grid, idle, busy = _grid(per_stage, stages, nsteps)
+    run = _Run(rule, stages, micro_batches)
+    messages = run.execute([[c for cmds in steps for c in cmds] for steps in per_stage])
+    run.check_end(batches)
+    return SimResult(stages, micro_batches, batches, grid, idle, busy, messages, run.alive_max, dict(run.delays))
 
+
+def _grid(per_stage: list, stages: int, nsteps: int) -> tuple[list[list[str]], list[int], list[int]]:
+    """The step x stage grid of labels (``F<mb>v<version>``, ``B...``, ``+S<batch>``, ``.``), and per stage the
+    schedule steps without and with a pass."""
     grid = [["." for _ in range(stages)] for _ in range(nsteps)]
     idle, busy = [0] * stages, [0] * stages
     for s, steps in enumerate(per_stage):
@@ -81,83 +90,95 @@ def simulate(rule: str | version_rule.VersionRule, stages: int, micro_batches: i
             busy[s] += work
             idle[s] += not work
             grid[k][s] = "".join(labels) or "."
+    return grid, idle, busy
 
-    # Execute the flattened streams with rendezvous p2p.
-    streams = [[c for cmds in steps for c in cmds] for steps in per_stage]
-    pos = [0] * stages
-    steps_done = [0] * stages
-    in_flight: list[dict[int, int]] = [dict() for _ in range(stages)]  # micro-batch -> version
-    alive_max = [0] * stages
-    delays: dict[tuple[int, int], set[int]] = defaultdict(set)
-    buffer_owner: list[dict[int, int]] = [dict() for _ in range(stages)]
-    messages = 0
 
-    def local(s: int, c) -> None:
+class _Run:
+    """Every stage's flattened instruction stream executed with rendezvous p2p, checking each local instruction
+    against the rule: versions exist and match, buffers are free, steps come in order with none of their
+    micro-batches in flight."""
+
+    def __init__(self, rule: version_rule.VersionRule, stages: int, micro_batches: int):
+        self.rule, self.stages, self.m = rule, stages, micro_batches
+        self.steps_done = [0] * stages
+        self.in_flight: list[dict[int, int]] = [dict() for _ in range(stages)]  # micro-batch -> version
+        self.alive_max = [0] * stages
+        self.delays: dict[tuple[int, int], set[int]] = defaultdict(set)
+        self.buffer_owner: list[dict[int, int]] = [dict() for _ in range(stages)]
+
+    def execute(self, streams: list[list]) -> int:
+        """Run the streams to their ends; returns the number of p2p messages. ScheduleError on a deadlock."""
+        stages, pos, messages = self.stages, [0] * self.stages, 0
+        while True:
+            progressed = False
+            for s in range(stages):
+                while pos[s] < len(streams[s]):
+                    c = streams[s][pos[s]]
+                    if type(c) in _SENDS:
+                        direction, recv_type = _SENDS[type(c)]
+                        peer = s + direction
+                        if not 0 <= peer < stages:
+                            raise ScheduleError(f"stage {s}: {c} has no peer")
+                        if pos[peer] < len(streams[peer]) and type(streams[peer][pos[peer]]) is recv_type:
+                            pos[peer] += 1
+                            pos[s] += 1
+                            messages += 1
+                            progressed = True
+                            continue
+                        break
+                    if type(c) in (ds.RecvActivation, ds.RecvGrad):
+                        break  # completes when the sender reaches its send
+                    self.local(s, c)
+                    pos[s] += 1
+                    progressed = True
+            if all(p == len(x) for p, x in zip(pos, streams)):
+                return messages
+            if not progressed:
+                blocked = {s: repr(streams[s][pos[s]]) for s in range(stages) if pos[s] < len(streams[s])}
+                raise ScheduleError(f"deadlock: {blocked}")
+
+    def local(self, s: int, c) -> None:
         if isinstance(c, fs.ForwardPass):
-            if c.version > steps_done[s]:
-                raise ScheduleError(f"stage {s}: forward of micro-batch {c.micro_batch} on W({c.version}) before "
-                                    f"it exists ({steps_done[s]} steps done)")
-            want = rule.weight_version(c.micro_batch, s, stages, micro_batches)
-            if c.version != want:
-                raise ScheduleError(f"stage {s}: micro-batch {c.micro_batch} tagged v{c.version}, rule says v{want}")
-            if buffer_owner[s].get(c.buffer_id) is not None:
-                raise ScheduleError(f"stage {s}: buffer {c.buffer_id} still holds micro-batch "
-                                    f"{buffer_owner[s][c.buffer_id]} when {c.micro_batch} is forwarded")
-            buffer_owner[s][c.buffer_id] = c.micro_batch
-            in_flight[s][c.micro_batch] = c.version
-            alive = set(in_flight[s].values()) | {steps_done[s]}
-            alive_max[s] = max(alive_max[s], len(alive))
+            self._forward(s, c)
         elif isinstance(c, fs.BackwardPass):
-            if in_flight[s].get(c.micro_batch) != c.version:
+            if self.in_flight[s].get(c.micro_batch) != c.version:
                 raise ScheduleError(f"stage {s}: backward of micro-batch {c.micro_batch} on v{c.version}, forward "
-                                    f"used v{in_flight[s].get(c.micro_batch)}")
-            del in_flight[s][c.micro_batch]
-            buffer_owner[s][c.buffer_id] = None
-            delays[(s, c.micro_batch // micro_batches)].add(c.micro_batch // micro_batches - c.version)
+                                    f"used v{self.in_flight[s].get(c.micro_batch)}")
+            del self.in_flight[s][c.micro_batch]
+            self.buffer_owner[s][c.buffer_id] = None
+            self.delays[(s, c.micro_batch // self.m)].add(c.micro_batch // self.m - c.version)
         elif isinstance(c, fs.OptimizerStep):
-            if c.batch != steps_done[s]:
+            if c.batch != self.steps_done[s]:
                 raise ScheduleError(f"stage {s}: optimizer step {c.batch} out of order")
-            if any(mb // micro_batches <= c.batch for mb in in_flight[s]):
+            if any(mb // self.m <= c.batch for mb in self.in_flight[s]):
                 raise ScheduleError(f"stage {s}: step {c.batch} while its micro-batches are in flight")
-            steps_done[s] += 1
+            self.steps_done[s] += 1
 
-    while True:
-        progressed = False
-        for s in range(stages):
-            while pos[s] < len(streams[s]):
-                c = streams[s][pos[s]]
-                if type(c) in _SENDS:
-                    direction, recv_type = _SENDS[type(c)]
-                    peer = s + direction
-                    if not 0 <= peer < stages:
-                        raise ScheduleError(f"stage {s}: {c} has no peer")
-                    if pos[peer] < len(streams[peer]) and type(streams[peer][pos[peer]]) is recv_type:
-                        pos[peer] += 1
-                        pos[s] += 1
-                        messages += 1
-                        progressed = True
-                        continue
-                    break
-                if type(c) in (ds.RecvActivation, ds.RecvGrad):
-                    break  # completes when the sender reaches its send
-                local(s, c)
-                pos[s] += 1
-                progressed = True
-        if all(p == len(x) for p, x in zip(pos, streams)):
-            break
-        if not progressed:
-            blocked = {s: repr(streams[s][pos[s]]) for s in range(stages) if pos[s] < len(streams[s])}
-            raise ScheduleError(f"deadlock: {blocked}")
+    def _forward(self, s: int, c: fs.ForwardPass) -> None:
+        if c.version > self.steps_done[s]:
+            raise ScheduleError(f"stage {s}: forward of micro-batch {c.micro_batch} on W({c.version}) before "
+                                f"it exists ({self.steps_done[s]} steps done)")
+        want = self.rule.weight_version(c.micro_batch, s, self.stages, self.m)
+        if c.version != want:
+            raise ScheduleError(f"stage {s}: micro-batch {c.micro_batch} tagged v{c.version}, rule says v{want}")
+        if self.buffer_owner[s].get(c.buffer_id) is not None:
+            raise ScheduleError(f"stage {s}: buffer {c.buffer_id} still holds micro-batch "
+                                f"{self.buffer_owner[s][c.buffer_id]} when {c.micro_batch} is forwarded")
+        self.buffer_owner[s][c.buffer_id] = c.micro_batch
+        self.in_flight[s][c.micro_batch] = c.version
+        alive = set(self.in_flight[s].values()) | {self.steps_done[s]}
+        self.alive_max[s] = max(self.alive_max[s], len(alive))
 
-    for s in range(stages):
-        if steps_done[s] != batches:
-            raise ScheduleError(f"stage {s}: {steps_done[s]} optimizer steps, expected {batches}")
-        if in_flight[s]:
-            raise ScheduleError(f"stage {s}: micro-batches {sorted(in_flight[s])} never finished")
-        if alive_max[s] > rule.max_versions(s, stages, micro_batches):
-            raise ScheduleError(f"stage {s}: {alive_max[s]} versions alive, budget "
-                                f"{rule.max_versions(s, stages, micro_batches)}")
-    return SimResult(stages, micro_batches, batches, grid, idle, busy, messages, alive_max, dict(delays))
+    def check_end(self, batches: int) -> None:
+        """Every stage took every step, finished every micro-batch and stayed within the rule's version budget."""
+        for s in range(self.stages):
+            if self.steps_done[s] != batches:
+                raise ScheduleError(f"stage {s}: {self.steps_done[s]} optimizer steps, expected {batches}")
+            if self.in_flight[s]:
+                raise ScheduleError(f"stage {s}: micro-batches {sorted(self.in_flight[s])} never finished")
+            budget = self.rule.max_versions(s, self.stages, self.m)
+            if self.alive_max[s] > budget:
+                raise ScheduleError(f"stage {s}: {self.alive_max[s]} versions alive, budget {budget}")
 
 
 def main(argv=None) -> None:
