@@ -310,56 +310,76 @@ def write(root: str | os.PathLike, step: int, write_files, manifest: dict, keep:
     rank, world = world_rank_size(group)
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
-    error = None
-    if rank == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # a save of the same step that was killed earlier
-        except OSError as e:
-            error = f"{tmp}: cannot create the checkpoint folder ({e})"
     total = sum(gather(need, group))
-    if rank == 0 and error is None:
-        free = free_bytes(root)
-        if free is not None and free < total:
-            error = disk_full(root, free, total, final)
-        else:
-            try:
-                tmp.mkdir()
-            except OSError as e:
-                error = disk_full(root, free, total, final) if _no_space(e) else \
-                    f"{tmp}: cannot create the checkpoint folder ({e})"
-    raise_if_any(error, group)
-    free_at_start = free_bytes(root)
-
-    def run(fn):
-        try:
-            names = fn(tmp)
-            return _describe(tmp, names), None
-        except Exception as e:  # noqa: BLE001 - reported on every rank below
-            free = free_bytes(root)
-            if _no_space(e) or free is not None and free < max(need, 1 << 20):
-                return {}, disk_full(root, free_at_start, total, final)
-            return {}, f"{tmp}: rank {rank} failed to write its files ({type(e).__name__}: {e})"
-
-    files, error = run(write_files)
+    raise_if_any(_prepare(root, tmp, final, total) if rank == 0 else None, group)
+    space = _Space(root, final, free_bytes(root), total)
+    files, error = space.written(write_files, tmp, rank, need)
     gathered = gather((files, error), group)
     errors = [e for _, e in gathered if e]
     if rank == 0 and not errors:
-        all_files = {k: v for f, _ in gathered for k, v in f.items()}
-        if write_index is not None:
-            more, error = run(write_index)
-            all_files.update(more)
-            errors += [error] if error else []
-        if not errors:
-            try:
-                _finish(root, tmp, final, step, {**manifest, "files": dict(sorted(all_files.items()))}, keep)
-            except OSError as e:
-                errors.append(disk_full(root, free_at_start, total, final) if _no_space(e) else
-                              f"{final}: cannot complete the checkpoint ({e})")
+        errors = _complete(space, tmp, step, manifest, keep, {k: v for f, _ in gathered for k, v in f.items()},
+                           write_index, need)
     if rank == 0 and errors:
         shutil.rmtree(tmp, ignore_errors=True)  # frees what the failed save took; nothing reads a .tmp folder
     raise_if_any(errors[0] if errors else None, group)
     return final
+
+
+def _prepare(root: Path, tmp: Path, final: Path, total: int) -> str | None:
+    """On the writing group's first rank: the root and an empty temporary folder, if the filesystem has room for
+    ``total`` bytes; the error line otherwise."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a save of the same step that was killed earlier
+    except OSError as e:
+        return f"{tmp}: cannot create the checkpoint folder ({e})"
+    free = free_bytes(root)
+    if free is not None and free < total:
+        return disk_full(root, free, total, final)
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        return disk_full(root, free, total, final) if _no_space(e) else \
+            f"{tmp}: cannot create the checkpoint folder ({e})"
+    return None
+
+
+class _Space:
+    """Where a save writes and how much room it had at the start, to report a write that fails on a full disk as
+    that (:func:`disk_full`) rather than as the writer's error."""
+
+    def __init__(self, root: Path, final: Path, free_at_start: int | None, total: int):
+        self.root, self.final, self.free_at_start, self.total = root, final, free_at_start, total
+
+    def written(self, fn, tmp: Path, rank: int, need: int) -> tuple[dict, str | None]:
+        """``fn(tmp)``'s files described, or its error line (on every rank: the caller gathers them)."""
+        try:
+            names = fn(tmp)
+            return _describe(tmp, names), None
+        except Exception as e:  # noqa: BLE001 - reported on every rank by the caller
+            free = free_bytes(self.root)
+            if _no_space(e) or free is not None and free < max(need, 1 << 20):
+                return {}, self.full()
+            return {}, f"{tmp}: rank {rank} failed to write its files ({type(e).__name__}: {e})"
+
+    def full(self) -> str:
+        return disk_full(self.root, self.free_at_start, self.total, self.final)
+
+
+def _complete(space: _Space, tmp: Path, step: int, manifest: dict, keep: int, files: dict, write_index,
+              need: int) -> list[str]:
+    """On the first rank once every rank's files exist: the index, the manifest, the rename into place and the
+    pruning; the errors (empty when the checkpoint is complete)."""
+    if write_index is not None:
+        more, error = space.written(write_index, tmp, 0, need)
+        if error:
+            return [error]
+        files.update(more)
+    try:
+        _finish(space.root, tmp, space.final, step, {**manifest, "files": dict(sorted(files.items()))}, keep)
+    except OSError as e:
+        return [space.full() if _no_space(e) else f"{space.final}: cannot complete the checkpoint ({e})"]
+    return []
 
 
 def free_bytes(folder: Path) -> int | None:
