@@ -58,31 +58,42 @@ def build_optimizer(block: dict | OptimizerSpec, model_or_params: nn.Module | It
         _check_keys(kind, kwargs, Lion.__init__, exclude=("self", "params", "correction"))
         return Lion(params, **kwargs, correction=corr)
     if lk in ("adam", "adamw"):
-        torch_adam = kwargs.pop("torch_adam", False)
-        adam_w_mode = kwargs.pop("adam_w_mode", True)
-        w_mode = lk == "adamw" or adam_w_mode
-        if corr is not None:
-            if not w_mode:
-                raise ValueError("a delay correction needs ds_async's AdamW; Adam with L2 weight decay "
-                                 "(adam_w_mode: false) has no ds_async implementation")
-            _check_keys(kind, kwargs, AdamW.__init__, exclude=("self", "params", "correction"))
-            return AdamW(params, **kwargs, correction=corr)
-        if not torch_adam:
-            raise ValueError("the emulation mirrors DeepSpeed's torch Adam path: set \"torch_adam\": true")
-        cls = torch.optim.AdamW if w_mode else torch.optim.Adam
-        return cls(params, **kwargs)
+        return _adam(kind, lk, kwargs, params, corr)
     if lk == "sgd" and corr is not None:
-        decoupled = kwargs.pop("decoupled_weight_decay", False)
-        if kwargs.get("weight_decay", 0) and not decoupled:
-            raise ValueError("SGD with a delay correction is ds_async's SGD, whose weight_decay is decoupled "
-                             "(lr * weight_decay * x) rather than torch.optim.SGD's L2 term; set "
-                             "\"decoupled_weight_decay\": true in the optimizer params to confirm")
-        _check_keys(kind, kwargs, SGD.__init__, exclude=("self", "params", "correction"))
-        return SGD(params, **kwargs, correction=corr)
+        return _corrected_sgd(kind, kwargs, params, corr)
     if corr is not None:
         raise ValueError(f"optimizer type {kind!r} has no ds_async implementation to apply a delay correction "
                          "to; corrections work with AdamW, SGD, Lion and Muon")
     return getattr(torch.optim, kind)(params, **kwargs)
+
+
+def _adam(kind: str, lk: str, kwargs: dict, params, corr) -> torch.optim.Optimizer:
+    """Adam or AdamW: torch's, as DeepSpeed builds it from ``"torch_adam": true``; ds_async's AdamW with a
+    correction."""
+    torch_adam = kwargs.pop("torch_adam", False)
+    adam_w_mode = kwargs.pop("adam_w_mode", True)
+    w_mode = lk == "adamw" or adam_w_mode
+    if corr is not None:
+        if not w_mode:
+            raise ValueError("a delay correction needs ds_async's AdamW; Adam with L2 weight decay "
+                             "(adam_w_mode: false) has no ds_async implementation")
+        _check_keys(kind, kwargs, AdamW.__init__, exclude=("self", "params", "correction"))
+        return AdamW(params, **kwargs, correction=corr)
+    if not torch_adam:
+        raise ValueError("the emulation mirrors DeepSpeed's torch Adam path: set \"torch_adam\": true")
+    cls = torch.optim.AdamW if w_mode else torch.optim.Adam
+    return cls(params, **kwargs)
+
+
+def _corrected_sgd(kind: str, kwargs: dict, params, corr) -> SGD:
+    """ds_async's SGD (decoupled weight decay, which the params must confirm) under a correction."""
+    decoupled = kwargs.pop("decoupled_weight_decay", False)
+    if kwargs.get("weight_decay", 0) and not decoupled:
+        raise ValueError("SGD with a delay correction is ds_async's SGD, whose weight_decay is decoupled "
+                         "(lr * weight_decay * x) rather than torch.optim.SGD's L2 term; set "
+                         "\"decoupled_weight_decay\": true in the optimizer params to confirm")
+    _check_keys(kind, kwargs, SGD.__init__, exclude=("self", "params", "correction"))
+    return SGD(params, **kwargs, correction=corr)
 
 
 def _check_keys(kind: str, kwargs: dict, fn, exclude: tuple[str, ...]) -> None:

@@ -154,36 +154,9 @@ def client_optimizer(module: nn.Module, ds_config: dict, correction, dp_group, d
     zero = _zero(ds_config)
     stage = int(zero.get("stage", 0))
     what = f"optimizer type {spec.type!r}"
-    if (ds_config.get("fp16") or {}).get("enabled"):
-        raise OptimizerSetupError(f"{what}: fp16 is not supported by ds_async's optimizers; use bf16 or "
-                                  "torch_autocast")
-    if stage >= 2 or zero.get("offload_optimizer") or zero.get("offload_param"):
-        raise OptimizerSetupError(f"{what}: ZeRO stage {stage} / offload is not supported by ds_async's "
-                                  "optimizers (ZeRO-2/3 split gradients across replicas mid-backward); use stage 0 "
-                                  "or 1")
+    _check_precision_and_zero(ds_config, zero, stage, what)
     if (ds_config.get("bf16") or {}).get("enabled"):
-        if (ds_config.get("torch_autocast") or {}).get("enabled"):
-            raise OptimizerSetupError(f"{what}: bf16 and torch_autocast are both enabled; choose one")
-        if fused and kind not in MATRIX_TYPES:
-            raise OptimizerSetupError(f"ds_async.performance.fused_optimizer_step: with {what} and bf16 it is "
-                                      "implemented for Muon only (and for torch's AdamW without a correction under "
-                                      "DeepSpeed's bf16 optimizer)")
-        config = {k: v for k, v in config.items() if k != "bf16"}
-        # DeepSpeed all-reduces gradients in bf16 under its bf16 mode; keep that (it sees fp32 from here on).
-        config.setdefault("communication_data_type", "bf16")
-        optimizer = _build(spec, module, _newton_schulz(kind, stage, dp_group, dp_world))
-        if fused and optimizer.correction is not None and not isinstance(optimizer.correction, ErrorFeedback):
-            raise OptimizerSetupError(f"ds_async.performance.fused_optimizer_step: implemented for the 'ef' "
-                                      f"correction or none, not {type(optimizer.correction).__name__}; set it to "
-                                      "false to use this correction")
-        if stage == 1:
-            config["zero_optimization"] = {**zero, "stage": 0}
-            if dp_world > 1:
-                if fused:
-                    raise OptimizerSetupError("ds_async.performance.fused_optimizer_step: not with ZeRO-1 across "
-                                              "replicas (each owner steps its own tensors); use ZeRO stage 0")
-                optimizer = ShardedOptimizer(optimizer, dp_group)
-        return config, MasterWeights(optimizer, module, fused=fused, device=device)
+        return _with_masters(spec, module, ds_config, config, zero, stage, what, dp_group, dp_world, fused, device)
     if fused:
         raise OptimizerSetupError(f"ds_async.performance.fused_optimizer_step: with {what} it needs bf16 weights "
                                   "(\"bf16\": {\"enabled\": true})")
@@ -200,6 +173,45 @@ def client_optimizer(module: nn.Module, ds_config: dict, correction, dp_group, d
     if stage == 1:
         config["zero_allow_untested_optimizer"] = True  # elementwise: correct on DeepSpeed's flat partitions
     return config, _build(spec, module)
+
+
+def _check_precision_and_zero(ds_config: dict, zero: dict, stage: int, what: str) -> None:
+    if (ds_config.get("fp16") or {}).get("enabled"):
+        raise OptimizerSetupError(f"{what}: fp16 is not supported by ds_async's optimizers; use bf16 or "
+                                  "torch_autocast")
+    if stage >= 2 or zero.get("offload_optimizer") or zero.get("offload_param"):
+        raise OptimizerSetupError(f"{what}: ZeRO stage {stage} / offload is not supported by ds_async's "
+                                  "optimizers (ZeRO-2/3 split gradients across replicas mid-backward); use stage 0 "
+                                  "or 1")
+
+
+def _with_masters(spec, module: nn.Module, ds_config: dict, config: dict, zero: dict, stage: int, what: str,
+                  dp_group, dp_world: int, fused: bool, device) -> tuple[dict, MasterWeights]:
+    """Under bf16: the optimizer over fp32 masters (:class:`MasterWeights`), DeepSpeed's ``"bf16"`` block removed
+    from ``config`` and its gradient all-reduce kept in bf16."""
+    kind = spec.kind
+    if (ds_config.get("torch_autocast") or {}).get("enabled"):
+        raise OptimizerSetupError(f"{what}: bf16 and torch_autocast are both enabled; choose one")
+    if fused and kind not in MATRIX_TYPES:
+        raise OptimizerSetupError(f"ds_async.performance.fused_optimizer_step: with {what} and bf16 it is "
+                                  "implemented for Muon only (and for torch's AdamW without a correction under "
+                                  "DeepSpeed's bf16 optimizer)")
+    config = {k: v for k, v in config.items() if k != "bf16"}
+    # DeepSpeed all-reduces gradients in bf16 under its bf16 mode; keep that (it sees fp32 from here on).
+    config.setdefault("communication_data_type", "bf16")
+    optimizer = _build(spec, module, _newton_schulz(kind, stage, dp_group, dp_world))
+    if fused and optimizer.correction is not None and not isinstance(optimizer.correction, ErrorFeedback):
+        raise OptimizerSetupError(f"ds_async.performance.fused_optimizer_step: implemented for the 'ef' "
+                                  f"correction or none, not {type(optimizer.correction).__name__}; set it to "
+                                  "false to use this correction")
+    if stage == 1:
+        config["zero_optimization"] = {**zero, "stage": 0}
+        if dp_world > 1:
+            if fused:
+                raise OptimizerSetupError("ds_async.performance.fused_optimizer_step: not with ZeRO-1 across "
+                                          "replicas (each owner steps its own tensors); use ZeRO stage 0")
+            optimizer = ShardedOptimizer(optimizer, dp_group)
+    return config, MasterWeights(optimizer, module, fused=fused, device=device)
 
 
 def _newton_schulz(kind: str, zero_stage: int, dp_group, dp_world: int):
