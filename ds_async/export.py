@@ -151,7 +151,7 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, overwrite:
 
     Raises :class:`~ds_async.checkpoint.CheckpointError` for a bad checkpoint, :class:`ExportError` for an
     ``out_dir`` the rule refuses, ``OSError`` if writing fails."""
-    from .models import hf_io
+    from .models import hf_io  # imports DeepSpeed, which the export's argument checks do not need
 
     folder = resolve(checkpoint)
     if folder is None:

@@ -28,6 +28,9 @@ import math
 import torch
 import torch.distributed as tdist
 
+from .config import ConfigError
+from .optim.master import MasterWeights
+
 
 class NonFiniteLoss(RuntimeError):
     """The training loss became NaN or inf and ``on_nonfinite`` is ``stop``."""
@@ -131,9 +134,6 @@ class SkipNonFinite:
 
 def check_skip_supported(optimizer) -> None:
     """Raise ConfigError unless ``skip`` can wrap ``optimizer`` (a torch optimizer DeepSpeed steps as is)."""
-    from .config import ConfigError
-    from .optim.master import MasterWeights
-
     if isinstance(optimizer, MasterWeights):
         raise ConfigError("ds_async.train.on_nonfinite: 'skip' is not implemented with bf16 weights and ds_async's "
                           "fp32 masters (its step reads the gradients itself); use 'stop' or fp32/torch_autocast")

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..nonfinite import SkipNonFinite
 from .folder import (FORMAT, CheckpointError, fsync, load_file, raise_if_any, read_manifest, save_torch, verify,
                      world_rank_size, write)
 
@@ -82,8 +83,6 @@ def data_state_from_file(state: dict | None) -> dict | None:
 # ------------------------------------------------------------------------------------------- optimizer state
 def _unwrap(optimizer):
     """The optimizer DeepSpeed steps, under ds_async's non-finite guard if there is one."""
-    from ..nonfinite import SkipNonFinite
-
     return optimizer.optimizer if isinstance(optimizer, SkipNonFinite) else optimizer
 
 
@@ -169,7 +168,7 @@ def _load_stage_weights(engine, folder: Path, file_name: str) -> None:
     writing through it writes them; checked afterwards."""
     from safetensors import safe_open
 
-    from ..models import hf_state_dict
+    from ..models import hf_state_dict  # imports DeepSpeed: only when weights are read
 
     file = folder / file_name
     views = hf_state_dict(engine.module)
@@ -205,7 +204,7 @@ def save(engine, root: str | os.PathLike, *, hf_config, data_state: dict | None 
     manifest entries;
     ``extra``: per-rank trainer state returned by :func:`load`.
     """
-    from .. import models
+    from .. import models  # imports DeepSpeed: only when a checkpoint is written
     from ..models import hf_io
 
     try:
@@ -269,7 +268,7 @@ def load(engine, folder: str | os.PathLike, group=None, check: dict | None = Non
     step (see :mod:`ds_async.resume`). RNG states are restored last.
     ``check``: manifest entries that must equal these values (e.g. the tokenizer's fingerprint).
     """
-    from ..models import hf_io
+    from ..models import hf_io  # imports DeepSpeed: only when a checkpoint is read
 
     folder = Path(folder)
     stage, dp = engine.stage_id, engine.grid.data_parallel_id

@@ -14,6 +14,7 @@ from deepspeed.pipe import PipelineModule
 
 from ..config import ConfigError, DsAsyncConfig, check_boundaries, check_recompute, recomputed_layers
 from .. import fp8, hub
+from ..builder import init_distributed
 from ..pipe.graphs import GraphedStage
 from . import hf_io, llama, mixtral
 
@@ -311,8 +312,6 @@ def _check_config_keys(family: str, kwargs: dict) -> None:
 
 def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineModule:
     """The pipeline module for this rank: only this stage's layers are built (and read from disk)."""
-    from ..builder import init_distributed
-
     init_distributed()
     hf_dir = cfg.model.path if cfg.model.path and cfg.model.load_weights else None
     family = FAMILIES[cfg.model.family]

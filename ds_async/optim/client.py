@@ -33,6 +33,7 @@ from . import build_optimizer
 from .corrections import ErrorFeedback
 from .master import MasterWeights
 from .ns_split import orthogonalise_split
+from .optimizers import UpdateOptimizer
 from .sharded import ShardedOptimizer
 
 log = logging.getLogger(__name__)
@@ -225,8 +226,6 @@ def _newton_schulz(kind: str, zero_stage: int, dp_group, dp_world: int):
 
 def base_optimizer(optimizer) -> torch.optim.Optimizer | None:
     """ds_async's optimizer under DeepSpeed's wrappers (bf16, ZeRO, tensor-granular sharding), if it is one."""
-    from .optimizers import UpdateOptimizer
-
     seen = optimizer
     for _ in range(4):
         if isinstance(seen, (UpdateOptimizer, ShardedOptimizer)):

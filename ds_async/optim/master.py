@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .muon_pass import hybrid_muon_step_
+
 LOW = torch.bfloat16
 
 
@@ -81,7 +83,6 @@ class MasterWeights(torch.optim.Optimizer):
         for w in self.weights:
             w.grad = None
         if self.fused:
-            from .muon_pass import hybrid_muon_step_
             device = self.masters[0].device
             one = torch.ones((), device=device)
             hybrid_muon_step_(self.optimizer, grads, one if scale is None else scale, [self.weights, *outs],

@@ -44,8 +44,8 @@ from torch import Tensor
 from .adamw_pass import adamw_hyper, adamw_pass_
 from .compiled import compiled_on_gpus
 from .corrections import ErrorFeedback
-from .muon import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, adjusted_lr, block_shape, orthogonalise_batched,
-                   orthogonalise_blocks)
+from .muon import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, Muon, adjusted_lr, block_shape, orthogonalise_batched,
+                   orthogonalise_blocks, require_matrix, row_blocks)
 from .optimizers import advance_adamw_state
 
 Orthogonalise = Callable[[list[Tensor], int, tuple[float, float, float], float], list[Tensor]]
@@ -57,8 +57,6 @@ def muon_hyper(group: dict, shapes: Sequence[torch.Size], device: torch.device, 
     computed in double from ``group`` (``lr, momentum, weight_decay, lr_rule``, and ``row_blocks``: each lr is
     adjusted for one block's shape) as the class computes its Python floats, then rounded to fp32 where the class's
     kernels round them."""
-    from .muon import row_blocks
-
     lr, momentum, wd, rule = group["lr"], group["momentum"], group["weight_decay"], group["lr_rule"]
     blocks = row_blocks(group)
     values = [1 - momentum, momentum, 1 - lr * wd, lam] + [-adjusted_lr(lr, block_shape(s, blocks), rule)
@@ -205,8 +203,6 @@ def hybrid_muon_step_(optimizer, grads: Sequence[Tensor | None], grad_scale: Ten
     State is created and kept under the class's keys (``momentum_buffer``; ``step``, ``exp_avg``, ``exp_avg_sq``;
     the correction's ``buffer_key``). Bit-equal on CPU to ``Muon.step()`` with ``.grad = round_to(grad_dtype,
     G * grad_scale)`` in fp32."""
-    from .muon import Muon
-
     if not isinstance(optimizer, Muon):
         raise TypeError(f"hybrid_muon_step_ steps a ds_async.optim.Muon, got {type(optimizer).__name__} (a "
                         "ShardedOptimizer steps only its owned parameters and broadcasts: use its step())")
@@ -251,8 +247,6 @@ def _prev_updates(optimizer, params: list[Tensor], states: list[dict]) -> list[T
 
 
 def _muon_group(optimizer, group, params, grads, states, outs, grad_scale, grad_dtype, lam, orthogonalise):
-    from .muon import require_matrix, row_blocks
-
     blocks = row_blocks(group)
     for p, state in zip(params, states):
         require_matrix(p)
