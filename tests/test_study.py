@@ -15,7 +15,7 @@ import torch
 from distributed import free_port
 from ds_async import config as cfgmod
 from ds_async.config import data_parallel_degree
-from ds_async.study import driver
+from ds_async.study import driver, matrices
 from ds_async.study import runs as study
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -445,8 +445,8 @@ def test_engine_table_judges_the_difference_against_the_main_matrix_seed_noise()
 
 def test_every_run_of_every_matrix_is_a_valid_config():
     """Each run's JSON parses as strictly as launch/train.py parses it, with a batch split the engine accepts."""
-    for name in driver.MATRICES:
-        for run in driver.matrix(name):
+    for name in matrices.MATRICES:
+        for run in matrices.matrix(name):
             config = run.config()
             section = config.pop("ds_async")
             cfg = cfgmod.parse(section)
@@ -455,14 +455,14 @@ def test_every_run_of_every_matrix_is_a_valid_config():
 
 
 def test_matrices_and_split():
-    main = driver.matrix("main")
+    main = matrices.matrix("main")
     assert len(main) == 18 and len({r.name for r in main}) == 18
     configs = {r.name: r.config() for r in main}
     assert {(c["optimizer"]["type"], c["ds_async"]["schedule"], c["ds_async"].get("correction", {}).get("type"))
             for c in configs.values()} == {(o, s, c) for o in ("AdamW", "Muon")
                                            for s, c in (("1f1b", None), ("2bw", None), ("2bw", "ef"))}
     assert {c["ds_async"]["seed"] for c in configs.values()} == {0, 1, 2}
-    extras = driver.matrix("extras")
+    extras = matrices.matrix("extras")
     assert len(extras) == 32 and {r.group for r in extras} == {"tokens", "lr", "batch", "depth", "ef_lambda",
                                                                 "nesterov"}
     depth = [r.config() for r in extras if r.group == "depth"]
@@ -479,7 +479,7 @@ def test_matrices_and_split():
     lr = {r.name: r.config()["optimizer"]["params"] for r in extras if r.group == "lr"}
     assert lr["muon-2bw-lr2x"]["lr"] == pytest.approx(0.04) and lr["muon-2bw-lr2x"]["adam_lr"] == pytest.approx(6e-3)
     # the engine comparison's points are main's own runs, config for config
-    pairs = driver.matrix("pairs")
+    pairs = matrices.matrix("pairs")
     assert len(pairs) == 9 and all(r.config() == configs[r.name] for r in pairs)
     for runs in (main, extras):
         shares = [driver.split(runs, i, 2) for i in range(2)]
@@ -488,26 +488,26 @@ def test_matrices_and_split():
         clock = driver.step_clock()
         loads = [sum(driver.cost(r, clock=clock) for r in share) for share in shares]
         assert max(loads) <= 1.1 * min(loads)
-    assert len(driver.matrix("tiny")) == 21 and len(driver.matrix("tiny-pairs")) == 3
+    assert len(matrices.matrix("tiny")) == 21 and len(matrices.matrix("tiny-pairs")) == 3
 
 
 def test_long_lr_matrices_sweep_around_each_optimizers_tuned_point():
     """Sync's LR sweep brackets each optimizer's tuned scale; Muon's main point at its tuned LR is long's runs with
     both rates scaled, seed 0 trained once (long-lr's and long-async-lr's folders); the async variants' own sweep."""
-    long = {r.name: r.config() for r in driver.matrix("long")}
-    lr = {r.name: r.config() for r in driver.matrix("long-lr")}
-    assert sorted(lr) == sorted(f"{o}-sync-lr{x:g}x-s0" for o, xs in driver.SYNC_LR_SCALES.items() for x in xs)
-    for opt, x in driver.TUNED_LR.items():
-        assert min(driver.SYNC_LR_SCALES[opt]) < x < max(driver.SYNC_LR_SCALES[opt])
-    tuned = driver.matrix("long-tuned")
+    long = {r.name: r.config() for r in matrices.matrix("long")}
+    lr = {r.name: r.config() for r in matrices.matrix("long-lr")}
+    assert sorted(lr) == sorted(f"{o}-sync-lr{x:g}x-s0" for o, xs in matrices.SYNC_LR_SCALES.items() for x in xs)
+    for opt, x in matrices.TUNED_LR.items():
+        assert min(matrices.SYNC_LR_SCALES[opt]) < x < max(matrices.SYNC_LR_SCALES[opt])
+    tuned = matrices.matrix("long-tuned")
     assert len(tuned) == 9 and {r.group for r in tuned} == {"long-lr", "long-async-lr", "long-tuned"}
     assert sorted(r.name for r in tuned if r.group != "long-tuned") == [
         "muon-2bw+ef-lr2x-s0", "muon-2bw-lr2x-s0", "muon-sync-lr2x-s0"]
     for r in tuned:
         variant, seed = r.name.split("-")[1], r.name.rsplit("-", 1)[1]
-        assert r.config() == driver.override(long[f"muon-{variant}-{seed}"], driver.lr_scaled("muon", 2.0)), r.name
-    asynchronous = {r.name for r in driver.matrix("long-async-lr")}
-    assert asynchronous == {f"{o}-{v}-lr{x:g}x-s0" for o, xs in driver.ASYNC_LR_SCALES.items() for x in xs
+        assert r.config() == matrices.override(long[f"muon-{variant}-{seed}"], matrices.lr_scaled("muon", 2.0)), r.name
+    asynchronous = {r.name for r in matrices.matrix("long-async-lr")}
+    assert asynchronous == {f"{o}-{v}-lr{x:g}x-s0" for o, xs in matrices.ASYNC_LR_SCALES.items() for x in xs
                             for v in ("2bw", "2bw+ef")}
 
 
@@ -515,22 +515,22 @@ def test_the_own_lr_matrix_trains_each_async_variant_at_its_committed_own_best()
     """long-own-lr: sync at its tuned LR and each async variant at its own best (``OWN_LR``, inside the sweep planned
     for it), seeds 0-2, as long's runs with the LR scaled; a point another long matrix holds is that matrix's run;
     ``OWN_LR`` is the own best the committed results give, as a multiple of sync's best."""
-    own = driver.matrix("long-own-lr")
+    own = matrices.matrix("long-own-lr")
     assert len({(r.group, r.name) for r in own}) == len(own) == 18
-    held = {(r.group, r.name) for m in ("long", "long-tuned", "long-async-lr") for r in driver.matrix(m)}
+    held = {(r.group, r.name) for m in ("long", "long-tuned", "long-async-lr") for r in matrices.matrix(m)}
     assert sorted((r.group, r.name) for r in own if (r.group, r.name) not in held) == [
         ("long-own-lr", f"adamw-{v}-s{k}") for v in ("2bw+ef-lr0.25x", "2bw-lr0.125x") for k in (1, 2)]
-    long = {r.name: r.config() for r in driver.matrix("long")}
+    long = {r.name: r.config() for r in matrices.matrix("long")}
     for r in own:
         opt, variant, seed = r.name.split("-")[0], r.name.split("-")[1], r.name.rsplit("-", 1)[1]
-        x = {"sync": driver.TUNED_LR[opt], **driver.OWN_LR[opt]}[variant]
-        assert r.config() == driver.override(long[f"{opt}-{variant}-{seed}"], driver.lr_scaled(opt, x)), r.name
+        x = {"sync": matrices.TUNED_LR[opt], **matrices.OWN_LR[opt]}[variant]
+        assert r.config() == matrices.override(long[f"{opt}-{variant}-{seed}"], matrices.lr_scaled(opt, x)), r.name
     best = study.own_best_lr(study.load_results()).set_index(["optimizer", "label"])["lr"]
-    for opt, scales in driver.OWN_LR.items():
-        planned = {1.0, driver.TUNED_LR[opt], *driver.ASYNC_LR_SCALES[opt]}
+    for opt, scales in matrices.OWN_LR.items():
+        planned = {1.0, matrices.TUNED_LR[opt], *matrices.ASYNC_LR_SCALES[opt]}
         for variant, x in scales.items():
             assert min(planned) < x < max(planned), (opt, variant)
-            assert math.isclose(best[opt, variant] / best[opt, "sync"], x / driver.TUNED_LR[opt]), (opt, variant)
+            assert math.isclose(best[opt, variant] / best[opt, "sync"], x / matrices.TUNED_LR[opt]), (opt, variant)
 
 
 def test_long_lambda_and_long_delay_matrices():
@@ -538,10 +538,10 @@ def test_long_lambda_and_long_delay_matrices():
     at m = 1 against the constant delay of its mean on the same stages, with sync and 2bw at m = 1, at 1/3."""
     from ds_async.pipe.version_rule import get
 
-    long = {r.name: r.config() for r in driver.matrix("long")}
-    lengths = {r.name: r.config() for r in driver.matrix("long-lengths")}
-    lam = {r.name: r.config() for r in driver.matrix("long-lambda")}
-    assert len(lam) == 56 == len(driver.matrix("long-lambda"))
+    long = {r.name: r.config() for r in matrices.matrix("long")}
+    lengths = {r.name: r.config() for r in matrices.matrix("long-lengths")}
+    lam = {r.name: r.config() for r in matrices.matrix("long-lambda")}
+    assert len(lam) == 56 == len(matrices.matrix("long-lambda"))
     assert all(c["ds_async"]["train"]["steps"] == 524 and c["ds_async"]["seed"] == 0 for c in lam.values())
     points = {(c["optimizer"]["type"], c["ds_async"]["correction"]["lambda"],
                c["optimizer"]["params"]["lr"] / long[f"{o}-sync-s0"]["optimizer"]["params"]["lr"])
@@ -558,10 +558,10 @@ def test_long_lambda_and_long_delay_matrices():
     same = lam["muon-2bw+ef-lambda2-lr1x-len524-s0"]
     del same["ds_async"]["correction"]
     assert same == lengths["muon-2bw-len524-s0"]
-    assert driver.override(lam["muon-sync-lr2x-len524-s0"], driver.lr_scaled("muon", 1.0)) == \
+    assert matrices.override(lam["muon-sync-lr2x-len524-s0"], matrices.lr_scaled("muon", 1.0)) == \
         lengths["muon-sync-len524-s0"]
 
-    delay = {r.name: r.config() for r in driver.matrix("long-delay")}
+    delay = {r.name: r.config() for r in matrices.matrix("long-delay")}
     assert len(delay) == 12 and {n.split("-", 1)[1] for n in delay} == {
         f"{k}-len1571-s0" for k in ("pipedream-p3", "delay1-p3", "pipedream-p5", "delay2-p5", "sync", "2bw")}
     assert all(c["ds_async"]["train"]["steps"] == c["scheduler"]["params"]["total_num_steps"] == 1571
@@ -579,19 +579,65 @@ def test_long_lambda_and_long_delay_matrices():
             pd, const = (delay[f"{opt}-pipedream-p{p}-len1571-s0"],
                          delay[f"{opt}-delay{(p - 1) // 2}-p{p}-len1571-s0"])
             assert pd["ds_async"]["pipeline_stages"] == const["ds_async"]["pipeline_stages"] == p
-            assert driver.override(const, {"ds_async.schedule": "pipedream"}) == pd  # only the rule differs
+            assert matrices.override(const, {"ds_async.schedule": "pipedream"}) == pd  # only the rule differs
             variable = [get("pipedream").delay(s, p, 1) for s in range(p)]
             assert [get(const["ds_async"]["schedule"]).delay(s, p, 1) for s in range(p)] == \
                 [sum(variable) / p] * p
 
 
+def test_long_batch_and_adamw_lambda_matrices():
+    """long-batch: long's tokens at half and twice its batch (steps x2 and /2, warm-up 10% of them, validation at the
+    same token points), sync / 2bw / 2bw+ef at each optimizer's sync-tuned LR, seed 0, seeds 1-2 apart;
+    long-adamw-lambda: AdamW 2bw + EF at lambda 1-3, full length, sync's LR, seeds 0-2, lambda 1 being long's runs."""
+    long = {r.name: r.config() for r in matrices.matrix("long")}
+    batch = {r.name: r.config() for r in matrices.matrix("long-batch")}
+    assert len(batch) == 12 == len(matrices.matrix("long-batch"))
+    assert {r.group for r in matrices.matrix("long-batch") + matrices.matrix("long-batch-seeds")} == {"long-batch"}
+    assert {(c["ds_async"]["seed"]) for c in batch.values()} == {0}
+    assert sorted({r.config()["ds_async"]["seed"] for r in matrices.matrix("long-batch-seeds")}) == [1, 2]
+    assert len(matrices.matrix("long-batch-seeds")) == 24
+    shape = {(c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"], c["ds_async"]["train"]["steps"],
+              c["scheduler"]["params"]["total_num_steps"], c["scheduler"]["params"]["warmup_num_steps"],
+              c["ds_async"]["eval"]["every"], c["ds_async"]["eval"]["batches"]) for c in batch.values()}
+    # half the batch as 4 micro-batches of 32 (2bw needs m >= 4 stages); validation on the same 1280 sequences
+    assert shape == {(32, 4, 9424, 9424, 942, 472, 40), (64, 8, 2356, 2356, 236, 118, 20)}
+    base = long["adamw-sync-s0"]
+    assert (base["gradient_accumulation_steps"], base["ds_async"]["train"]["steps"],
+            base["scheduler"]["params"]["warmup_num_steps"], base["ds_async"]["eval"]["every"]) == (4, 4712, 471, 236)
+    for name, c in batch.items():
+        tokens = c["train_micro_batch_size_per_gpu"] * c["gradient_accumulation_steps"] * c["ds_async"]["train"]["steps"]
+        assert tokens == 64 * 4 * 4712, name
+        params = c["optimizer"]["params"]
+        assert (params["lr"], params.get("adam_lr")) == ((0.04, 6e-3) if name.startswith("muon") else (3e-3, None))
+    assert {n.split("-batch")[0] for n in batch} == {f"{o}-{v}" for o in ("adamw", "muon")
+                                                     for v in ("sync", "2bw", "2bw+ef")}
+    assert matrices.override(batch["muon-2bw+ef-batch128-s0"], {
+        "train_micro_batch_size_per_gpu": 64, "ds_async.eval.batches": 20, **matrices.length(4712),
+        "ds_async.eval.every": 236}) == \
+        {r.name: r.config() for r in matrices.matrix("long-tuned")}["muon-2bw+ef-lr2x-s0"]
+
+    lam = matrices.matrix("long-adamw-lambda")
+    assert len(lam) == 9 and sorted((r.group, r.name) for r in lam if r.group == "long") == [
+        ("long", f"adamw-2bw+ef-s{k}") for k in (0, 1, 2)]
+    configs = [r.config() for r in lam]
+    assert sorted((c["ds_async"]["correction"]["lambda"], c["ds_async"]["seed"]) for c in configs) == [
+        (lam_, k) for lam_ in (1.0, 2.0, 3.0) for k in (0, 1, 2)]
+    assert all(c["ds_async"]["train"]["steps"] == 4712 and c["optimizer"]["params"]["lr"] == 3e-3 and
+               c["ds_async"]["schedule"] == "2bw" for c in configs)
+    same = {r.name: r.config() for r in lam}["adamw-2bw+ef-lambda2-s1"]
+    same["ds_async"]["correction"]["lambda"] = 1.0
+    assert same == long["adamw-2bw+ef-s1"]  # only lambda differs from long's EF run
+    moe = {r.name for r in matrices.matrix("long-moe")}
+    assert {f"muon-{v}-s2" for v in ("sync", "2bw", "2bw+ef")} <= moe
+
+
 def test_override_sets_dotted_keys_and_names_what_is_not_an_object():
     config = {"a": {"b": 1}, "c": 2}
-    assert driver.override(config, {"a.b": 3, "a.d.e": [4], "f": {"g": 5}}) == {
+    assert matrices.override(config, {"a.b": 3, "a.d.e": [4], "f": {"g": 5}}) == {
         "a": {"b": 3, "d": {"e": [4]}}, "c": 2, "f": {"g": 5}}
     assert config == {"a": {"b": 1}, "c": 2}
     with pytest.raises(ValueError, match="c.x: 'c' is not an object"):
-        driver.override(config, {"c.x": 1})
+        matrices.override(config, {"c.x": 1})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -879,7 +925,7 @@ def test_the_driver_leaves_out_what_the_committed_results_hold(capsys):
     on a machine whose run folders are empty. Read on a matrix the committed results hold part of (the first such;
     matrices fill up as the study runs)."""
     done = driver.committed()
-    name, long = next((name, runs) for name in driver.MATRICES for runs in [driver.matrix(name)]
+    name, long = next((name, runs) for name in matrices.MATRICES for runs in [matrices.matrix(name)]
                       if 0 < sum(("emulation", r.group, r.name) in done for r in runs) < len(runs))
     held = [r for r in long if ("emulation", r.group, r.name) in done]
     assert 0 < len(held) < len(long)
@@ -903,8 +949,8 @@ def test_the_driver_packs_by_the_committed_clock(tmp_path):
     clock = driver.step_clock(csv_path)
     assert clock == {("emulation", "long_moe.json", "muon", 4): 0.12, ("emulation", "long.json", "muon", 4): 0.08,
                      ("engine", "long.json", "muon", 4): 0.5}
-    moe = {r.name: r for r in driver.matrix("long-moe")}["muon-sync-s2"]
-    dense = {r.name: r for r in driver.matrix("long")}
+    moe = {r.name: r for r in matrices.matrix("long-moe")}["muon-sync-s2"]
+    dense = {r.name: r for r in matrices.matrix("long")}
     assert driver.cost(moe, clock=clock) == pytest.approx(6606 * 0.12 + driver.START_SECONDS)
     assert driver.cost(dense["adamw-sync-s0"], clock=clock) == pytest.approx(
         4712 * 4 * driver.PASS_SECONDS + driver.START_SECONDS)
@@ -921,7 +967,7 @@ def test_listing_with_gpus_shows_each_workers_share(capsys):
     assert [h.split(":")[0] for h in heads] == ["worker 0 (GPUs 0)", "worker 1 (GPUs 1)"]
     assert all(h.endswith("min planned") for h in heads)
     listed = sorted(line.strip() for line in lines if line.startswith("    "))
-    assert listed == sorted(f"{r.group}/{r.name}" for r in driver.matrix("long-moe"))
+    assert listed == sorted(f"{r.group}/{r.name}" for r in matrices.matrix("long-moe"))
     assert not Path("/nonexistent").exists()
 
 
