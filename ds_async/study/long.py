@@ -139,8 +139,8 @@ def moe_block(runs: pd.DataFrame) -> str:
 
 
 def headline_runs(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per optimizer, the full-length point the page's reading quotes: its sync-tuned LR once that point has sync and 2bw
-    runs, else long.json's own LR (``long``'s runs)."""
+    """Per optimizer, the full-length point the page's reading quotes: its sync-tuned LR once that point has sync and
+    2bw runs, else long.json's own LR (``long``'s runs)."""
     tuned, points = sync_tuned_lr(runs), main_points(runs)
     parts = []
     for opt, own in runs[runs["group"] == "long"].groupby("optimizer", sort=False):
@@ -406,7 +406,8 @@ def lambda_block(runs: pd.DataFrame) -> str:
     if not (runs["group"] == "long-lambda").any():
         return "Not run yet.\n"
     grid = lambda_grid(runs)
-    shown = formatted(grid, {"lr": "g", "sync": 3, "λ=0 (2bw)": 3, **{f"λ={x:g}": 3 for x in LAMBDAS}, "best λ": "g"})
+    shown = formatted(grid, {"lr": "g", "sync": 3, "λ=0 (2bw)": 3, **{f"λ={x:g}": 3 for x in LAMBDAS},
+                             "best λ": "g"})
     shown["closed at best λ"] = [share_text(v, math.nan, 1) for v in grid["closed at best λ"]]  # seed 0 alone
     return markdown(shown, index=False) + "\n" + ran_line(runs[runs["group"] == "long-lambda"])
 

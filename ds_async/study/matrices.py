@@ -378,9 +378,10 @@ def matrix(name: str) -> list[Run]:
     fused ``gate_up_proj``, sync and 2bw+ef at seed 0: one matrix per expert (``long-moe``'s own runs) and its gate
     and up halves apart (``split_gate_up``; 2 more runs).
     ``long-batch``: steps against tokens at long's 618M tokens, half and twice its batch (4 micro-batches of 32 or 8
-    of 64, 9424 or 2356 steps), sync, 2bw and 2bw+ef at each optimizer's sync-tuned LR, seed 0 (12); ``long-batch-seeds``:
-    the same at seeds 1 and 2 (24, group ``long-batch``). ``long-adamw-lambda``: AdamW 2bw + EF at lambda 1, 2 and 3
-    at the full length and sync's tuned LR, seeds 0-2 (9; lambda 1 is long's runs, so 6 more).
+    of 64, 9424 or 2356 steps), sync, 2bw and 2bw+ef at each optimizer's sync-tuned LR, seed 0 (12);
+    ``long-batch-seeds``: the same at seeds 1 and 2 (24, group ``long-batch``). ``long-adamw-lambda``: AdamW 2bw +
+    EF at lambda 1, 2 and 3 at the full length and sync's tuned LR, seeds 0-2 (9; lambda 1 is long's runs, so 6
+    more).
     """
     if name not in MATRIX_BUILDERS:
         raise ValueError(f"unknown matrix {name!r}; known: {', '.join(MATRICES)}")

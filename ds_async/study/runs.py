@@ -4,10 +4,12 @@ The page (``launch/study/RESULTS.md``) holds tables generated between ``<!-- tab
 markers and prose written by people around them: :func:`report` computes every block from the committed results
 (tables and the lines saying what ran, no sentence that reads them), :func:`render` puts them in and leaves the rest
 of the page as it is. What the runs show (the findings, the MoE's choice, the time-to-loss verdict) is that
-hand-written prose; every number it states is a generated table's, and ``report`` (``--check`` too) refuses a page
-whose prose states a ``m ± h`` figure or a percentage that no table holds (:func:`unquoted`; settings such as the
-warm-up's 10% are ``NOT_RESULTS``). The analysis lives in :mod:`~ds_async.study.rows` (one row per run, from run folders or the committed
-results), :mod:`~ds_async.study.tables` (the short study's tables and the definitions of gap and recovered share),
+hand-written prose; every number it states is a generated table's, and ``report`` (``--check`` too) refuses a
+page whose prose states a ``m ± h`` figure or a percentage that no table holds (:func:`unquoted`; settings such
+as the warm-up's 10% are ``NOT_RESULTS``).
+
+The analysis lives in :mod:`~ds_async.study.rows` (one row per run, from run folders or the committed results),
+:mod:`~ds_async.study.tables` (the short study's tables and the definitions of gap and recovered share),
 :mod:`~ds_async.study.long` (the study at a real length) and :mod:`~ds_async.study.comparisons` (time to loss, the
 engine against the emulation, provenance); the notebook, its plots (``plots.py``) and the tests read them here.
 
@@ -20,6 +22,7 @@ imports this.
 """
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import sys
@@ -204,6 +207,29 @@ def execute_notebook(path: str | Path, runs: str | None = None, timeout: int = 6
     nbformat.write(nb, path)
 
 
+def write_page(path: Path, results: Path, check: bool = False) -> int:
+    """``report``'s command: regenerate the page's tables at ``path`` from ``results`` and write it, or with
+    ``check`` only compare; 1 (with the reason on stderr) where the prose states a figure no table holds or, with
+    ``check``, where a table differs."""
+    page = path.read_text()
+    new = render(page, report(load_results(results), load_time_to_loss(results)))
+    loose = unquoted(new)
+    if loose:
+        print(f"{path}: its prose states figures no table holds: {', '.join(loose)}", file=sys.stderr)
+        return 1
+    if check:
+        if new != page:
+            sys.stdout.writelines(difflib.unified_diff(page.splitlines(True), new.splitlines(True), str(path),
+                                                       "regenerated"))
+            print(f"{path}: its tables differ from what {results} gives", file=sys.stderr)
+            return 1
+        print(f"{path}: every table matches {results}, and every figure its prose states is a table's")
+        return 0
+    path.write_text(new)
+    print(f"wrote the tables of {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -225,24 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.cmd == "report":
-        page = args.page.read_text()
-        new = render(page, report(load_results(args.results), load_time_to_loss(args.results)))
-        loose = unquoted(new)
-        if loose:
-            print(f"{args.page}: its prose states figures no table holds: {', '.join(loose)}", file=sys.stderr)
-            return 1
-        if args.check:
-            if new != page:
-                import difflib
-
-                sys.stdout.writelines(difflib.unified_diff(page.splitlines(True), new.splitlines(True),
-                                                           str(args.page), "regenerated"))
-                print(f"{args.page}: its tables differ from what {args.results} gives", file=sys.stderr)
-                return 1
-            print(f"{args.page}: every table matches {args.results}, and every figure its prose states is a table's")
-            return 0
-        args.page.write_text(new)
-        print(f"wrote the tables of {args.page}")
+        return write_page(args.page, args.results, args.check)
     elif args.cmd == "table":
         runs = load_runs(args.roots)
         print(f"{len(runs)} runs")
