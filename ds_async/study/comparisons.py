@@ -49,7 +49,8 @@ def time_to_loss_table(doc: dict) -> pd.DataFrame:
     seconds and tokens to reach the target (the sync run's final loss) and the wall-clock speed-up to it over sync.
     The seconds count from the start of training, so they include compiling and the evaluations; ``start-up`` is
     what the first evaluation's clock holds beyond its steps at the run's step time (compiling, warm-up), and the
-    ``after start-up`` columns leave it out."""
+    ``after start-up`` columns leave it out. Against sync, last: the extra tokens to the target (a fraction), and
+    how many times as fast each step is, in the full run and in calibration."""
     runs = doc["runs"]
     per_step = runs["sync"]["tokens"] / runs["sync"]["steps"]
     rows = []
@@ -69,40 +70,24 @@ def time_to_loss_table(doc: dict) -> pd.DataFrame:
     sync = table["run"] == "sync"
     table["speed-up to target"] = table.loc[sync, "time to target (s)"].iloc[0] / table["time to target (s)"]
     table["speed-up after start-up"] = table.loc[sync, "after start-up (s)"].iloc[0] / table["after start-up (s)"]
+    table["tokens to target vs sync"] = (table["tokens to target (M)"] / table.loc[sync, "tokens to target (M)"].iloc[0]
+                                         - 1)
+    table["step speed-up"] = table.loc[sync, "step (s)"].iloc[0] / table["step (s)"]
+    calibrated = doc["calibration_step_time_s"]
+    table["step speed-up in calibration"] = [calibrated["sync"] / calibrated[name] for name in table["run"]]
     return table
 
 
-def time_to_loss_findings(doc: dict) -> str:
-    """What a time-to-loss comparison shows, per asynchronous run against sync, in numbers computed from it: how much
-    sooner it reaches the target, at what cost in tokens, how much faster its steps are, where it ends."""
-    t = time_to_loss_table(doc).set_index("run")
-    sync, calibrated = t.loc["sync"], doc["calibration_step_time_s"]
-    lines = []
-    for name, r in t.drop(index="sync").iterrows():
-        if pd.isna(r["time to target (s)"]):
-            reach = f"**{name} never reaches the target**"
-        else:
-            reach = (f"**{name} reaches the target {r['speed-up to target']:.3f}× sooner** on the wall clock "
-                     f"({r['time to target (s)']:.1f} s against {sync['time to target (s)']:.1f} s), with "
-                     f"{r['tokens to target (M)'] / sync['tokens to target (M)'] - 1:+.0%} tokens "
-                     f"({r['tokens to target (M)']:.1f}M against {sync['tokens to target (M)']:.1f}M)")
-        if not pd.isna(r["time to target (s)"]):
-            reach += (f"; with each run's start-up left out ({r['start-up (s)']:.1f} s against "
-                      f"{sync['start-up (s)']:.1f} s), {r['speed-up after start-up']:.3f}× "
-                      f"({r['after start-up (s)']:.1f} s against {sync['after start-up (s)']:.1f} s)")
-        lines.append(f"- {reach}; its steps are {sync['step (s)'] / r['step (s)']:.2f}× as fast in the full runs "
-                     f"({calibrated['sync'] / calibrated[name]:.2f}× in calibration), and with the same training "
-                     f"time it ends at {r['final loss']:.4f} against {sync['final loss']:.4f}.")
-    return "\n".join(lines) + "\n"
-
-
 def time_to_loss_block(doc: dict) -> str:
-    """The results page's time-to-loss table, what it shows and the line saying what ran."""
-    table = formatted(time_to_loss_table(doc), {"tokens (M)": 1, "step (s)": 4, "training (s)": 1, "final loss": 4,
-                                           "time to target (s)": 1, "tokens to target (M)": 1,
-                                           "start-up (s)": 1, "after start-up (s)": 1, "speed-up to target": 3,
-                                           "speed-up after start-up": 3})
-    return (markdown(table, index=False) + "\n" + time_to_loss_findings(doc)
+    """The results page's time-to-loss table and the line saying what ran (target, model, calibration, command)."""
+    table = time_to_loss_table(doc)
+    table["tokens to target vs sync"] = [f"{v:+.0%}" if math.isfinite(v) else "—"
+                                         for v in table["tokens to target vs sync"]]
+    table = formatted(table, {"tokens (M)": 1, "step (s)": 4, "training (s)": 1, "final loss": 4,
+                              "time to target (s)": 1, "tokens to target (M)": 1, "start-up (s)": 1,
+                              "after start-up (s)": 1, "speed-up to target": 3, "speed-up after start-up": 3,
+                              "step speed-up": 2, "step speed-up in calibration": 2})
+    return (markdown(table, index=False)
             + f"\nTarget: {doc['target']:.4f} (sync's final validation loss). "
             f"Model: {doc['parameters'] / 1e6:.1f}M parameters (`{doc['config']}`), {doc['gpus']} GPUs, "
             f"{doc['budget_s']:g} s of steady-state steps each ("

@@ -1,7 +1,8 @@
 """The study at a real length (``long.json``: 20 tokens per parameter): its tables (the gap against length, the LR
 sweeps, each variant at its own best LR, EF's strength against the LR, PipeDream's variable delay, the MoE), with
-paired intervals over seeds, and the bullets that state their numbers. Input: the rows of
-:mod:`ds_async.study.rows`; the definitions are :mod:`ds_async.study.tables`'.
+paired intervals over seeds, and the numbers the page's hand-written reading quotes (the extrapolation of the gap,
+each variant at its own LR on seed 0, the MoE's fused-vs-split choice, the training clocks) as tables. Input: the
+rows of :mod:`ds_async.study.rows`; the definitions are :mod:`ds_async.study.tables`'.
 """
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import numpy as np
 import pandas as pd
 
 from .rows import PAPER
-from .tables import (at_reference, formatted, gap_table, markdown, ran_line, recovered_share, reference,
-                     reference_parameters, sweep)
+from .tables import (at_reference, formatted, gap_with_interval, markdown, paired_interval, ran_line, recovered_share,
+                     reference, reference_parameters, share_cell, share_text, sweep)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -24,25 +25,6 @@ LR_GROUPS = ("long", "long-tuned", "long-lr", "long-async-lr", "long-own-lr")
 """The groups whose runs sit on long.json's LR axis at its full length."""
 MAIN_GROUPS = ("long", "long-tuned")
 """The multi-seed points at full length: long.json's own peak LRs, and Muon at its sync-tuned one."""
-# Two-sided 95% quantiles of Student's t by degrees of freedom (1.96 beyond the table).
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
-
-
-def paired_interval(diff: pd.Series) -> float:
-    """Half-width of the 95% t interval of the mean of paired differences (NaN below two pairs)."""
-    diff = diff.dropna()
-    n = len(diff)
-    if n < 2:
-        return math.nan
-    return T975.get(n - 1, 1.96) * diff.std(ddof=1) / math.sqrt(n)
-
-
-def gap_with_interval(mean: float, half: float, n: int) -> str:
-    if not math.isfinite(mean):
-        return "—"
-    return f"{mean:+.3f} ± {half:.3f} (n={n})" if math.isfinite(half) else f"{mean:+.3f} (n={n}, no interval)"
-
-
 def _lr_key(lr: float) -> float:
     return float(f"{lr:.6g}")
 
@@ -97,7 +79,8 @@ VARIANT_CELLS = ("sync", "2bw", "2bw+ef", "2bw − sync", "2bw+ef − sync", "re
 
 def variant_cells(runs: pd.DataFrame) -> dict[str, str]:
     """One point's sync, 2bw and 2bw+ef as table cells: each final loss (mean over seeds, n), the gaps to sync paired
-    by seed with their 95% intervals, and the share of the gap EF recovers (over the seeds that have all three)."""
+    by seed with their 95% intervals, and the share of the gap EF recovers with its 95% interval (over the seeds that
+    have all three; :func:`~ds_async.study.tables.share_cell`)."""
     table = runs.pivot_table(index="seed", columns="label", values="final_val", aggfunc="mean")
     row = {label: f"{table[label].mean():.3f} ({int(table[label].count())})" if label in table else "—"
            for label in ("sync", "2bw", "2bw+ef")}
@@ -105,12 +88,7 @@ def variant_cells(runs: pd.DataFrame) -> dict[str, str]:
         diff = (table[label] - table["sync"]).dropna() if {"sync", label} <= set(table) else pd.Series([])
         row[f"{label} − sync"] = (gap_with_interval(diff.mean(), paired_interval(diff), len(diff)) if len(diff)
                                   else "—")
-    row["recovered by ef"] = "—"
-    if {"sync", "2bw", "2bw+ef"} <= set(table.columns):
-        both = table[["sync", "2bw", "2bw+ef"]].dropna()
-        share = recovered_share(*(both[c].mean() for c in ("sync", "2bw", "2bw+ef")))
-        if math.isfinite(share):
-            row["recovered by ef"] = f"{100 * share:.0f}% (n={len(both)})"
+    row["recovered by ef"] = share_cell(table) if {"sync", "2bw", "2bw+ef"} <= set(table.columns) else "—"
     return row
 
 
@@ -131,41 +109,38 @@ def moe_table(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame([*rows, {"gate_up_proj": "paper, 10B MoE", **paper}], columns=["gate_up_proj", *VARIANT_CELLS])
 
 
-def moe_choice(runs: pd.DataFrame) -> str:
-    """The fused-vs-split choice by the rule docs/DESIGN.md fixed before the runs ("Muon on fused expert matrices"):
-    split unless fused trains better, for sync and for 2bw+ef alike, by more than the spread (max − min) of fused's
-    own seeds; seed 0 of each compared. Undecided while either side lacks those runs or fused has one seed."""
+def moe_choice_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """What the fused-vs-split choice is read from, by the rule docs/DESIGN.md fixed before the runs ("Muon on fused
+    expert matrices": split unless fused trains better, for sync and for 2bw+ef alike, by more than the spread, max −
+    min, of fused's own seeds): per variant, seed 0's loss each way, split − fused, and fused's seeds and their
+    spread (NaN where a run is missing)."""
     fused, split = (runs[(runs["group"] == g) & ~runs["diverged"].astype(bool)] for g in MOE_GROUPS)  # that order
-    labels = ("sync", "2bw+ef")
-    loss = {(name, label): part.loc[(part["label"] == label) & (part["seed"] == 0), "final_val"].mean()
-            for name, part in (("fused", fused), ("split", split)) for label in labels}
-    seeds = {label: fused.loc[fused["label"] == label, "final_val"] for label in labels}
-    if not all(math.isfinite(v) for v in loss.values()) or min(len(v) for v in seeds.values()) < 2:
-        return ("- **gate_up_proj:** undecided until both ways have sync and 2BW + EF at seed 0 and fused has 2+ "
-                "seeds.\n")
-    margin = {label: loss[("split", label)] - loss[("fused", label)] for label in labels}
-    spread = {label: seeds[label].max() - seeds[label].min() for label in labels}
-    fused_wins = all(margin[label] > spread[label] for label in labels)
-    said = "; ".join(f"{label} {margin[label]:+.3f} (fused seeds' spread {spread[label]:.3f})" for label in labels)
-    return (f"- **gate_up_proj:** split − fused at seed 0: {said}. By the rule fixed before the runs: "
-            + ("fused (one matrix per expert) stays the default" if fused_wins else
-               "split (gate and up apart) becomes the default") + ".\n")
+    rows = []
+    for label in ("sync", "2bw+ef"):
+        seed0 = {name: part.loc[(part["label"] == label) & (part["seed"] == 0), "final_val"].mean()
+                 for name, part in (("fused", fused), ("split", split))}
+        seeds = fused.loc[fused["label"] == label, "final_val"]
+        rows.append({"variant": label, "fused, seed 0": seed0["fused"], "split, seed 0": seed0["split"],
+                     "split − fused": seed0["split"] - seed0["fused"], "fused seeds": len(seeds),
+                     "fused seeds' spread": seeds.max() - seeds.min() if len(seeds) >= 2 else math.nan})
+    return pd.DataFrame(rows)
 
 
 def moe_block(runs: pd.DataFrame) -> str:
-    """The results page's MoE table (:func:`moe_table`), the fused-vs-split choice (:func:`moe_choice`), what ran
-    and its training clock (:func:`clock_line`)."""
+    """The results page's MoE table (:func:`moe_table`), what the fused-vs-split choice reads
+    (:func:`moe_choice_table`), what ran and its training clock (:func:`clock_table`)."""
     moe = runs[runs["group"].isin(list(MOE_GROUPS))]
     if moe.empty:
         return "Not run yet.\n"
-    clock = clock_line(moe)
-    return markdown(moe_table(moe), index=False) + "\n" + moe_choice(moe) + "\n" + ran_line(moe) + (
-        "\n" + clock if clock else "")
+    choice = formatted(moe_choice_table(moe), {"fused, seed 0": 4, "split, seed 0": 4, "split − fused": "+4",
+                                               "fused seeds' spread": 4})
+    return (markdown(moe_table(moe), index=False) + "\n" + markdown(choice, index=False) + "\n" + ran_line(moe)
+            + clock_markdown(moe))
 
 
 def headline_runs(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per optimizer, the full-length point the findings quote: its sync-tuned LR once that point has sync and 2bw
-    runs, else long.json's own LR (``long``'s runs)."""
+    """Per optimizer, the full-length point the page's reading quotes: its sync-tuned LR once that point has sync and
+    2bw runs, else long.json's own LR (``long``'s runs)."""
     tuned, points = sync_tuned_lr(runs), main_points(runs)
     parts = []
     for opt, own in runs[runs["group"] == "long"].groupby("optimizer", sort=False):
@@ -182,28 +157,37 @@ def length_sweep(runs: pd.DataFrame, ref: dict) -> pd.DataFrame:
 
 
 def length_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """The gap against training length: sync and 2bw at each length (own LR schedule each), in tokens per
-    parameter, paired by seed over the seeds common to the optimizer's lengths (:func:`length_sweep`); the long
-    matrix's runs are the longest point."""
+    """The gap against training length: sync and 2bw at each length (own LR schedule each; mean and n), in tokens
+    per parameter, and the gap paired by seed with its 95% interval, over the seeds common to the optimizer's lengths
+    (:func:`length_sweep`); the long matrix's runs are the longest point."""
     ref = reference(runs, group="long")
     t = length_sweep(runs, ref)
     params = reference_parameters(runs, ref)
     t.insert(2, "tokens/param", [v / params for v in t["tokens"]])
     t["tokens"] = [f"{v / 1e6:.0f}M" for v in t["tokens"]]
-    return formatted(t, {"tokens/param": 2, "sync": 3, "2bw": 3, "gap": "+3"})
+    for label in ("sync", "2bw"):
+        t[label] = [f"{v:.3f} (n={n})" if math.isfinite(v) else "—" for v, n in zip(t[label], t["seeds"])]
+    t["gap"] = [gap_with_interval(g, h, n) for g, h, n in zip(t["gap"], t["gap half"], t["seeds"])]
+    return formatted(t.drop(columns=["gap half", "seeds"]), {"tokens/param": 2})
 
 
-def clock_line(runs: pd.DataFrame) -> str:
-    """What the runs' training clocks (``summary.json``'s ``seconds``, compiling included) give, per card:
-    runs, the range of tokens/s and of minutes a run; empty when no run has a clock."""
-    parts = []
+def clock_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """What the runs' training clocks (``summary.json``'s ``seconds``, compiling included) give, per card: runs, the
+    range of millions of tokens a second and of minutes a run (empty without a clock)."""
+    rows = []
     for card, part in runs.dropna(subset=["seconds_per_step"]).groupby("card", sort=True):
         rate = part["tokens_per_step"] / part["seconds_per_step"] / 1e6
         minutes = part["seconds_per_step"] * part["steps"] / 60
-        parts.append(f"{card}, {len(part)} run{'s' if len(part) > 1 else ''}: {rate.min():.2f}–{rate.max():.2f}M "
-                     f"tokens/s, {minutes.min():.1f}–{minutes.max():.1f} min a run")
-    return ("Training clock (each run's summary `seconds`, compiling included): " + "; ".join(parts) + ".\n"
-            if parts else "")
+        rows.append({"card": card, "runs": len(part), "M tokens/s": f"{rate.min():.2f}–{rate.max():.2f}",
+                     "min a run": f"{minutes.min():.1f}–{minutes.max():.1f}"})
+    return pd.DataFrame(rows, columns=["card", "runs", "M tokens/s", "min a run"])
+
+
+def clock_markdown(runs: pd.DataFrame) -> str:
+    """:func:`clock_table` as the results page shows it under a table's "Ran" line (nothing without a clock)."""
+    table = clock_table(runs)
+    return ("\nTraining clock (each run's summary `seconds`, compiling included):\n\n" + markdown(table, index=False)
+            if len(table) else "")
 
 
 def seed_table(runs: pd.DataFrame) -> pd.DataFrame:
@@ -247,7 +231,7 @@ LR_LABELS = ("sync", "2bw", "2bw+ef")
 def long_lr_table(runs: pd.DataFrame) -> pd.DataFrame:
     """Final loss against the peak LR at long.json's point (Muon: both of its rates scaled) for sync, 2BW and
     2BW + EF, seed 0 (:func:`lr_sweep`); the gap is 2BW − sync at the same LR."""
-    t = lr_sweep(runs).drop(columns=["lr_scale"])
+    t = lr_sweep(runs).drop(columns=["lr_scale", "gap half"], errors="ignore")
     return formatted(t, {"lr": "g", "sync": 3, "2bw": 3, "2bw+ef": 3, "gap": "+3", "seeds": "g"})
 
 
@@ -304,101 +288,60 @@ def own_best_table(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=list(OWN_BEST_CELLS))
 
 
-def long_findings(runs: pd.DataFrame, short: pd.DataFrame | None = None) -> str:
-    """The results page's reading of the real-length runs as bullets, every number computed from ``runs`` (the
-    long groups), ``short`` (the short study's main matrix, for its gap) and :data:`PAPER`."""
+def extrapolation_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per optimizer, a power law through the gap's two longest points (long and long-lengths; :func:`length_sweep`)
+    carried to the paper's gap: the two points' tokens per parameter and gaps, the exponent k of gap ∝ length^k,
+    the paper's gap and the tokens per parameter where the law would reach it (NaN unless the gap falls and stays
+    positive). An extrapolation, not a measurement."""
     ref = reference(runs, group="long")
     lengths = length_sweep(runs[runs["group"].isin(["long", "long-lengths"])], ref)
     params = reference_parameters(runs, ref)
-    full = headline_runs(runs)
-    table = gap_table(full)
-    tuned = sync_tuned_lr(runs)
-    at_lr = {opt: _lr_key(part["lr"].iloc[0]) for opt, part in full.groupby("optimizer")}
-    lines = []
-    gaps = {opt: part.sort_values("tokens") for opt, part in lengths.groupby("optimizer")}
-    if gaps:
-        per = ", ".join(f"{t / params:.2g}" for t in next(iter(gaps.values()))["tokens"])
-        series = "; ".join(f"{opt} " + ", ".join(f"{g:+.3f}" for g in part["gap"]) for opt, part in gaps.items())
-        lines.append(f"- **The gap against length** (2BW − sync at {per} tokens per parameter): {series}.")
-        ahead = []
-        for opt, part in gaps.items():  # a power law through the two longest points, carried to the paper's gap
-            if len(part) < 2:
-                continue
-            (l0, g0), (l1, g1) = zip(part["tokens"].iloc[-2:] / params, part["gap"].iloc[-2:])
-            target = PAPER.loc[opt, "2bw"] - PAPER.loc[opt, "sync"] if opt in PAPER.index else math.nan
-            if g0 > g1 > 0 and math.isfinite(target):
-                k = math.log(g1 / g0) / math.log(l1 / l0)
-                ahead.append(f"{opt}'s gap falls as length^{k:.2f} over the last tripling, which would reach the "
-                             f"paper's {target:.3f} near {l1 * (target / g1) ** (1 / k):.0f} tokens per parameter")
-        if ahead:
-            lines.append("- **Extrapolated, not measured:** " + "; ".join(ahead) + ".")
-    if {"muon", "adamw"} <= set(table.index) and "gap" in table:
-        short_gap = ""
-        if short is not None and len(short):
-            sg = gap_table(short[short["label"].isin(["sync", "2bw"])])
-            short_gap = "; the short study's: " + ", ".join(f"{o} {sg.loc[o, 'gap']:+.3f}" for o in sg.index)
-
-        def at(o: str) -> str:
-            note = "" if tuned.get(o) == at_lr[o] or o not in tuned else f", not yet at its sync-tuned {tuned[o]:g}"
-            return f"peak LR {at_lr[o]:g}{note}; paper {PAPER.loc[o, '2bw'] - PAPER.loc[o, 'sync']:+.3f}"
-
-        lines.append("- **At 20 tokens per parameter** the delay costs " + ", ".join(
-            f"{o} {table.loc[o, 'gap']:+.3f} ({at(o)})" for o in ("muon", "adamw")) + short_gap + ".")
-    for opt in table.index:
-        col = "recovered 2bw+ef"
-        if col in table and math.isfinite(table.loc[opt, col]):
-            paper = recovered_share(*PAPER.loc[opt, ["sync", "2bw", "2bw+ef"]])
-            lines.append(f"- **EF on {opt}** recovers {100 * table.loc[opt, col]:.0f}% of the gap (paper "
-                         f"{100 * paper:.0f}%): 2BW + EF {table.loc[opt, '2bw+ef']:.3f} against sync "
-                         f"{table.loc[opt, 'sync']:.3f} and 2BW {table.loc[opt, '2bw']:.3f}.")
-    lr = lr_sweep(runs).dropna(subset=["sync"])
-    for opt, part in lr.groupby("optimizer"):
-        if len(part) < 2:
+    rows = []
+    for opt, part in lengths.dropna(subset=["gap"]).sort_values("tokens").groupby("optimizer"):
+        if len(part) < 2 or opt not in PAPER.index:
             continue
-        part = part.sort_values("lr")
-        best = part.loc[part["sync"].idxmin()]
-        where = ("inside the sweep" if part["lr"].iloc[0] < best["lr"] < part["lr"].iloc[-1]
-                 else "at the sweep's edge: not bracketed yet")
-        points = ", ".join(f"{x:g}: {v:.3f}" for x, v in zip(part["lr"], part["sync"]))
-        lines.append(f"- **{opt}'s sync LR** ({points}): the best, {best['lr']:g}, is {where}.")
-    own, by_lr = own_best_lr(runs), lr.set_index(["optimizer", "lr"])
+        (l0, g0), (l1, g1) = zip(part["tokens"].iloc[-2:] / params, part["gap"].iloc[-2:])
+        target = PAPER.loc[opt, "2bw"] - PAPER.loc[opt, "sync"]
+        k = math.log(g1 / g0) / math.log(l1 / l0) if g0 > g1 > 0 else math.nan
+        rows.append({"optimizer": opt, "from tokens/param": l0, "to tokens/param": l1, "gap from": g0, "gap to": g1,
+                     "exponent": k, "paper's gap": target,
+                     "reaches it at tokens/param": l1 * (target / g1) ** (1 / k) if math.isfinite(k) else math.nan})
+    return pd.DataFrame(rows)
+
+
+def own_lr_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Each optimizer's sync, 2bw and 2bw+ef at the best peak LR each has run on seed 0's sweep (:func:`own_best_lr`):
+    the LR, the loss, how many LRs it tried and whether the best lies inside them; the same variant's loss at sync's
+    best LR and how much lower its own LR ends; the gap to sync's best; and on the 2bw+ef row, the share of the gap
+    EF recovers at the variants' own best LRs and at sync's."""
+    own, sweep_at = own_best_lr(runs), lr_sweep(runs).set_index(["optimizer", "lr"])
+    rows = []
     for opt, part in own.groupby("optimizer"):
         best = part.set_index("label")
-        if len(part) < 2 or "sync" not in best.index or (best["lrs"] < 2).any():
-            continue  # a variant at one LR has no "own best" yet
-        lines.append(own_lr_moves(opt, best, by_lr))
-        each = "; ".join(f"{label} {r['loss']:.3f} at {r['lr']:g} (of {r['lrs']} LRs"
-                         f"{'' if r['inside'] else ', at the edge'})" for label, r in best.iterrows())
-        gaps = ", ".join(f"{label} {best.loc[label, 'loss'] - best.loc['sync', 'loss']:+.3f}"
-                         for label in best.index if label != "sync")
-        lines.append(f"- **{opt}, each at its own best LR:** {each}; gaps to sync's best: {gaps}.")
-    return "\n".join(lines) + "\n"
+        if "sync" not in best.index:
+            continue
+        sync_lr, sync = best.loc["sync", "lr"], best.loc["sync", "loss"]
+        at_sync = sweep_at.loc[(opt, sync_lr)]
+        for label, r in best.iterrows():
+            there = at_sync.get(label, math.nan)
+            row = {"optimizer": opt, "variant": label, "lr": r["lr"], "loss": r["loss"], "lrs": r["lrs"],
+                   "inside": "inside" if r["inside"] else "edge", "at sync's lr": there,
+                   "lower than at sync's lr": math.nan if label == "sync" else there - r["loss"],
+                   "gap to sync's best": math.nan if label == "sync" else r["loss"] - sync,
+                   "recovered by ef, own lrs": math.nan, "recovered by ef, sync's lr": math.nan}
+            if label == "2bw+ef" and "2bw" in best.index:
+                row["recovered by ef, own lrs"] = recovered_share(sync, best.loc["2bw", "loss"], r["loss"])
+                row["recovered by ef, sync's lr"] = recovered_share(sync, at_sync.get("2bw", math.nan), there)
+            rows.append(row)
+    return pd.DataFrame(rows)
 
 
-def own_lr_moves(opt: str, best: pd.DataFrame, sweep: pd.DataFrame) -> str:
-    """The findings' bullet on what each async variant gains at its own best LR (``best``: :func:`own_best_lr`'s rows
-    of ``opt`` by label) over sync's best LR (``sweep``: :func:`lr_sweep` by optimizer and LR), and EF's share of
-    the gap at both."""
-    sync_lr = best.loc["sync", "lr"]
-    at_sync = sweep.loc[(opt, sync_lr)]
-    moves = []
-    for label in (x for x in best.index if x != "sync"):
-        own = best.loc[label]
-        if own["lr"] == sync_lr:
-            moves.append(f"{label} is best at sync's")
-        elif math.isfinite(at_sync.get(label, math.nan)):
-            moves.append(f"{label} ends {at_sync[label] - own['loss']:.3f} lower at {own['lr']:g}")
-        else:
-            moves.append(f"{label} has not run at sync's")
-    line = f"- **{opt}'s async variants at their own LR against sync's {sync_lr:g}:** " + "; ".join(moves)
-    if {"2bw", "2bw+ef"} <= set(best.index):
-        sync = best.loc["sync", "loss"]
-        shares = [recovered_share(sync, best.loc["2bw", "loss"], best.loc["2bw+ef", "loss"]),
-                  recovered_share(sync, at_sync.get("2bw", math.nan), at_sync.get("2bw+ef", math.nan))]
-        if all(math.isfinite(x) for x in shares):
-            line += (f"; EF recovers {100 * shares[0]:.0f}% of the gap at their own best LRs, {100 * shares[1]:.0f}%"
-                     f" at sync's")
-    return line + "."
+def own_lr_block(runs: pd.DataFrame) -> str:
+    """The results page's :func:`own_lr_table` (seed 0) and what ran."""
+    shown = formatted(own_lr_table(runs), {"lr": "g", "loss": 3, "at sync's lr": 3, "lower than at sync's lr": 3,
+                                           "gap to sync's best": "+3", "recovered by ef, own lrs": "%",
+                                           "recovered by ef, sync's lr": "%"})
+    return markdown(shown, index=False)
 
 
 LAMBDAS = (0.5, 1.0, 2.0, 3.0)
@@ -440,31 +383,6 @@ def lambda_grid(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def lambda_findings(grid: pd.DataFrame) -> str:
-    """Per optimizer and lambda: the peak LRs where 2BW + EF trained without diverging and where it beat plain 2BW
-    (one sentence when every lambda trained and beat it at every LR), and the best lambda at each LR."""
-    def lrs(values) -> str:
-        return ", ".join(f"{x:g}" for x in values)
-
-    lines = []
-    for opt, part in grid.groupby("optimizer"):
-        each, uniform = [], True
-        for lam in LAMBDAS:
-            col = f"λ={lam:g}"
-            ran = part[np.isfinite(part[col].astype(float))]
-            if ran.empty:
-                continue
-            better = ran[[f"{lam:g}" in beat.split(", ") for beat in ran["beat 2bw"]]]
-            uniform &= len(better) == len(part)
-            each.append(f"λ={lam:g} trained at {lrs(ran['lr'])}, beat 2BW at {lrs(better['lr']) or 'none'}")
-        if each and uniform and len(each) == len(LAMBDAS):  # one sentence says it all
-            each = [f"every λ ({lrs(LAMBDAS)}) trained and beat 2BW at every peak LR ({lrs(part['lr'])})"]
-        if each:
-            best = ", ".join(f"{x:g}: λ={b:g}" for x, b in zip(part["lr"], part["best λ"]) if math.isfinite(b))
-            lines.append(f"- **{opt}:** " + "; ".join(each) + f". Best λ by peak LR: {best}.")
-    return "\n".join(lines) + ("\n" if lines else "")
-
-
 def delay_table(runs: pd.DataFrame) -> pd.DataFrame:
     """PipeDream's variable delay against the constant delay of its mean (long-delay, seed 0, m = 1): per optimizer
     and depth, the final loss of sync, 2bw, pipedream and the constant delay, and each delayed run's gap to sync."""
@@ -484,14 +402,14 @@ def delay_table(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def lambda_block(runs: pd.DataFrame) -> str:
-    """The results page's lambda grid (:func:`lambda_grid`), what it shows and the line saying what ran."""
+    """The results page's lambda grid (:func:`lambda_grid`) and the line saying what ran."""
     if not (runs["group"] == "long-lambda").any():
         return "Not run yet.\n"
     grid = lambda_grid(runs)
-    shown = formatted(grid, {"lr": "g", "sync": 3, "λ=0 (2bw)": 3, **{f"λ={x:g}": 3 for x in LAMBDAS}, "best λ": "g",
-                        "closed at best λ": "%"})
-    return (markdown(shown, index=False) + "\n" + lambda_findings(grid) + "\n"
-            + ran_line(runs[runs["group"] == "long-lambda"]))
+    shown = formatted(grid, {"lr": "g", "sync": 3, "λ=0 (2bw)": 3, **{f"λ={x:g}": 3 for x in LAMBDAS},
+                             "best λ": "g"})
+    shown["closed at best λ"] = [share_text(v, math.nan, 1) for v in grid["closed at best λ"]]  # seed 0 alone
+    return markdown(shown, index=False) + "\n" + ran_line(runs[runs["group"] == "long-lambda"])
 
 
 def delay_block(runs: pd.DataFrame) -> str:

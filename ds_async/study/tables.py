@@ -5,6 +5,13 @@ Definitions, per optimizer, with ``sync`` the synchronous run, ``2bw`` the delay
 with a correction: gap = loss(2bw) − loss(sync), averaged over the seeds that have both (runs of a seed share
 initial weights and data, so the difference is paired); recovered share = (loss(2bw) − loss(corr)) /
 (loss(2bw) − loss(sync)) from the means over the seeds that have all three (1 closes the gap, 0 does nothing).
+
+Intervals are 95% and paired by seed, with Student's t at n − 1 degrees of freedom (none below two seeds). A gap's
+is the t interval of the mean of its per-seed differences. A recovered share's is the delta method's for the ratio
+of the two paired means, R = mean(a) / mean(b) with a = loss(2bw) − loss(corr) and b = loss(2bw) − loss(sync) per
+seed: the t interval of the mean of a − R·b, divided by |mean(b)| (:func:`share_interval`). It is centred on the
+share the tables show (the ratio of the means, not a mean of per-seed ratios, which a seed with a small gap would
+swing) and uses the same seeds and quantile as the gaps.
 Input: the rows of :mod:`ds_async.study.rows`.
 """
 from __future__ import annotations
@@ -16,6 +23,51 @@ import numpy as np
 import pandas as pd
 
 from .rows import AXES, ENGINE_GROUP
+
+# Two-sided 95% quantiles of Student's t by degrees of freedom (1.96 beyond the table).
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def paired_interval(diff: pd.Series) -> float:
+    """Half-width of the 95% t interval of the mean of paired differences (NaN below two pairs)."""
+    diff = diff.dropna()
+    n = len(diff)
+    if n < 2:
+        return math.nan
+    return T975.get(n - 1, 1.96) * diff.std(ddof=1) / math.sqrt(n)
+
+
+def share_interval(sync: pd.Series, delayed: pd.Series, corrected: pd.Series) -> float:
+    """Half-width of the 95% interval of the recovered share of per-seed losses (aligned by seed, all present): the
+    delta method's for the ratio of paired means (module docstring); NaN below two seeds or without a gap."""
+    a, b = delayed - corrected, delayed - sync
+    share = recovered_share(sync.mean(), delayed.mean(), corrected.mean())
+    if len(b) < 2 or not math.isfinite(share):
+        return math.nan
+    return paired_interval(a - share * b) / abs(b.mean())
+
+
+def gap_with_interval(mean: float, half: float, n: int) -> str:
+    """A gap's cell: ``+m ± h (n=N)``, or ``+m (n=N, no interval)``; a dash without a gap."""
+    if not math.isfinite(mean):
+        return "—"
+    return f"{mean:+.3f} ± {half:.3f} (n={n})" if math.isfinite(half) else f"{mean:+.3f} (n={n}, no interval)"
+
+
+def share_cell(seeds: pd.DataFrame, sync: str = "sync", delayed: str = "2bw", corrected: str = "2bw+ef") -> str:
+    """A recovered share's cell from per-seed losses (a frame by seed with the three columns, rows without all three
+    left out): ``S% ± H% (n=N)``, or ``S% (n=N, no interval)``; a dash without a share."""
+    both = seeds[[sync, delayed, corrected]].dropna()
+    share = recovered_share(*(both[c].mean() for c in (sync, delayed, corrected)))
+    return share_text(share, share_interval(both[sync], both[delayed], both[corrected]), len(both))
+
+
+def share_text(share: float, half: float, n: int) -> str:
+    """A recovered share with its interval's half-width and n as a cell, in percent (a dash without a share)."""
+    if not math.isfinite(share):
+        return "—"
+    return f"{100 * share:.0f}% ± {100 * half:.0f}% (n={n})" if math.isfinite(half) else \
+        f"{100 * share:.0f}% (n={n}, no interval)"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -102,9 +154,10 @@ def common_seeds(runs: pd.DataFrame) -> pd.DataFrame:
 
 def sweep(runs: pd.DataFrame, axis: str, ref: dict | None = None, labels: tuple[str, ...] = ("sync", "2bw"),
           x: str | None = None) -> pd.DataFrame:
-    """Final loss of ``labels`` and the gap ``labels[1] − labels[0]`` along ``axis`` (``tokens``, ``lr_scale``,
-    ``batch``), the other axes at the reference, over the seeds common to all points (:func:`common_seeds`); one
-    row per (optimizer, axis value). ``x`` names the column to report as the x value (e.g. ``lr``)."""
+    """Final loss of ``labels`` and the gap ``labels[1] − labels[0]`` (with its interval's half-width, ``gap half``)
+    along ``axis`` (``tokens``, ``lr_scale``, ``batch``), the other axes at the reference, over the seeds common to
+    all points (:func:`common_seeds`); one row per (optimizer, axis value). ``x`` names the column to report as the x
+    value (e.g. ``lr``)."""
     ref = ref or reference(runs)
     sub = at_reference(runs, ref, free=axis)
     sub = common_seeds(sub[sub["label"].isin(labels)])
@@ -118,7 +171,7 @@ def sweep(runs: pd.DataFrame, axis: str, ref: dict | None = None, labels: tuple[
             row[label] = table[label].mean() if label in table else math.nan
         if all(label in table for label in labels[:2]):
             diff = (table[labels[1]] - table[labels[0]]).dropna()
-            row["gap"], row["seeds"] = diff.mean(), int(diff.count())
+            row["gap"], row["gap half"], row["seeds"] = diff.mean(), paired_interval(diff), int(diff.count())
         rows.append(row)
     return pd.DataFrame(rows) if rows else pd.DataFrame(columns=["optimizer", axis])
 
@@ -144,8 +197,8 @@ def depth_table(runs: pd.DataFrame, ref: dict | None = None) -> pd.DataFrame:
 
 
 def lambda_table(runs: pd.DataFrame, ref: dict | None = None) -> pd.DataFrame:
-    """EF strength: final loss and recovered share per λ (λ = 0 is plain 2BW), paired by seed with sync/2bw, over
-    the seeds common to all points."""
+    """EF strength: final loss and recovered share per λ (λ = 0 is plain 2BW) with its interval's half-width
+    (:func:`share_interval`), paired by seed with sync/2bw, over the seeds common to all points."""
     ref = ref or reference(runs)
     sub = at_reference(runs, ref)
     sub = sub[(sub["schedule"] == "2bw") | (sub["schedule"] == "1f1b")]
@@ -161,6 +214,7 @@ def lambda_table(runs: pd.DataFrame, ref: dict | None = None) -> pd.DataFrame:
             both = table[["sync", "2bw", label]].dropna() if label != "2bw" else table[["sync", "2bw"]].dropna()
             rows.append({"optimizer": opt, "lambda": lam, "loss": both[label].mean(),
                          "recovered": recovered_share(both["sync"].mean(), both["2bw"].mean(), both[label].mean()),
+                         "recovered half": share_interval(both["sync"], both["2bw"], both[label]),
                          "seeds": len(both)})
     return pd.DataFrame(rows)
 
@@ -189,12 +243,13 @@ def main_table(runs: pd.DataFrame, labels: tuple[str, ...] = ("sync", "2bw", "2b
                                    zip(table[label], table[f"{label} std"], table[f"{label} n"])]
     if "gap" in table:
         out["gap 2bw − sync"] = [pm(m, s) for m, s in zip(table["gap"], table["gap std"])]
+    seeds = {opt: part.pivot_table(index="seed", columns="label", values="final_val", aggfunc="mean")
+             for opt, part in sub.groupby("optimizer", sort=False)}
     for label in labels[2:]:
-        col = f"recovered {label}"
-        if col in table:
+        if f"recovered {label}" in table:
             out[f"recovered by {label.split('+', 1)[1]}"] = [
-                "—" if not math.isfinite(v) else f"{100 * v:.0f}% (n={int(n)})"
-                for v, n in zip(table[col], table[f"{col} n"])]
+                share_cell(seeds[opt], corrected=label) if {"sync", "2bw", label} <= set(seeds[opt]) else "—"
+                for opt in out.index]
     return out
 
 

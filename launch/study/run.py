@@ -1,6 +1,7 @@
 """The loss-curve study's driver: ``python launch/study/run.py MATRIX... [--list] [--gpus N] ...``.
 
-The runs and how they are trained are :mod:`ds_async.study.driver`'s (its docstring has the commands).
+The runs are :mod:`ds_async.study.matrices`'; how they are trained is :mod:`ds_async.study.driver`'s (its docstring
+has the commands).
 """
 import sys
 
