@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ds_async.builder import free_local_port
+from ds_async.pipe.versions import WeightVersions
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
@@ -227,3 +228,15 @@ def train_py_error(argv: list[str], capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("ds_async: error: "), err
     return err[-1]
+
+
+def two_versions(stage):
+    """``WeightVersions`` of ``stage`` with two slots whose version 1 differs from version 0 in every tensor (1.5x),
+    the master swapped back in."""
+    versions = WeightVersions(stage, 2)
+    with torch.no_grad():
+        for (_, _, p) in versions.entries:
+            p.mul_(1.5)
+    versions.publish(1, needed_from=0)
+    versions.restore_master()
+    return versions

@@ -5,7 +5,7 @@ import torch._dynamo
 from transformers import LlamaConfig
 
 from ds_async.models import compiled_stage, llama
-from ds_async.pipe.versions import WeightVersions
+from distributed import two_versions
 
 
 def test_compiled_stage_follows_the_swapped_in_version_without_recompiling():
@@ -14,12 +14,7 @@ def test_compiled_stage_follows_the_swapped_in_version_without_recompiling():
     llama.check_supported(cfg)
     layers = [llama.DecoderLayerPipe(cfg, i, seed=3) for i in range(2)] + [llama.HeadPipe(cfg, seed=3, index=3)]
     stage = torch.nn.ModuleList(layers)
-    versions = WeightVersions(stage, 2)
-    with torch.no_grad():  # version 1 differs from version 0 in every tensor
-        for (_, _, p) in versions.entries:
-            p.mul_(1.5)
-    versions.publish(1, needed_from=0)
-    versions.restore_master()
+    versions = two_versions(stage)
 
     def eager(x):
         for layer in layers:
