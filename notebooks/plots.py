@@ -207,3 +207,40 @@ def plot_time_to_loss(doc: dict):
     _grid_and_legend(axes, fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def plot_fp8_quality(rows: list[dict]):
+    """The FP8 quality runs (``launch/bench/results/fp8_quality_1xH200.jsonl``, one row per run): validation loss
+    against steps for every bf16 and FP8 run (left), and each FP8 run minus the mean of the bf16 runs at the same
+    step, with the bf16 runs' own distance from their mean for scale (right). Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    def curve(row):
+        return sorted((int(s), v) for s, v in row["validation_loss"].items())
+
+    bf16 = [curve(r) for r in rows if r["fp8"] is None]
+    mean = pd.DataFrame([dict(c) for c in bf16]).mean()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    colors = {None: "tab:blue", "rowwise": "tab:orange", "tensorwise": "tab:green"}
+    for row in (r for r in rows if r["validation_loss"]):
+        steps, loss = zip(*curve(row))
+        recipe = row["fp8"] or "bf16"
+        left.plot(steps, loss, color=colors.get(row["fp8"], "k"), marker="o", ms=2.5, alpha=0.8,
+                  label=f"{recipe} ({row['source'].split()[-1]}, to step {row['steps_reached']})")
+        right.plot(steps, [v - mean[s] for s, v in zip(steps, loss)], color=colors.get(row["fp8"], "k"),
+                   marker="o", ms=2.5, alpha=0.8, label=recipe if row["fp8"] else "bf16 (its own spread)")
+    right.axhline(0, color="k", lw=0.8)
+    left.set_ylabel("validation loss")
+    right.set_ylabel("minus the bf16 runs' mean")
+    for ax in (left, right):
+        ax.set_xlabel("step")
+    left.set_ylim(mean.min() - 0.1, mean.min() + 2.2)
+    handles, labels = right.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    right.legend(unique.values(), unique.keys(), fontsize=8)
+    left.legend(fontsize=7)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    fig.suptitle("FP8 (rowwise) against bf16: 239M LLaMA, 2BW + Muon + EF, same seed and data, 1x H200")
+    fig.tight_layout()
+    return fig

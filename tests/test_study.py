@@ -922,6 +922,23 @@ def test_the_comparison_plots_loss_against_seconds_and_tokens():
     assert len(left.get_lines()) == len(right.get_lines()) == 5  # two curves, two crossings, the target
 
 
+def test_the_fp8_quality_plot_differences_each_run_from_the_bf16_mean():
+    """The FP8 quality figure on the study's page: a curve per run with validation points, and on the right each
+    run minus the bf16 runs' mean at the same step (so the bf16 differences sum to zero at every step)."""
+    rows = [json.loads(line) for line in (ROOT / "launch/bench/results/fp8_quality_1xH200.jsonl").open()]
+    drawn = [r for r in rows if r["validation_loss"]]
+    fig = plots.plot_fp8_quality(rows)
+    left, right = fig.axes
+    assert len(left.get_lines()) == len(drawn) and len(right.get_lines()) == len(drawn) + 1  # and the zero line
+    by_step: dict[float, float] = {}
+    for row, line in zip(drawn, right.get_lines()):
+        assert list(line.get_xdata()) == sorted(int(s) for s in row["validation_loss"])
+        if row["fp8"] is None:
+            for step, d in zip(line.get_xdata(), line.get_ydata()):
+                by_step[step] = by_step.get(step, 0.0) + d
+    assert by_step and all(abs(v) < 1e-9 for v in by_step.values())
+
+
 def test_the_driver_leaves_out_what_the_committed_results_hold(capsys):
     """``--skip-committed``: the runs of a matrix that launch/study/results/runs.csv already holds are not run again
     on a machine whose run folders are empty. Read on a matrix the committed results hold part of (the first such;
