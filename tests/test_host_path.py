@@ -1,6 +1,7 @@
 """The engine's host path (issue 44): DeepSpeed's throughput timer does not synchronise the device; identical
 decoder layers share one compiled code (regional compilation); an evaluation runs through the graphs training
 compiled, without compiling its own; the compile cache's folder is the config's."""
+import json
 import os
 
 import pytest
@@ -153,3 +154,24 @@ def test_the_command_line_exits_at_once_after_its_summary(tmp_path):
     assert proc.wait(timeout=300) == 0, "".join(lines[-30:])
     assert seen is not None, "".join(lines[-30:])
     assert time.monotonic() - seen < 2.0
+
+
+def test_the_emulation_keeps_its_compiled_code_in_the_configs_cache(tmp_path, monkeypatch):
+    """``performance.compile_cache`` is the emulation's too: a run of it compiles the same layers and Muon passes as
+    the pipeline, and the second run of a config should load them."""
+    from ds_async.emulate import Emulation
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
+           "ds_async": {"model": {"config": {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+                                             "num_key_value_heads": 4, "num_hidden_layers": 1, "vocab_size": 300,
+                                             "max_position_embeddings": 16}},
+                        "tokenizer": "train:300", "pipeline_stages": 1,
+                        "performance": {"fused_optimizer_step": True, "compile_cache": str(tmp_path / "cc")},
+                        "data": {"train": "python:docs", "validation": None, "seq_len": 16},
+                        "train": {"steps": 1}, "logging": {"dir": str(tmp_path / "runs"), "run_name": "e"}}}
+    path = tmp_path / "e.json"
+    path.write_text(json.dumps(cfg))
+    Emulation(str(path))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cc")
