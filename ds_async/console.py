@@ -109,7 +109,8 @@ def summary_block(summary: dict, run_dir) -> str:
     stages = summary.get("stages") or {}
     if stages:
         rows.append(("stages", " | ".join(
-            f"{name.replace('stage', 's')} idle {_pct(v.get('idle_fraction'))}, peak {v['peak_memory_gib']:.2f} GiB"
+            f"{name.replace('stage', 's')} idle {_pct(v.get('idle_fraction'))} (optimizer "
+            f"{_pct(v.get('optimizer_fraction'))}), peak {v['peak_memory_gib']:.2f} GiB"
             for name, v in stages.items())))
     skipped = {k: v for k, v in (summary.get("skipped_docs") or {}).items() if v}
     if skipped:

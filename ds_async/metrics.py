@@ -251,15 +251,16 @@ class RunLogger:
             self._say(f"step {step}: optimizer {shown}")
 
     def stages(self, step: int, per_stage: dict[int, dict]) -> None:
-        """Peak memory and idle fraction per pipeline stage (``stage<s>/...`` scalars, a console line)."""
+        """Peak memory, idle and optimizer fractions per pipeline stage (``stage<s>/...`` scalars, a console line)."""
         if not self.enabled:
             return
         for s, figures in sorted(per_stage.items()):
-            for key in ("peak_memory_gib", "idle_fraction"):
+            for key in ("peak_memory_gib", "idle_fraction", "optimizer_fraction"):
                 self._scalar(f"stage{s}/{key}", figures.get(key), step)
         self.last_stages = {f"stage{s}": figures for s, figures in sorted(per_stage.items())}
         self._say(f"step {step}: stages " + " | ".join(
-            f"s{s} idle {_fmt(f.get('idle_fraction'), '.1%')} peak mem {_fmt(f.get('peak_memory_gib'), '.2f')} GiB"
+            f"s{s} idle {_fmt(f.get('idle_fraction'), '.1%')} (optimizer {_fmt(f.get('optimizer_fraction'), '.1%')}) "
+            f"peak mem {_fmt(f.get('peak_memory_gib'), '.2f')} GiB"
             for s, f in sorted(per_stage.items())))
 
     def suspend(self) -> None:

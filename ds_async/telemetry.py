@@ -12,6 +12,11 @@ its GPU (the pipeline relies on the host running ahead).
   window of steps, the benchmark's definition (``launch/bench/bench_pipeline.py``): p2p waits, the batch reduce,
   the optimizer step on the compute stream and pipeline bubbles all count as idle. The passes are timed
   through the engine's ``set_pass_timer`` hook (:func:`time_passes`).
+- **Optimizer fraction** of a stage: the optimizer step's time (the engine's ``_take_model_step``: clipping and the
+  update, on the stream it runs on) over the same sum of step spans, through the same hook. It tells how much of
+  the idle time the GPU spent on the update rather than waiting: under ``1f1b`` the step runs between the passes
+  on the compute stream, so ``idle - optimizer`` is the time the stage waited (for the host, p2p or the bubble);
+  under flush-free rules it runs on a side stream, overlapping the next batch's passes.
 - The first ``warmup`` steps of a process (compilation, allocator growth) are left out of both.
 - **Gradient norm** (:class:`GradNormTap`): the pipeline's global norm that the engine clips by, on every rank
   (the stages all-gather their squared norms ahead of the step).
@@ -64,20 +69,22 @@ class StageClock:
     """Step spans and time in passes of one rank, folded in order as their events complete (see the module doc).
 
     ``begin(step)`` / ``end(step)`` bracket ``engine.train_batch``; ``pass_begin`` / ``pass_end`` bracket each
-    forward and backward pass (:func:`time_passes`) and count only inside a step. ``window_mean(step)`` is the mean
+    forward and backward pass and ``optimizer_begin`` / ``optimizer_end`` each optimizer step (:func:`time_passes`);
+    both count only inside a step. ``window_mean(step)`` is the mean
     span of the last ``window`` steps up to ``step`` after the warm-up; :meth:`take_window` the busy and wall time
-    since its previous call; :attr:`total_busy`, :attr:`total_wall`, :attr:`total_steps` those of the whole run.
+    since its previous call; :attr:`total_busy`, :attr:`total_wall`, :attr:`total_optimizer`, :attr:`total_steps`
+    those of the whole run.
     """
 
     def __init__(self, cuda: bool, warmup: int, window: int, start_step: int = 0):
         self.cuda, self.window = cuda, window
         self.first_counted = start_step + warmup + 1  # steps before this one are warm-up
-        self._open: tuple[int, object, list] | None = None
-        self._pending: deque = deque()  # (step, start, end, pass pairs), not yet folded
+        self._open: tuple[int, object, list, list] | None = None  # (step, start, pass pairs, optimizer pairs)
+        self._pending: deque = deque()  # (step, start, end, pass pairs, optimizer pairs), not yet folded
         self.spans: deque = deque(maxlen=window + 4)  # (step, seconds), counted steps only
-        self.busy = self.wall = 0.0
+        self.busy = self.wall = self.optimizer = 0.0
         self.steps = 0
-        self.total_busy = self.total_wall = 0.0
+        self.total_busy = self.total_wall = self.total_optimizer = 0.0
         self.total_steps = 0
 
     def _mark(self):
@@ -91,12 +98,12 @@ class StageClock:
         return a.elapsed_time(b) / 1000 if self.cuda else b - a
 
     def begin(self, step: int) -> None:
-        self._open = (step, self._mark(), [])
+        self._open = (step, self._mark(), [], [])
 
     def end(self, step: int) -> None:
-        opened, start, pairs = self._open
+        opened, start, pairs, optimizer_pairs = self._open
         self._open = None
-        self._pending.append((opened, start, self._mark(), pairs))
+        self._pending.append((opened, start, self._mark(), pairs, optimizer_pairs))
         self.fold()
 
     def pass_begin(self):
@@ -106,10 +113,16 @@ class StageClock:
         if start is not None and self._open is not None:
             self._open[2].append((start, self._mark()))
 
+    optimizer_begin = pass_begin
+
+    def optimizer_end(self, start) -> None:
+        if start is not None and self._open is not None:
+            self._open[3].append((start, self._mark()))
+
     def fold(self, wait: bool = False) -> None:
         """Add the steps whose end mark has completed (``wait``: all of them, waiting for the GPU)."""
         while self._pending:
-            step, start, end, pairs = self._pending[0]
+            step, start, end, pairs, optimizer_pairs = self._pending[0]
             if self.cuda:
                 if wait:
                     end.synchronize()
@@ -120,12 +133,15 @@ class StageClock:
                 continue
             span = self._seconds(start, end)
             busy = sum(self._seconds(a, b) for a, b in pairs)
+            optimizer = sum(self._seconds(a, b) for a, b in optimizer_pairs)
             self.spans.append((step, span))
             self.busy += busy
             self.wall += span
+            self.optimizer += optimizer
             self.steps += 1
             self.total_busy += busy
             self.total_wall += span
+            self.total_optimizer += optimizer
             self.total_steps += 1
 
     def window_mean(self, step: int) -> float | None:
@@ -135,20 +151,30 @@ class StageClock:
         return sum(spans) / len(spans) if spans else None
 
     def take_window(self) -> dict:
-        """Busy and wall seconds and steps folded since the last call (then reset)."""
+        """Busy, wall and optimizer seconds and steps folded since the last call (then reset)."""
         self.fold()
-        out = {"busy_s": self.busy, "wall_s": self.wall, "steps": self.steps}
-        self.busy = self.wall = 0.0
+        out = {"busy_s": self.busy, "wall_s": self.wall, "optimizer_s": self.optimizer, "steps": self.steps}
+        self.busy = self.wall = self.optimizer = 0.0
         self.steps = 0
         return out
+
+    def take_run(self) -> dict:
+        """Busy, wall and optimizer seconds and steps of the whole run after the warm-up."""
+        return {"busy_s": self.total_busy, "wall_s": self.total_wall, "optimizer_s": self.total_optimizer,
+                "steps": self.total_steps}
 
 
 def idle_fraction(busy: float, wall: float) -> float | None:
     return None if wall <= 0 else min(max(1.0 - busy / wall, 0.0), 1.0)
 
 
+def optimizer_fraction(optimizer: float, wall: float) -> float | None:
+    return None if wall <= 0 else min(max(optimizer / wall, 0.0), 1.0)
+
+
 def time_passes(engine, clock: StageClock) -> None:
-    """Time every forward and backward pass of ``engine`` on ``clock`` (the engine's ``set_pass_timer`` hook)."""
+    """Time every forward and backward pass and every optimizer step of ``engine`` on ``clock`` (the engine's
+    ``set_pass_timer`` hook)."""
     engine.set_pass_timer(clock)
 
 

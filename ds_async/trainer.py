@@ -178,13 +178,12 @@ class Trainer(TrainerSetup):
             self.log.stages(step, self._gather_stages()[0])
 
     def _gather_stages(self, final: bool = False) -> tuple[dict, dict]:
-        """Each stage's peak memory and idle fraction on the reporting rank (an object all-gather over all
+        """Each stage's peak memory, idle fraction and optimizer fraction on the reporting rank (an object all-gather over all
         ranks): over the steps folded since the last gather, and over the whole run (after the warm-up). A stage's
-        replicas: the largest peak, the idle time of all of them over their wall time."""
+        replicas: the largest peak, the idle (optimizer) time of all of them over their wall time."""
         self.clock.fold(wait=final)
         mine = {"peak_memory_gib": telemetry.peak_memory_gib(self.engine.device), "window": self.clock.take_window(),
-                "run": {"busy_s": self.clock.total_busy, "wall_s": self.clock.total_wall,
-                        "steps": self.clock.total_steps}}
+                "run": self.clock.take_run()}
         gathered = [None] * self.world
         tdist.all_gather_object(gathered, mine, group=self.group)
         out = ({}, {})
@@ -192,9 +191,11 @@ class Trainer(TrainerSetup):
             ranks = [g for r, g in enumerate(gathered) if self.stage_of_rank[r] == stage]
             peak = max(g["peak_memory_gib"] for g in ranks)
             for k, part in enumerate(("window", "run")):
-                busy, wall = sum(g[part]["busy_s"] for g in ranks), sum(g[part]["wall_s"] for g in ranks)
+                busy, wall, optimizer = (sum(g[part][key] for g in ranks) for key in ("busy_s", "wall_s", "optimizer_s"))
                 out[k][stage] = {"peak_memory_gib": round(peak, 4),
-                                 "idle_fraction": telemetry.idle_fraction(busy, wall), "steps": ranks[0][part]["steps"]}
+                                 "idle_fraction": telemetry.idle_fraction(busy, wall),
+                                 "optimizer_fraction": telemetry.optimizer_fraction(optimizer, wall),
+                                 "steps": ranks[0][part]["steps"]}
         return out
 
     def _stop_if_nonfinite(self, upto: int | None = None) -> None:

@@ -99,6 +99,9 @@ def test_summary_and_tensorboard_hold_the_metrics(work, schedule):
         figures = got["stages"][stage]
         assert figures["peak_memory_gib"] > 0 and 0.0 <= figures["idle_fraction"] < 1.0
         assert figures["steps"] == STEPS - 1
+        # every stage steps its optimizer inside each train step, and that time is part of the idle time
+        assert 0.0 < figures["optimizer_fraction"] < 1.0
+        assert figures["optimizer_fraction"] <= figures["idle_fraction"]  # on CPU it runs between the passes
     figures = got["optimizer"]
     assert figures["step"] == STEPS
     if schedule == "2bw":  # the weights a batch's gradients came from are one step old
@@ -112,7 +115,7 @@ def test_summary_and_tensorboard_hold_the_metrics(work, schedule):
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/tokens", "train/grad_norm", "train/step_time_s", "train/tokens_per_s",
             "train/mfu", "validation/loss", "optimizer/staleness", "stage0/idle_fraction", "stage1/idle_fraction",
-            "stage0/peak_memory_gib", "stage1/peak_memory_gib"} <= tags
+            "stage0/peak_memory_gib", "stage1/peak_memory_gib", "stage0/optimizer_fraction"} <= tags
     assert [e.step for e in events.Scalars("train/grad_norm")] == list(range(1, STEPS + 1))
     # stages gathered at steps 3 and 6 (stages_every), 4 (evaluation) and at the end
     assert [e.step for e in events.Scalars("stage0/idle_fraction")] == [3, 4, 6, 8]
@@ -258,18 +261,26 @@ def test_stage_clock_window_and_warmup(monkeypatch):
     now = [0.0]
     monkeypatch.setattr(telemetry.time, "perf_counter", lambda: now[0])
     clock = telemetry.StageClock(cuda=False, warmup=1, window=2, start_step=10)
-    for step, (span, busy) in enumerate([(100.0, 50.0), (1.0, 0.5), (2.0, 1.0), (4.0, 1.0)], start=11):
+    for step, (span, busy, step_s) in enumerate([(100.0, 50.0, 10.0), (1.0, 0.5, 0.25), (2.0, 1.0, 0.5),
+                                                 (4.0, 1.0, 0.0)], start=11):
         clock.begin(step)
         token = clock.pass_begin()
         now[0] += busy
         clock.pass_end(token)
-        now[0] += span - busy
+        token = clock.optimizer_begin()
+        now[0] += step_s
+        clock.optimizer_end(token)
+        now[0] += span - busy - step_s
         clock.end(step)
         now[0] += 1000.0  # between steps (evaluation, logging): in no span
     assert clock.pass_begin() is None  # outside a step (evaluation): not timed
     assert clock.window_mean(11) is None and clock.window_mean(12) == 1.0
     assert clock.window_mean(14) == 3.0 and clock.window_mean(13) == 1.5
     window = clock.take_window()
-    assert window == {"busy_s": 2.5, "wall_s": 7.0, "steps": 3} and clock.take_window()["steps"] == 0
+    assert window == {"busy_s": 2.5, "wall_s": 7.0, "optimizer_s": 0.75, "steps": 3}
+    assert clock.take_window()["steps"] == 0
     assert (clock.total_busy, clock.total_wall, clock.total_steps) == (2.5, 7.0, 3)
+    assert clock.take_run() == {"busy_s": 2.5, "wall_s": 7.0, "optimizer_s": 0.75, "steps": 3}
     assert telemetry.idle_fraction(2.5, 7.0) == pytest.approx(1 - 2.5 / 7.0)
+    assert telemetry.optimizer_fraction(0.75, 7.0) == pytest.approx(0.75 / 7.0)
+    assert clock.optimizer_begin() is None  # outside a step: not timed

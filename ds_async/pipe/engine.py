@@ -251,7 +251,8 @@ class AsyncPipelineEngine(PipelineEngine):
 
     def set_pass_timer(self, timer) -> None:
         """Call ``timer.pass_begin()`` (a token) before and ``timer.pass_end(token)`` after every forward and backward
-        pass of this stage (``ds_async.telemetry.StageClock``); ``None`` stops it."""
+        pass of this stage, and ``timer.optimizer_begin()`` / ``timer.optimizer_end(token)`` around every optimizer
+        step (``ds_async.telemetry.StageClock``); ``None`` stops it."""
         self._pass_timer = timer
 
     def record_step_events(self) -> list:
@@ -333,11 +334,15 @@ class AsyncPipelineEngine(PipelineEngine):
             self._step_events.append((start, end))
 
     def _take_model_step(self, lr_kwargs=None):
+        token = self._pass_timer.optimizer_begin() if self._pass_timer is not None else None
         if self.is_async or not self.step_plan.grads_wait:  # flush-free steps bind their plan themselves
-            return super()._take_model_step(lr_kwargs)
-        sq = self._global_norm_sq(squared_norm(self.step_plan.norm_grads())) if self.gradient_clipping() else None
-        with bf16.stepping_with(self.optimizer, self.step_plan.bind(sq, None)):
-            return super()._take_model_step(lr_kwargs)
+            super()._take_model_step(lr_kwargs)
+        else:
+            sq = self._global_norm_sq(squared_norm(self.step_plan.norm_grads())) if self.gradient_clipping() else None
+            with bf16.stepping_with(self.optimizer, self.step_plan.bind(sq, None)):
+                super()._take_model_step(lr_kwargs)
+        if self._pass_timer is not None:
+            self._pass_timer.optimizer_end(token)
 
     def clip_fp32_gradients(self):
         """Clip by the whole model's gradient norm (DeepSpeed's pipeline averages per-stage norms instead)."""

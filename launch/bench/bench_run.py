@@ -4,7 +4,7 @@
         --set ds_async.train.steps=300 --cache cold --out rows.jsonl
 
 Appends one JSON row: ``runner`` (``cli``/``emulation``), the summary's ``tokens_per_s`` (steady steps after the
-warm-up: ``train_tokens_per_s``), the whole run's rate, each stage's ``idle_fraction`` (the CLI's), and the times
+warm-up: ``train_tokens_per_s``), the whole run's rate, each stage's ``idle_fraction`` and ``optimizer_fraction`` (the CLI's), and the times
 seen from outside the process, in seconds after launch: ``time_to_first_step_s`` (step 1's console line, printed
 once its loss and norm reached the host), ``final_eval_s`` (from the last step's line to the final validation
 line: the drain and the evaluation), ``exit_after_summary_s`` (from the summary line to the process's end), with
@@ -141,6 +141,7 @@ def main() -> None:
            "tokens_per_s": summary.get("train_tokens_per_s"), "run_tokens_per_s": summary.get("tokens_per_s"),
            "step_time_s": summary.get("step_time_s"), "steps": summary.get("steps"),
            "idle_fraction": {s: f.get("idle_fraction") for s, f in stages.items()} or None,
+           "optimizer_fraction": {s: f.get("optimizer_fraction") for s, f in stages.items()} or None,
            "time_to_first_step_s": round(marks["first_step"], 2) if "first_step" in marks else None,
            "final_eval_s": round(marks["final_eval_line"] - marks["last_step_line"], 2)
            if "final_eval_line" in marks else None,
