@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from . import config as cfgmod
-from . import data, fp8, jsonfile, metrics, telemetry, tokenizer
+from . import console, data, fp8, jsonfile, metrics, telemetry, tokenizer
 from .cadence import Cadence
 from .config import ConfigError, data_parallel_degree, gradient_clipping
 from .data import DataError
@@ -231,7 +231,8 @@ class Emulation:
             optimizer = MasterWeights(optimizer, layers, fused=fused, device=dev)
         self.layers, self.optimizer = layers, optimizer
         self.stepped = SkipNonFinite(optimizer) if cfg.train.on_nonfinite == "skip" else optimizer
-        self.scheduler = build_scheduler(ds_config.get("scheduler"), optimizer)
+        with console.deepspeed_quiet(cfg.logging.deepspeed_log):  # its schedulers warn when built, as the CLI's do
+            self.scheduler = build_scheduler(ds_config.get("scheduler"), optimizer)
         run_layers = _autocast(layers, dev) if self.precision == "autocast" else list(layers)
         self.trainer = DelayedTrainer(run_layers, stage_of_layers(self.bounds), loss_fn, self.stepped, cfg.schedule,
                                       self.gas, cfg.pipeline_stages, data_parallel=self.dp,

@@ -3,6 +3,9 @@ config's job in one process, partitioned, scheduled and batched as DeepSpeed wou
 ``launch/train.py`` is ``tests/test_study.py``'s)."""
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -198,3 +201,32 @@ def test_time_limit_and_resume_equal_an_uninterrupted_run(tmp_path, monkeypatch)
     assert 0 < saved[1] < got["validation_seconds"][0][1] <= saved[2] < saved[3] < got["validation_seconds"][1][1]
     manifest = json.loads((tmp_path / "runs" / "cut" / "manifest.json").read_text())
     assert manifest["resumed_from"].endswith(emulate.STATE_FILE)
+
+
+def test_cli_prints_none_of_deepspeeds_scheduler_warnings(tmp_path):
+    """Like ``launch/train.py``, the emulation holds back DeepSpeed's lines while it builds its parts: DeepSpeed's
+    ``WarmupCosineLR`` warns when built ("Attempting to get learning rate from scheduler before it has started")."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
+           "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 1}},
+           "ds_async": {"model": {"config": {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+                                             "num_key_value_heads": 4, "num_hidden_layers": 1, "vocab_size": 300,
+                                             "max_position_embeddings": 16}},
+                        "tokenizer": "train:300", "pipeline_stages": 1,
+                        "data": {"train": "python:docs", "validation": None, "seq_len": 16}, "train": {"steps": 2},
+                        "logging": {"dir": str(tmp_path / "runs"), "run_name": "quiet", "progress": False,
+                                    "plot": False}}}
+    path = tmp_path / "quiet.json"
+    path.write_text(json.dumps(cfg))
+    proc = subprocess.run([sys.executable, "-m", "ds_async.emulate", "--config", str(path), "--device", "cpu"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "ds_async summary:" in out and "lr_schedules.py" not in out, out[-3000:]
+    cfg["ds_async"]["logging"].update(run_name="shown", deepspeed_log=True)  # asked for: shown
+    path.write_text(json.dumps(cfg))
+    proc = subprocess.run([sys.executable, "-m", "ds_async.emulate", "--config", str(path), "--device", "cpu"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and "lr_schedules.py" in proc.stdout + proc.stderr
