@@ -124,9 +124,12 @@ class StageClock:
         while self._pending:
             step, start, end, pairs, optimizer_pairs = self._pending[0]
             if self.cuda:
+                # a flush-free step's update runs on a side stream that the step's end mark does not wait for
+                ends = [end] + [b for _, b in optimizer_pairs]
                 if wait:
-                    end.synchronize()
-                elif not end.query():
+                    for e in ends:
+                        e.synchronize()
+                elif not all(e.query() for e in ends):
                     return
             self._pending.popleft()
             if step < self.first_counted:
