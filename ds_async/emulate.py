@@ -52,7 +52,7 @@ from .config import ConfigError, data_parallel_degree, gradient_clipping
 from .data import DataError
 from .job import default_run_name, seed_everything, start_run_log, steps_for, use_deterministic
 from .metrics import HostValue
-from .models import check_seq_len, check_vocab, decoder_layers, use_compile_cache
+from .models import cache_compiled_code, check_seq_len, check_vocab, decoder_layers
 from .models.partition import build_layers, stage_bounds, stage_of_layers
 from .nonfinite import NonFiniteLoss, SkipNonFinite
 from .optim import Muon, build_optimizer
@@ -203,8 +203,7 @@ class Emulation:
             raise ConfigError("ds_async.train.on_nonfinite: 'skip' needs fp32 or torch_autocast weights, not bf16")
         seed_everything(self.cfg.seed)
         use_deterministic(self.cfg.performance.deterministic)
-        if self.cfg.performance.compile or self.cfg.performance.fused_optimizer_step:  # as models.build_pipeline
-            use_compile_cache(self.cfg.performance.compile_cache)
+        cache_compiled_code(self.cfg.performance)  # as models.build_pipeline
 
     def _build(self) -> None:
         """Run folder, tokenizer, model, optimizer (bf16: with fp32 masters), LR scheduler and the trainer."""

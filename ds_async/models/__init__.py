@@ -334,8 +334,7 @@ def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineMod
     if perf.fp8:  # before compiling, which then fuses torchao's casts into the layers
         for layer in decoder_layers(module.forward_funcs):
             fp8.convert(layer, perf.fp8)
-    if perf.compile or perf.fused_optimizer_step:  # the fused step's passes are compiled on GPUs too
-        use_compile_cache(perf.compile_cache)
+    cache_compiled_code(perf)
     if perf.compile:  # the loss too, so it fuses with the softmax
         if perf.compile_scope == "stage":
             module.compile_stage()
@@ -354,6 +353,13 @@ def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineMod
                               "random masks a replayed graph would repeat: set those to 0 or cuda_graphs to false")
         module.graph_stage()
     return module
+
+
+def cache_compiled_code(perf) -> None:
+    """:func:`use_compile_cache` with ``performance.compile_cache`` for a run that compiles anything: its layers
+    (``compile``) or the fused optimizer step's passes (compiled on GPUs)."""
+    if perf.compile or perf.fused_optimizer_step:
+        use_compile_cache(perf.compile_cache)
 
 
 def use_compile_cache(folder: str | None) -> None:
