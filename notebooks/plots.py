@@ -226,7 +226,7 @@ def plot_fp8_quality(rows: list[dict]):
         steps, loss = zip(*curve(row))
         recipe = row["fp8"] or "bf16"
         left.plot(steps, loss, color=colors.get(row["fp8"], "k"), marker="o", ms=2.5, alpha=0.8,
-                  label=f"{recipe} ({row['source'].split()[-1]}, to step {row['steps_reached']})")
+                  label=f"{recipe} ({row['source'].replace('session ', 's')}, to step {row['steps_reached']})")
         right.plot(steps, [v - mean[s] for s, v in zip(steps, loss)], color=colors.get(row["fp8"], "k"),
                    marker="o", ms=2.5, alpha=0.8, label=recipe if row["fp8"] else "bf16 (its own spread)")
     right.axhline(0, color="k", lw=0.8)
