@@ -246,3 +246,17 @@ def test_compiled_passes_match_eager():
                 rtol = 2 ** -8 if what == "direction" else 1e-5
                 torch.testing.assert_close(have[k].float(), want[k].float(), rtol=rtol, atol=1e-7,
                                            msg=lambda m: f"{what} {k}, EF {with_ef}: {m}")
+
+
+def test_compiled_passes_run_over_chunks_of_one_shape():
+    """The passes' calls: runs of at most ``CHUNK`` tensors of one shape and dtype, each index once, in order, so
+    that a compiled pass is traced for a few small lists instead of a stage's whole list of matrices."""
+    from ds_async.optim.muon_pass import CHUNK, same_shape_chunks
+
+    shapes = [(8, 4), (4, 8), (8, 4), (3, 8, 4)] * 20 + [(8, 4)]
+    tensors = [torch.zeros(s) for s in shapes]
+    chunks = same_shape_chunks(tensors)
+    assert sorted(k for ks in chunks for k in ks) == list(range(len(shapes)))
+    assert all(len(ks) <= CHUNK and ks == sorted(ks) and len({shapes[k] for k in ks}) == 1 for ks in chunks)
+    assert [len(ks) for ks in chunks] == [16, 16, 9, 16, 4, 16, 4]  # 41 of (8, 4), 20 of each other shape
+    assert same_shape_chunks([torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.bfloat16)]) == [[0], [1]]

@@ -5,6 +5,11 @@ import functools
 
 import torch
 
+# Compiled entries a pass may keep: one per shape and list length it is called with (the Muon passes run over
+# chunks of one shape, ds_async.optim.muon_pass.same_shape_chunks: a Mixtral stage has ~5 shapes, each with up
+# to two chunk lengths). Past Dynamo's default of 8 a new entry would silently run eagerly.
+RECOMPILE_LIMIT = 64
+
 
 def compiled_on_gpus(fn):
     """``fn`` compiled by Inductor (one kernel per tensor) when its first argument, a list of tensors, is on a GPU;
@@ -17,7 +22,8 @@ def compiled_on_gpus(fn):
         return torch.compile(fn, dynamic=False)
 
     def compiled(*args, **kwargs):
-        return build()(*args, **kwargs)
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return build()(*args, **kwargs)
 
     @functools.wraps(fn)
     def run(tensors, *args):

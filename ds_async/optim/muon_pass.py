@@ -153,17 +153,49 @@ def muon_pass_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffe
     without one)."""
     if not params:
         return None
-    params, grads = list(params), list(grads)
+    params, grads, momentum_buffers = list(params), list(grads), list(momentum_buffers)
     directions = [torch.empty_like(g, dtype=torch.bfloat16) for g in grads]
-    _muon_directions(grads, list(momentum_buffers), directions, hyper, grad_scale.to(grad_dtype), grad_dtype,
-                     nesterov)
+    chunks = same_shape_chunks(params)
+    scale = grad_scale.to(grad_dtype)
+    for ks, chunk_hyper in _chunk_hypers(chunks, hyper):
+        _muon_directions([grads[k] for k in ks], [momentum_buffers[k] for k in ks], [directions[k] for k in ks],
+                         chunk_hyper, scale, grad_dtype, nesterov)
     orthogonalised = orthogonalise_blocks(orthogonalise, directions, row_blocks, ns_steps, ns_coefficients, ns_eps)
     # A tall matrix is orthogonalised as its transpose and comes back as a transposed view, which the compiled tail
     # would read across its rows, slower than a copy (launch/bench/RESULTS.md, "A Mixtral stage"). Values are
     # unchanged; a contiguous result is not copied.
     orthogonalised = [o.contiguous() for o in orthogonalised]
-    return _muon_tail(params, orthogonalised, None if prev_updates is None else list(prev_updates),
-                      [list(o) for o in outs], hyper)
+    applied_sq = base_sq = None
+    for ks, chunk_hyper in _chunk_hypers(chunks, hyper):
+        applied, base = _muon_tail([params[k] for k in ks], [orthogonalised[k] for k in ks],
+                                   None if prev_updates is None else [prev_updates[k] for k in ks],
+                                   [[o[k] for k in ks] for o in outs], chunk_hyper)
+        applied_sq, base_sq = (applied, base) if applied_sq is None else (applied_sq + applied, base_sq + base)
+    return applied_sq, base_sq
+
+
+CHUNK = 16
+
+
+def same_shape_chunks(tensors: Sequence[Tensor], size: int = CHUNK) -> list[list[int]]:
+    """The indices of ``tensors`` as runs of at most ``size`` tensors of one shape and dtype, in order of first
+    appearance.
+
+    A compiled pass is traced for the shapes and the number of tensors it is given, and unrolled over them: one
+    call over a stage's ~100 matrices is one large graph to trace and compile at every start, where calls over
+    chunks of one shape repeat a few small graphs, each traced once (Dynamo keeps one entry per shape and chunk
+    length). The arithmetic per tensor is the same either way."""
+    by_shape: dict[tuple, list[int]] = {}
+    for k, t in enumerate(tensors):
+        by_shape.setdefault((tuple(t.shape), t.dtype), []).append(k)
+    return [ks[i:i + size] for ks in by_shape.values() for i in range(0, len(ks), size)]
+
+
+def _chunk_hypers(chunks: list[list[int]], hyper: Tensor):
+    """Each chunk with its own scalars: :func:`muon_hyper`'s four shared values and its tensors' lrs, which are
+    one value (an lr is adjusted for a shape, and a chunk has one shape)."""
+    for ks in chunks:
+        yield ks, torch.cat((hyper[:4], hyper[4 + ks[0]].expand(len(ks))))
 
 
 @torch.no_grad()
