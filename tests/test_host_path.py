@@ -1,6 +1,7 @@
 """The engine's host path (issue 44): DeepSpeed's throughput timer does not synchronise the device; identical
 decoder layers share one compiled code (regional compilation); an evaluation runs through the graphs training
-compiled, without compiling its own; the compile cache's folder is the config's."""
+compiled, without compiling its own; the compile cache's folder is the config's; layers are built on threads with
+the weights of one build after the other."""
 import json
 import os
 
@@ -11,7 +12,7 @@ from torch._dynamo.utils import counters
 
 from ds_async.config import ConfigError, parse
 from ds_async.models import (StagedPipelineModule, compiled_stage, dropout_free, llama, loss_as_in_training,
-                             model_config, use_compile_cache)
+                             mixtral, model_config, use_compile_cache)
 
 
 def test_deepspeed_throughput_timer_is_off_unless_configured():
@@ -175,3 +176,40 @@ def test_the_emulation_keeps_its_compiled_code_in_the_configs_cache(tmp_path, mo
     path.write_text(json.dumps(cfg))
     Emulation(str(path))
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cc")
+
+
+def _hf_init(layer: torch.nn.Module, std: float, seed: int) -> dict[str, torch.Tensor]:
+    """The reference: HF's init rule drawn from one generator per layer, parameter by parameter in module order."""
+    gen, want = torch.Generator().manual_seed(seed), {}
+    for prefix, sub in layer.named_modules():
+        for name, p in sub.named_parameters(recurse=False):
+            key = f"{prefix}.{name}" if prefix else name
+            if type(sub).__name__.endswith("RMSNorm"):
+                want[key] = torch.ones_like(p) if name == "weight" else torch.zeros_like(p)
+            else:
+                want[key] = torch.randn(p.shape, generator=gen) * std
+    return want
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_layers_built_on_threads_have_the_weights_of_hf_init(family):
+    """``build_all`` builds seeded layers on threads; each layer's weights are still HF's rule from its own
+    ``(seed, index)`` generator, and transformers' no-init patch of torch's init functions is undone afterwards."""
+    from transformers import MixtralConfig
+
+    cfg = parse({"model": {"config": {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+                                      "num_key_value_heads": 2, "num_hidden_layers": 5, "vocab_size": 64}}})
+    hf = model_config(cfg) if family == "llama" else MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2)
+    module = llama if family == "llama" else mixtral
+    normal, init_weights = torch.nn.init.normal_, torch.nn.init.kaiming_uniform_
+    layers = llama.build_all(module.layer_specs(hf, seed=7), workers=4)
+    assert torch.nn.init.normal_ is normal and torch.nn.init.kaiming_uniform_ is init_weights
+    assert len(layers) == 7
+    for index, layer in enumerate(layers):
+        want = _hf_init(layer, hf.initializer_range, 7 * 100_003 + index)
+        got = layer.state_dict()
+        assert want.keys() <= got.keys()
+        for key, value in want.items():
+            assert torch.equal(got[key], value), (index, key)

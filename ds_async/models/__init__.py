@@ -10,7 +10,7 @@ loads. A family (:mod:`.llama`, :mod:`.mixtral`) provides ``layer_specs`` and ``
 from __future__ import annotations
 
 import torch
-from deepspeed.pipe import PipelineModule
+from deepspeed.pipe import LayerSpec, PipelineModule
 
 from ..config import ConfigError, DsAsyncConfig, check_boundaries, check_recompute, recomputed_layers
 from .. import fp8, hub
@@ -63,6 +63,21 @@ class StagedPipelineModule(PipelineModule):
         check_recompute(counts, [sum(1 for spec in self._layer_specs[a:b] if _recomputable(spec))
                                  for a, b in zip(self.parts, self.parts[1:])])
         self.recompute_layers = counts[self.stage_id]
+
+    def _build(self) -> None:
+        """DeepSpeed's build of this stage's layers, with the ``LayerSpec``s built first by
+        :func:`~ds_async.models.llama.build_all` (seeded layers on threads); DeepSpeed then registers the built
+        modules under the same names as the ones it builds."""
+        if self.seed_layers:  # DeepSpeed seeds the global generator before each layer: one after the other
+            return super()._build()
+        specs = self._layer_specs
+        todo = [i for i in range(self._local_start, self._local_stop) if type(specs[i]) is LayerSpec]
+        built = dict(zip(todo, llama.build_all([specs[i] for i in todo])))
+        self._layer_specs = [built.get(i, spec) for i, spec in enumerate(specs)]
+        try:
+            super()._build()
+        finally:
+            self._layer_specs = specs
 
     def _count_layer_params(self) -> list[int]:
         return trainable_counts(self._layer_specs)

@@ -12,6 +12,9 @@ the model is the same whatever the partition and no rank ever materialises anoth
 from __future__ import annotations
 
 import functools
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from accelerate import init_empty_weights
@@ -45,10 +48,29 @@ def _seeded_init(module: nn.Module, std: float, seed: int) -> None:
                     p.fill_(1.0 if name == "weight" else 0.0)
                 elif name == "bias":
                     p.zero_()
+                elif p.dtype == torch.float32 and p.is_contiguous():  # drawn in place: no temporary of its size
+                    torch.randn(p.shape, generator=gen, out=p.detach()).mul_(std)
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
             if isinstance(sub, nn.Embedding) and sub.padding_idx is not None:
                 sub.weight[sub.padding_idx].zero_()
+
+
+def build_all(specs: Sequence, workers: int | None = None) -> list[nn.Module]:
+    """``[spec.build() for spec in specs]`` for ``LayerSpec``s of this module's layers, the seed-initialised ones
+    on threads: each layer draws from its own generator (so the weights are those of one build after the other)
+    and torch releases the GIL while it draws. transformers' ``no_init_weights``, which every layer enters while
+    it builds, swaps torch's init functions for no-ops in the whole process and back on exit; held here across the
+    threads, each layer's own entry and exit then swap a no-op for a no-op. Layers read from a HF directory are
+    built one after the other (accelerate's ``init_empty_weights`` patches the process the same way). ``workers``:
+    threads, by default this process's share of the cores (their count over the ranks on the node)."""
+    if workers is None:
+        workers = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    workers = min(len(specs), workers)
+    if workers < 2 or any(spec.module_kwargs.get("hf_dir") is not None for spec in specs):
+        return [spec.build() for spec in specs]
+    with no_init_weights(), ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda spec: spec.build(), specs))
 
 
 class _PipeLayer(nn.Module):

@@ -16,7 +16,7 @@ from torch import nn
 
 from .. import config as cfgmod
 from ..config import ConfigError, check_boundaries
-from . import FAMILIES, model_config
+from . import FAMILIES, llama, model_config
 
 
 def build_layers(model, seed: int = 0, loss_chunk: int = 0):
@@ -31,7 +31,7 @@ def build_layers(model, seed: int = 0, loss_chunk: int = 0):
     cfg = cfgmod.parse({"model": section, "train": {"steps": 1}})
     hf_config, family = model_config(cfg), FAMILIES[cfg.model.family]
     hf_dir = cfg.model.path if cfg.model.path and cfg.model.load_weights else None
-    layers = nn.ModuleList(spec.build() for spec in family.layer_specs(hf_config, seed=seed, hf_dir=hf_dir))
+    layers = nn.ModuleList(llama.build_all(family.layer_specs(hf_config, seed=seed, hf_dir=hf_dir)))
     return layers, family.loss_fn(hf_config, loss_chunk), hf_config
 
 
