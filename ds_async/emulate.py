@@ -58,7 +58,7 @@ from .nonfinite import NonFiniteLoss, SkipNonFinite
 from .optim import Muon, build_optimizer
 from .optim.master import MasterWeights
 from .pipe.delayed import DelayedTrainer
-from .prefetch import Prefetcher
+from .prefetch import Prefetcher, ReaderProcess
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -177,8 +177,15 @@ class Emulation:
         self.ds_config = cfgmod.with_schedule_length(ds_config, planned)
         self.total_steps = planned if max_steps is None else min(planned, max_steps)
         self._place(device)
-        self._build()
-        self._open_data()
+        # On a GPU the training stream is read in a process: started now, its imports overlap the model's build.
+        reader = ReaderProcess(imports=("ds_async.data",)) if self.device.type == "cuda" else None
+        try:
+            self._build()
+        except BaseException:
+            if reader is not None:
+                reader.close()
+            raise
+        self._open_data(reader)
 
         self.cadence = Cadence(self.total_steps, eval_every=cfg.eval.every, save_every=cfg.checkpoint.every,
                                evaluate=bool(cfg.data.validation), final_save=False)
@@ -250,15 +257,15 @@ class Emulation:
         return data.open_batches(cfg.data, "validation", self.tokenizer, mbs, dp_rank=rank, dp_world_size=self.dp,
                                  seed=cfg.seed, tokenize_batch=tokenize_batch(tokens))
 
-    def _open_data(self) -> None:
-        """The training stream, read ahead for the run's steps and none past its last."""
+    def _open_data(self, reader: ReaderProcess | None) -> None:
+        """The training stream, read ahead for the run's steps and none past its last (by ``reader`` on a GPU)."""
 
         cfg = self.cfg
         tokens = self.total_steps * self.mbs * self.gas * cfg.data.seq_len
         streams = functools.partial(open_train_streams, cfg.data, self.tokenizer, self.mbs, self.dp, cfg.seed,
                                     tokenize_batch(tokens))
         self.batches = Prefetcher(streams, self.gas, self.device, steps=self.total_steps,
-                                  chunk=min(16, self.total_steps))
+                                  chunk=min(16, self.total_steps), reader=reader)
         self.held_out: list[list] = []  # the validation micro-batches of each replica: the same every evaluation
 
     @torch.no_grad()

@@ -22,6 +22,7 @@ the streams skipped up to the end of the chunk being consumed, whatever the read
 from __future__ import annotations
 
 import functools
+import importlib
 import multiprocessing
 import multiprocessing.util
 import os
@@ -58,6 +59,25 @@ def open_streams(streams: Streams, states: list[dict] | None) -> list:
         for stream, state in zip(streams, states, strict=True):
             stream.load_state_dict(state)
     return streams
+
+
+def _serve(imports: tuple[str, ...], work, out, stop) -> None:
+    """A :class:`ReaderProcess`: imports ``imports``, waits for :func:`_read`'s first arguments on ``work`` (None:
+    not needed after all), then reads."""
+    parent = multiprocessing.parent_process()
+    for name in imports:
+        importlib.import_module(name)
+    while True:
+        try:
+            args = work.get(timeout=0.5)
+            break
+        except queue.Empty:
+            if stop.is_set() or (parent is not None and not parent.is_alive()):
+                args = None
+                break
+    if args is None:
+        os._exit(0)
+    _read(*args, out, stop)
 
 
 def _read(streams: Streams, states, per_step: int, chunk: int, left: int | None, out, stop) -> None:
@@ -104,15 +124,52 @@ def _read(streams: Streams, states, per_step: int, chunk: int, left: int | None,
     os._exit(0)
 
 
+class ReaderProcess:
+    """A spawned reader process, started before its streams are known: it imports ``imports`` (the modules that
+    unpickling and opening its streams need) while the caller builds the rest, then waits for :meth:`begin`. A fresh
+    interpreter spends seconds on imports alone (torch, datasets, transformers), which a process spawned at the
+    first step makes the first step wait for. ``depth``: chunks read ahead."""
+
+    def __init__(self, imports: Sequence[str] = (), depth: int = 2):
+        ctx = multiprocessing.get_context("spawn")  # no fork: the parent may hold CUDA and datasets' threads
+        self.queue, self.stop = ctx.Queue(maxsize=depth), ctx.Event()
+        self._work = ctx.Queue(maxsize=1)
+        self.begun = False
+        self.process = ctx.Process(target=_serve, name="ds_async-prefetch", daemon=True,
+                                   args=(tuple(imports), self._work, self.queue, self.stop))
+        self.process.start()
+
+    def begin(self, streams: Streams, states: list[dict] | None, per_step: int, chunk: int,
+              left: int | None) -> None:
+        """Read ``chunk`` steps at a time (``left`` in all) from ``streams`` restored to ``states`` into
+        :attr:`queue`: :func:`_read`'s arguments."""
+        if self.begun:
+            raise RuntimeError("ReaderProcess.begin: it reads one set of streams")
+        self._work.put((streams, states, per_step, chunk, left))
+        self.begun = True
+
+    def close(self) -> None:
+        """Stop it (at its next chunk, or while it waits for work) and wait for its end, terminating it after 5 s."""
+        self.stop.set()
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join()
+        self.queue.close()
+        self._work.close()
+
+
 class Prefetcher:
     """Steps of ``per_step`` micro-batches from each of ``streams``, on ``device``. ``streams``: the streams, or a
     function that opens them (a reader process calls it, so it must pickle; the streams themselves pickle into the
     reader otherwise); ``steps``: how many will be taken (None: no end), so that nothing past the run's last step is
     read; ``chunk`` steps are read and copied at a time; ``background``: read in a process (default: on a GPU);
-    ``depth``: chunks read ahead."""
+    ``depth``: chunks read ahead; ``reader``: a :class:`ReaderProcess` started earlier, to read with (its own
+    depth then applies)."""
 
     def __init__(self, streams: Streams, per_step: int, device: torch.device, steps: int | None = None,
-                 chunk: int = 16, background: bool | None = None, depth: int = 2):
+                 chunk: int = 16, background: bool | None = None, depth: int = 2,
+                 reader: ReaderProcess | None = None):
         self.per_step, self.device, self.chunk = per_step, device, max(1, chunk)
         self.background = device.type == "cuda" if background is None else background
         self.depth = depth
@@ -125,32 +182,27 @@ class Prefetcher:
         self._steps: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         self._used = 0
         self._skip = 0
-        self._queue = None
-        self._stop = None
-        self._process = None
+        self._spare = reader  # until it begins
+        self._reader: ReaderProcess | None = None  # the one reading
         if not self.background:  # opened now, so that a stream that cannot be opened fails here, not at step 1
             self._streams = open_streams(streams, None)
 
     # -- reading -------------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the reader process now rather than at the first step (nothing to do without ``background``)."""
-        if self.background and self._process is None:
+        if self.background and self._reader is None:
             self._start()
 
     def _start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")  # no fork: the parent may hold CUDA and datasets' threads
-        self._queue, self._stop = ctx.Queue(maxsize=self.depth), ctx.Event()
-        self._process = ctx.Process(target=_read, name="ds_async-prefetch", daemon=True,
-                                    args=(self._source, self._loaded, self.per_step, self.chunk, self._left,
-                                          self._queue, self._stop))
-        self._process.start()
+        self._reader, self._spare = self._spare or ReaderProcess(depth=self.depth), None
+        self._reader.begin(self._source, self._loaded, self.per_step, self.chunk, self._left)
 
     def _take(self):
         """The next chunk's item: read here, or the reader's next (it reads the same chunk sizes)."""
         n = self.chunk if self._left is None else min(self.chunk, self._left)
         if n <= 0:
             raise RuntimeError("Prefetcher: every step it was built for has been taken")
-        if self.background and self._process is None:
+        if self.background and self._reader is None:
             self._start()  # before counting this chunk: the reader reads all that is left
         if self._left is not None:
             self._left -= n
@@ -158,12 +210,12 @@ class Prefetcher:
             return read_chunk(self._streams, self.per_step, n)
         while True:
             try:
-                item = self._queue.get(timeout=1.0)
+                item = self._reader.queue.get(timeout=1.0)
                 break
             except queue.Empty:
-                if not self._process.is_alive():
+                if not self._reader.process.is_alive():
                     raise RuntimeError(f"Prefetcher: the reader process died (exit code "
-                                       f"{self._process.exitcode})") from None
+                                       f"{self._reader.process.exitcode})") from None
         if isinstance(item, BaseException):
             raise item
         return item
@@ -210,7 +262,7 @@ class Prefetcher:
 
     def load_state_dict(self, state: dict, steps: int | None = None) -> None:
         """Continue from ``state``; ``steps``: how many will be taken from there (None: the constructor's)."""
-        if self._states is not None or self._process is not None:
+        if self._states is not None or self._reader is not None:
             raise RuntimeError("Prefetcher.load_state_dict: load before the first step")
         if self._streams is not None:  # read in this process: restore them now
             self._streams = open_streams(self._streams, state["streams"])
@@ -224,19 +276,14 @@ class Prefetcher:
 
     def close(self) -> None:
         """Stop reading: close the streams read in this process (those with a ``close``), or stop the reader
-        process (it exits at its next chunk, or is terminated)."""
+        process (it exits at its next chunk, or is terminated), or the one given that never began."""
         for stream in self._streams or ():
             if hasattr(stream, "close"):
                 stream.close()
-        if self._process is None:
-            return
-        self._stop.set()
-        self._process.join(timeout=5)
-        if self._process.is_alive():
-            self._process.terminate()
-            self._process.join()
-        self._queue.close()
-        self._process = None
+        for reader in (self._reader, self._spare):
+            if reader is not None:
+                reader.close()
+        self._reader = self._spare = None
 
 
 def _as_streams(opener: Callable) -> list:
@@ -258,11 +305,13 @@ class MicroBatchReader:
     Position: :meth:`state_dict` is the stream's ``state_dict`` at the start of the chunk being consumed plus
     ``skip``, the micro-batches of it consumed since; :meth:`load_state_dict` takes that or a plain stream state
     (``skip`` 0), so checkpoints of either kind resume exactly. :attr:`skipped` counts the documents skipped up to
-    the end of the chunk being consumed."""
+    the end of the chunk being consumed. ``reader``: a :class:`ReaderProcess` started earlier, for ``background``."""
 
-    def __init__(self, stream, opener: Callable, device: torch.device, chunk: int = 1, background: bool = False):
+    def __init__(self, stream, opener: Callable, device: torch.device, chunk: int = 1, background: bool = False,
+                 reader: ReaderProcess | None = None):
         self._stream, self._opener, self.device = stream, opener, device
         self.chunk, self.background = max(1, chunk), background
+        self._reader = reader  # handed to the Prefetcher at start
         self._loaded: dict | None = None  # a state given before start
         self._prefetcher: Prefetcher | None = None
 
@@ -291,9 +340,11 @@ class MicroBatchReader:
             if hasattr(self._stream, "close"):
                 self._stream.close()
             self._prefetcher = Prefetcher(functools.partial(_as_streams, self._opener), 1, self.device,
-                                          chunk=self.chunk, background=True)
+                                          chunk=self.chunk, background=True, reader=self._reader)
         else:
-            self._prefetcher = Prefetcher([self._stream], 1, self.device, chunk=self.chunk, background=False)
+            self._prefetcher = Prefetcher([self._stream], 1, self.device, chunk=self.chunk, background=False,
+                                          reader=self._reader)
+        self._reader = None
         if self.background or state["skip"]:  # a stream read here already stands at the state's chunk start
             self._prefetcher.load_state_dict(state)
         self._prefetcher.start()  # a reader process reads from now on, not from the first micro-batch
@@ -318,8 +369,12 @@ class MicroBatchReader:
         return {**state["streams"][0], "skip": state["skip"]}
 
     def close(self) -> None:
-        """Stop reading (the reader process too) and close the stream opened here."""
+        """Stop reading (the reader process too, or the one given if reading never started) and close the stream
+        opened here."""
         if self._prefetcher is not None:
             self._prefetcher.close()
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
         if hasattr(self._stream, "close"):
             self._stream.close()

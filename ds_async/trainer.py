@@ -64,7 +64,7 @@ class Trainer(TrainerSetup):
         self.preemption: Preemption | None = None  # SIGTERM handling, from setup on (a run that saves)
         init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        device = torch.device(get_accelerator().current_device_name())
+        self.device = device = torch.device(get_accelerator().current_device_name())  # the engine's
         fp8.check(cfg.performance.fp8, self.ds_config, cfg.performance.compile, device)
         if cfg.performance.cuda_graphs and device.type != "cuda":
             raise cfgmod.ConfigError(f"ds_async.performance.cuda_graphs: CUDA graphs need an NVIDIA GPU; this run is "

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import torch.distributed as tdist
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from . import checkpoint
 from . import config as cfgmod
@@ -27,7 +28,7 @@ from .data import DataError
 from .job import default_run_name, seed_everything, steps_for, use_deterministic
 from .models import build_pipeline, check_seq_len, check_vocab, model_config
 from .nonfinite import LossMonitor, SkipNonFinite, check_skip_supported
-from .prefetch import MicroBatchReader
+from .prefetch import MicroBatchReader, ReaderProcess
 from .preempt import Preemption
 from .resume import check_optimizer_type, checkpoint_to_resume, config_keys, stream_recipe
 
@@ -55,10 +56,17 @@ class TrainerSetup:
                 threading.current_thread() is threading.main_thread():
             self.preemption = Preemption(ckpt.preempt_grace_s, self.group, say=self.rank == 0)
         self.weights_ok_at, self.end_checked = None, False  # see _check_weights, _stop_if_nonfinite
-        self._locate_run(resume)
-        changed, lengths = self._plan_resume() if self.resume_from is not None else ({}, None)
-        self._build_engine(changed)
-        self._check_sources(self._build_data())
+        reader = self._early_reader()
+        try:
+            self._locate_run(resume)
+            changed, lengths = self._plan_resume() if self.resume_from is not None else ({}, None)
+            self._build_engine(changed)
+            error = self._build_data(reader)
+        except BaseException:
+            if reader is not None:
+                reader.close()
+            raise
+        self._check_sources(error)
         carried = self._restore(changed, lengths) if self.resume_from is not None else {}
         self.start = self.engine.global_steps  # 0, or the step of the checkpoint it resumed from
         if self.start >= self.total_steps:
@@ -209,37 +217,54 @@ class TrainerSetup:
         self.cadence = Cadence(self.total_steps, eval_every=cfg.eval.every, save_every=cfg.checkpoint.every,
                                evaluate=bool(cfg.data.validation), final_save=cfg.checkpoint.final)
 
+    def _reads_in_background(self) -> bool:
+        """Whether the training stream is read in a reader process (``performance.data_reader``)."""
+        mode = self.cfg.performance.data_reader
+        return mode == "process" or (mode == "auto" and self.device.type == "cuda")
+
+    def _early_reader(self) -> ReaderProcess | None:
+        """On a rank that will read the training stream in a reader process: that process, started now so that
+        its imports overlap the model's build. The first and last stages read; DeepSpeed's topology for the
+        pipeline module (stages outermost) says which stage this rank holds before the module exists."""
+        stages = self.cfg.pipeline_stages
+        stage = PipeDataParallelTopology(num_pp=stages, num_dp=self.world // stages).get_coord(self.rank).pipe
+        if not self._reads_in_background() or stage not in (0, stages - 1):
+            return None
+        return ReaderProcess(imports=("ds_async.data",))
+
     def _stream(self, role: str):
         """This rank's micro-batches of ``data.train`` (shuffled, repeating) or ``data.validation`` (one pass)."""
         cfg, engine = self.cfg, self.engine
         return data.open_batches(cfg.data, role, self.tok, self.mbs, dp_rank=engine.grid.data_parallel_id,
                                  dp_world_size=engine.grid.data_parallel_size, seed=cfg.seed)
 
-    def _build_data(self) -> Exception | None:
-        """Open the training stream on the ranks that read data; returns the error that stopped it, for
+    def _build_data(self, reader: ReaderProcess | None) -> Exception | None:
+        """Open the training stream on the ranks that read data, to be read by ``reader`` (:meth:`_early_reader`),
+        which the stream's reader then owns (it is closed here if unused); returns the error that stopped it, for
         :meth:`_check_sources` to raise on every rank."""
         self.needs_data = self.engine.is_first_stage() or self.engine.is_last_stage()
         self.train_iter, error = None, None
         if self.needs_data:
             try:
-                self.train_iter = self._read_ahead(self._stream("train"))
+                self.train_iter = self._read_ahead(self._stream("train"), reader)
             except (ConfigError, DataError, FileNotFoundError) as e:
                 error = e
+        if self.train_iter is None and reader is not None:
+            reader.close()
         return error
 
-    def _read_ahead(self, stream):
+    def _read_ahead(self, stream, reader: ReaderProcess | None):
         """``stream`` as the engine reads it (:class:`ds_async.prefetch.MicroBatchReader`): tokenized and packed in a
         reader process a step at a time (``performance.data_reader``), or here one micro-batch at a time."""
         cfg, engine = self.cfg, self.engine
-        mode = cfg.performance.data_reader
-        background = mode == "process" or (mode == "auto" and engine.device.type == "cuda")
+        background = self._reads_in_background()
         opener = functools.partial(data.open_batches, cfg.data, "train", self.tok, self.mbs,
                                    dp_rank=engine.grid.data_parallel_id,
                                    dp_world_size=engine.grid.data_parallel_size, seed=cfg.seed)
         # A reader process hands over 16 steps at a time: per chunk the host pays a queue transfer, a pinned copy
         # and the copy's launch, which at one step a chunk left the training loop waiting on the reader.
         return MicroBatchReader(stream, opener, engine.device, chunk=16 * self.gas if background else 1,
-                                background=background)
+                                background=background, reader=reader)
 
     def _plan_resume(self) -> tuple[dict[str, dict[str, tuple]], tuple[int, int, int] | None]:
         """Before the engine is built: what ``--resume`` does with each key changed since the checkpoint

@@ -9,7 +9,7 @@ import torch
 from ds_async.config import DataConfig
 from ds_async.data import LEE_CORPUS, load_tokenizer
 from ds_async.emulate import open_train_streams
-from ds_async.prefetch import Prefetcher
+from ds_async.prefetch import Prefetcher, ReaderProcess
 
 
 class Counting:
@@ -107,6 +107,34 @@ def test_a_reader_process_reads_what_the_caller_would_and_resumes_mid_chunk():
         assert same(taken(resumed, 3), want[6:])
     finally:
         resumed.close()
+
+
+def test_a_reader_process_started_before_its_streams_reads_the_same_steps():
+    """A :class:`ReaderProcess` spawned first (importing while the caller builds the model) and given its streams
+    later reads the steps of reading in place, from the start and from a mid-chunk position; one never given work
+    ends when closed."""
+    streams = lee_streams()
+    inline = Prefetcher(streams, per_step=2, device=torch.device("cpu"), steps=9, chunk=4, background=False)
+    want = taken(inline, 9)
+    early = ReaderProcess(imports=("ds_async.data",))
+    process = Prefetcher(streams, per_step=2, device=torch.device("cpu"), steps=9, chunk=4, background=True,
+                         reader=early)
+    try:
+        assert same(taken(process, 6), want[:6])
+        state = process.state_dict()
+    finally:
+        process.close()
+    assert not early.process.is_alive()
+    resumed = Prefetcher(streams, per_step=2, device=torch.device("cpu"), steps=3, chunk=4, background=True,
+                         reader=ReaderProcess(imports=("ds_async.data",)))
+    resumed.load_state_dict(state)
+    try:
+        assert same(taken(resumed, 3), want[6:])
+    finally:
+        resumed.close()
+    unused = ReaderProcess()
+    unused.close()
+    assert unused.process.exitcode == 0
 
 
 def test_a_reader_process_hands_its_error_to_the_caller(tmp_path):
