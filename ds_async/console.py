@@ -112,6 +112,8 @@ def summary_block(summary: dict, run_dir) -> str:
             f"{name.replace('stage', 's')} idle {_pct(v.get('idle_fraction'))} (optimizer "
             f"{_pct(v.get('optimizer_fraction'))}), peak {v['peak_memory_gib']:.2f} GiB"
             for name, v in stages.items())))
+    if summary.get("start_s"):
+        rows.append(("start", start_line(summary["start_s"])))
     skipped = {k: v for k, v in (summary.get("skipped_docs") or {}).items() if v}
     if skipped:
         rows.append(("skipped docs", ", ".join(f"{k} {v:,}" for k, v in skipped.items())))
@@ -122,6 +124,12 @@ def summary_block(summary: dict, run_dir) -> str:
     rows.append(("checkpoint", summary.get("checkpoint") or "none saved"))
     width = max(len(k) for k, _ in rows)
     return f"{PREFIX} summary:\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def start_line(spans: dict[str, float]) -> str:
+    """A process's start for a person: the total from launch to the end of its first step, then each phase."""
+    return (f"started in {sum(spans.values()):.1f} s (" + ", ".join(f"{phase} {s:.1f}" for phase, s in spans.items())
+            + ")")
 
 
 def _pct(value) -> str:

@@ -135,6 +135,7 @@ class RunLogger:
         self.last: dict = {}
         self.last_optimizer: dict | None = None
         self.last_stages: dict | None = None
+        self.start_s: dict[str, float] | None = None
         self.writer = self.bar = None
         self._t0 = self._t_last = time.perf_counter()
         self._host_spans: deque = deque(maxlen=window)
@@ -263,6 +264,13 @@ class RunLogger:
             f"peak mem {_fmt(f.get('peak_memory_gib'), '.2f')} GiB"
             for s, f in sorted(per_stage.items())))
 
+    def start(self, step: int, spans: dict[str, float]) -> None:
+        """Where this process's start went, up to the end of ``step`` (its first): a console line and the summary's
+        ``start_s`` (:class:`ds_async.telemetry.StartClock`'s spans)."""
+        self.start_s = spans
+        if self.enabled:
+            self._say(f"step {step}: {console.start_line(spans)}")
+
     def suspend(self) -> None:
         """Close the tensorboard writer and the progress bar without a summary: the run stops here, to be resumed
         by another process."""
@@ -289,7 +297,7 @@ class RunLogger:
                    "final_train_loss": self.history["train"][-1][1] if self.history["train"] else None,
                    "final_validation_loss": self.history["validation"][-1][1] if self.history["validation"] else None,
                    "grad_norm": self.last.get("grad_norm"), "optimizer": self.last_optimizer,
-                   "stages": self.last_stages, **(extra or {})}
+                   "stages": self.last_stages, "start_s": self.start_s, **(extra or {})}
         if not self.enabled:
             return summary
         if self.bar is not None:

@@ -18,6 +18,8 @@ its GPU (the pipeline relies on the host running ahead).
   on the compute stream, so ``idle - optimizer`` is the time the stage waited (for the host, p2p or the bubble);
   under flush-free rules it runs on a side stream, overlapping the next batch's passes.
 - The first ``warmup`` steps of a process (compilation, allocator growth) are left out of both.
+- **Start** (:class:`StartClock`): where a process's start went, from its launch to the end of its first step,
+  in wall-clock seconds on the host: imports, then the spans between the trainer's marks.
 - **Gradient norm** (:class:`GradNormTap`): the pipeline's global norm that the engine clips by, on every rank
   (the stages all-gather their squared norms ahead of the step).
 
@@ -29,7 +31,7 @@ ranks, on ``logging.stages_every`` steps, at evaluations and at the end only (th
 from __future__ import annotations
 
 import contextlib
-
+import os
 import resource
 import time
 from collections import deque
@@ -63,6 +65,37 @@ def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2 ** 30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux: ``/proc/self/stat``'s start time, in clock ticks after boot,
+    against the boot clock; to the clock tick, where a wall-clock start time is only as exact as the boot time's
+    whole second)."""
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after "pid (name)", whose name may hold spaces
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+class StartClock:
+    """Where this process's start went: ``imports`` from its launch to this clock's creation (the interpreter,
+    torch, DeepSpeed, transformers and ds_async), then, for each :meth:`mark`, the seconds since the one before.
+    Wall-clock seconds on the host; a mark taken right after queuing GPU work leaves that work's tail out."""
+
+    def __init__(self):
+        now = time.monotonic()
+        self._launched = now - process_age()
+        self._marks = [("imports", now)]
+
+    def mark(self, phase: str) -> None:
+        self._marks.append((phase, time.monotonic()))
+
+    def spans(self) -> dict[str, float]:
+        """Each phase's seconds, in order; they add up to the time from launch to the last mark."""
+        out, before = {}, self._launched
+        for phase, at in self._marks:
+            out[phase] = round(at - before, 2)
+            before = at
+        return out
 
 
 class StageClock:

@@ -53,6 +53,7 @@ class Trainer(TrainerSetup):
         from deepspeed import comm as dist
         from deepspeed.accelerator import get_accelerator
 
+        self.start_clock = telemetry.StartClock()  # marked along set-up and at the end of the first step
         self.config_path = config_path
         self.ds_config, cfg = cfgmod.load(config_path)
         cfgmod.check_engine(cfg)  # before any process group: an emulation-only schedule stops every rank at once
@@ -63,6 +64,7 @@ class Trainer(TrainerSetup):
         self.ckpt_root: Path | None = None
         self.preemption: Preemption | None = None  # SIGTERM handling, from setup on (a run that saves)
         init_distributed()
+        self.start_clock.mark("process group")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = device = torch.device(get_accelerator().current_device_name())  # the engine's
         fp8.check(cfg.performance.fp8, self.ds_config, cfg.performance.compile, device)
@@ -119,6 +121,9 @@ class Trainer(TrainerSetup):
             for step in range(self.start + 1, self.total_steps + 1):
                 last = self.preemption is not None and self.preemption.last_step()
                 report = self.train_step(step, drain=last)
+                if step == self.start + 1:
+                    self.start_clock.mark("first step")
+                    self.log.start(step, self.start_clock.spans())
                 self._log_gathered(step, report)
                 if last and step != self.total_steps:
                     self._stop_preempted(step)

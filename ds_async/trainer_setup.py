@@ -78,6 +78,7 @@ class TrainerSetup:
         if self.train_iter is not None:
             self.train_iter.start()  # from the position checked and restored above
         self._start_logging(carried)
+        self.start_clock.mark("data")
 
     def _locate_run(self, resume: str | None) -> None:
         from deepspeed import comm as dist
@@ -200,10 +201,12 @@ class TrainerSetup:
         check_seq_len(cfg, self.hf_config)
         with console.deepspeed_quiet(cfg.logging.deepspeed_log):
             module = build_pipeline(cfg, self.hf_config)
+            self.start_clock.mark("model")
             self.engine = engine = initialize(module, self.ds_config, schedule=cfg.schedule,
                                               correction=cfg.correction,
                                               fused_optimizer_step=cfg.performance.fused_optimizer_step,
                                               stats_every=cfg.logging.optimizer_every)
+        self.start_clock.mark("engine")
         self.monitor = None
         if cfg.train.on_nonfinite == "skip":
             check_skip_supported(engine.optimizer)

@@ -117,7 +117,8 @@ def test_the_command_line_exits_at_once_after_its_summary(tmp_path):
     """``python launch/train.py`` with its training stream in a reader process ends within a second or two of its
     summary line: the reader stops at once, evaluations read no stream (their micro-batches are read at start), and
     the process ends without the interpreter's teardown (its exit handlers waited out arrow's grace period and
-    Inductor's compile workers)."""
+    Inductor's compile workers). Its start is accounted for: the phases from launch to the end of step 1, in order,
+    adding up to no more than the time to the line that states them."""
     import json
     import subprocess
     import sys
@@ -145,16 +146,24 @@ def test_the_command_line_exits_at_once_after_its_summary(tmp_path):
     # No launcher's variables (a test before this one in the same process may have left its one-process group's)
     env = {k: v for k, v in job_env().items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                                                              "MASTER_ADDR", "MASTER_PORT")}
+    launched = time.time()
     proc = subprocess.Popen([sys.executable, str(root / "launch" / "train.py"), "--config", str(path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
-    seen, lines = None, []
+    seen, started, lines = None, None, []
     for line in proc.stdout:
         lines.append(line)
         if line.startswith("ds_async summary:"):
             seen = time.monotonic()
+        if line.startswith("step 1: started in "):
+            started = time.time()
     assert proc.wait(timeout=300) == 0, "".join(lines[-30:])
     assert seen is not None, "".join(lines[-30:])
     assert time.monotonic() - seen < 2.0
+    spans = json.loads((tmp_path / "runs" / "exit" / "summary.json").read_text())["start_s"]
+    assert list(spans) == ["imports", "process group", "model", "engine", "data", "first step"]
+    assert all(v >= 0 for v in spans.values()) and spans["imports"] > 0
+    assert started is not None and 0 < sum(spans.values()) <= started - launched + 0.05
+    assert any(line.strip().startswith("start ") and "started in" in line for line in lines)
 
 
 def test_the_emulation_keeps_its_compiled_code_in_the_configs_cache(tmp_path, monkeypatch):
@@ -213,3 +222,21 @@ def test_layers_built_on_threads_have_the_weights_of_hf_init(family):
         assert want.keys() <= got.keys()
         for key, value in want.items():
             assert torch.equal(got[key], value), (index, key)
+
+
+def test_the_start_clock_splits_the_time_since_launch_into_its_marks():
+    """``imports`` runs from the process's launch to the clock's creation; each mark's span from the one before;
+    together they are the time from launch to the last mark."""
+    import time
+
+    from ds_async.telemetry import StartClock, process_age
+
+    clock = StartClock()
+    time.sleep(0.05)
+    clock.mark("model")
+    time.sleep(0.02)
+    clock.mark("first step")
+    spans = clock.spans()
+    assert list(spans) == ["imports", "model", "first step"]
+    assert spans["model"] >= 0.04 and spans["first step"] >= 0.01
+    assert abs(sum(spans.values()) - process_age()) < 0.05

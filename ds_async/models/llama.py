@@ -69,8 +69,14 @@ def build_all(specs: Sequence, workers: int | None = None) -> list[nn.Module]:
     workers = min(len(specs), workers)
     if workers < 2 or any(spec.module_kwargs.get("hf_dir") is not None for spec in specs):
         return [spec.build() for spec in specs]
-    with no_init_weights(), ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(lambda spec: spec.build(), specs))
+    # One thread per worker: torch's intra-op threads per worker would put cores x workers threads on the cores.
+    intra_op = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with no_init_weights(), ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(lambda spec: spec.build(), specs))
+    finally:
+        torch.set_num_threads(intra_op)
 
 
 class _PipeLayer(nn.Module):

@@ -8,7 +8,8 @@ warm-up: ``train_tokens_per_s``), the whole run's rate, each stage's ``idle_frac
 seen from outside the process, in seconds after launch: ``time_to_first_step_s`` (step 1's console line, printed
 once its loss and norm reached the host), ``final_eval_s`` (from the last step's line to the final validation
 line: the drain and the evaluation), ``exit_after_summary_s`` (from the summary line to the process's end), with
-the card, commit and command. ``performance.compile_cache`` is ``--cache-dir``: ``--cache cold`` empties it first,
+the CLI's ``start_s`` (its summary's phases from launch to the end of step 1: imports, process group, model,
+engine, data, first step), the card, commit and command. ``performance.compile_cache`` is ``--cache-dir``: ``--cache cold`` empties it first,
 ``warm`` uses what an earlier run left there. ``--set KEY=VALUE`` sets a key of the config (a JSON value, else a
 string; ``ds_async.`` keys inside its section). ``--py-spy-dump S`` dumps every thread's stack (``py-spy dump``,
 subprocesses too) S seconds after the summary line if the process is still alive, to show what holds it;
@@ -143,6 +144,7 @@ def main() -> None:
            "idle_fraction": {s: f.get("idle_fraction") for s, f in stages.items()} or None,
            "optimizer_fraction": {s: f.get("optimizer_fraction") for s, f in stages.items()} or None,
            "time_to_first_step_s": round(marks["first_step"], 2) if "first_step" in marks else None,
+           "start_s": summary.get("start_s"),
            "final_eval_s": round(marks["final_eval_line"] - marks["last_step_line"], 2)
            if "final_eval_line" in marks else None,
            "exit_after_summary_s": round(marks["exit"] - marks["summary"], 2) if "summary" in marks else None,
