@@ -166,6 +166,7 @@ class Emulation:
     def __init__(self, config_path: str, max_steps: int | None = None, run_name: str | None = None,
                  device: str | None = None):
 
+        self.start_clock = telemetry.StartClock()  # marked along the build and at the end of the first step
         self.config_path = config_path
         ds_config, cfg = cfgmod.load(config_path)
         if run_name is not None:
@@ -185,6 +186,7 @@ class Emulation:
             if reader is not None:
                 reader.close()
             raise
+        self.start_clock.mark("model")
         self._open_data(reader)
 
         self.cadence = Cadence(self.total_steps, eval_every=cfg.eval.every, save_every=cfg.checkpoint.every,
@@ -362,9 +364,14 @@ class Emulation:
         """The steps left; past ``deadline`` (``time.perf_counter`` seconds) the state is saved and
         :class:`Stopped` raised."""
 
+        first = self.done + 1
+        self.start_clock.mark("data")  # the stream, a resumed run's state, the logs
         try:
-            for step in range(self.done + 1, self.total_steps + 1):
+            for step in range(first, self.total_steps + 1):
                 loss, norm = self.trainer.step_batch(self.batches.next_step())
+                if step == first:
+                    self.start_clock.mark("first step")
+                    self.log.start(step, self.start_clock.spans())
                 self.pending.append((step, HostValue(loss), self.optimizer.param_groups[0]["lr"],
                                      None if norm is None else HostValue(norm)))
                 self.report()

@@ -131,7 +131,8 @@ def test_scheduler_and_batch_split_as_deepspeed_builds_them():
 
 def test_cli_trains_the_demo_config(tmp_path, monkeypatch):
     """``python -m ds_async.emulate --config ds_configs/demo_cpu.json --max-steps 3``: the run folder holds what a
-    launch/train.py run writes, the manifest adding the emulation's device and precision."""
+    launch/train.py run writes, the manifest adding the emulation's device and precision, the summary where the
+    start went."""
     pytest.importorskip("gensim")
     from ds_async import emulate
 
@@ -148,6 +149,8 @@ def test_cli_trains_the_demo_config(tmp_path, monkeypatch):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 3 and len(summary["history"]["train"]) == 3
     assert [s for s, _ in summary["history"]["validation"]] == [3] and math.isfinite(summary["final_validation_loss"])
+    assert list(summary["start_s"]) == ["imports", "model", "data", "first step"]
+    assert all(v >= 0 for v in summary["start_s"].values())
 
 
 def test_cli_errors_name_the_key(tmp_path, capsys):
