@@ -8,8 +8,8 @@ warm-up: ``train_tokens_per_s``), the whole run's rate, each stage's ``idle_frac
 seen from outside the process, in seconds after launch: ``time_to_first_step_s`` (step 1's console line, printed
 once its loss and norm reached the host), ``final_eval_s`` (from the last step's line to the final validation
 line: the drain and the evaluation), ``exit_after_summary_s`` (from the summary line to the process's end), with
-the CLI's ``start_s`` (its summary's phases from launch to the end of step 1: imports, process group, model,
-engine, data, first step), the card, commit and command. ``performance.compile_cache`` is ``--cache-dir``: ``--cache cold`` empties it first,
+``start_s`` (the summary's phases from launch to the end of step 1: imports, process group, model, engine,
+data, first step for the CLI; imports, model, data, first step for the emulation), the card, commit and command. ``performance.compile_cache`` is ``--cache-dir``: ``--cache cold`` empties it first,
 ``warm`` uses what an earlier run left there. ``--set KEY=VALUE`` sets a key of the config (a JSON value, else a
 string; ``ds_async.`` keys inside its section). ``--py-spy-dump S`` dumps every thread's stack (``py-spy dump``,
 subprocesses too) S seconds after the summary line if the process is still alive, to show what holds it;
