@@ -149,7 +149,10 @@ class ReaderProcess:
         self.begun = True
 
     def close(self) -> None:
-        """Stop it (at its next chunk, or while it waits for work) and wait for its end, terminating it after 5 s."""
+        """Stop it (at its next chunk, or while it waits for work) and wait for its end, terminating it after 5 s;
+        once."""
+        if self.stop.is_set():
+            return
         self.stop.set()
         self.process.join(timeout=5)
         if self.process.is_alive():

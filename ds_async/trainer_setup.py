@@ -56,17 +56,24 @@ class TrainerSetup:
                 threading.current_thread() is threading.main_thread():
             self.preemption = Preemption(ckpt.preempt_grace_s, self.group, say=self.rank == 0)
         self.weights_ok_at, self.end_checked = None, False  # see _check_weights, _stop_if_nonfinite
+        self.train_iter = None  # the training stream's reader (_build_data), which then owns the reader process
         reader = self._early_reader()
         try:
-            self._locate_run(resume)
-            changed, lengths = self._plan_resume() if self.resume_from is not None else ({}, None)
-            self._build_engine(changed)
-            error = self._build_data(reader)
+            self._set_up(resume, reader)
         except BaseException:
-            if reader is not None:
+            if self.train_iter is not None:
+                self.train_iter.close()
+            elif reader is not None:
                 reader.close()
             raise
-        self._check_sources(error)
+        self.start_clock.mark("data")
+
+    def _set_up(self, resume: str | None, reader: ReaderProcess | None) -> None:
+        """:meth:`setup`'s steps from the run folder on: ``reader`` is the reader process started for this rank."""
+        self._locate_run(resume)
+        changed, lengths = self._plan_resume() if self.resume_from is not None else ({}, None)
+        self._build_engine(changed)
+        self._check_sources(self._build_data(reader))
         carried = self._restore(changed, lengths) if self.resume_from is not None else {}
         self.start = self.engine.global_steps  # 0, or the step of the checkpoint it resumed from
         if self.start >= self.total_steps:
@@ -78,7 +85,6 @@ class TrainerSetup:
         if self.train_iter is not None:
             self.train_iter.start()  # from the position checked and restored above
         self._start_logging(carried)
-        self.start_clock.mark("data")
 
     def _locate_run(self, resume: str | None) -> None:
         from deepspeed import comm as dist
@@ -246,7 +252,7 @@ class TrainerSetup:
         which the stream's reader then owns (it is closed here if unused); returns the error that stopped it, for
         :meth:`_check_sources` to raise on every rank."""
         self.needs_data = self.engine.is_first_stage() or self.engine.is_last_stage()
-        self.train_iter, error = None, None
+        error = None
         if self.needs_data:
             try:
                 self.train_iter = self._read_ahead(self._stream("train"), reader)
