@@ -185,19 +185,22 @@ class Prefetcher:
         self._steps: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         self._used = 0
         self._skip = 0
-        self._spare = reader  # until it begins
-        self._reader: ReaderProcess | None = None  # the one reading
+        self._reader = reader  # given, or started at the first step; reading once it has begun
         if not self.background:  # opened now, so that a stream that cannot be opened fails here, not at step 1
             self._streams = open_streams(streams, None)
 
     # -- reading -------------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the reader process now rather than at the first step (nothing to do without ``background``)."""
-        if self.background and self._reader is None:
+        if self.background and not self._reading():
             self._start()
 
+    def _reading(self) -> bool:
+        return self._reader is not None and self._reader.begun
+
     def _start(self) -> None:
-        self._reader, self._spare = self._spare or ReaderProcess(depth=self.depth), None
+        if self._reader is None:
+            self._reader = ReaderProcess(depth=self.depth)
         self._reader.begin(self._source, self._loaded, self.per_step, self.chunk, self._left)
 
     def _take(self):
@@ -205,7 +208,7 @@ class Prefetcher:
         n = self.chunk if self._left is None else min(self.chunk, self._left)
         if n <= 0:
             raise RuntimeError("Prefetcher: every step it was built for has been taken")
-        if self.background and self._reader is None:
+        if self.background and not self._reading():
             self._start()  # before counting this chunk: the reader reads all that is left
         if self._left is not None:
             self._left -= n
@@ -265,7 +268,7 @@ class Prefetcher:
 
     def load_state_dict(self, state: dict, steps: int | None = None) -> None:
         """Continue from ``state``; ``steps``: how many will be taken from there (None: the constructor's)."""
-        if self._states is not None or self._reader is not None:
+        if self._states is not None or self._reading():
             raise RuntimeError("Prefetcher.load_state_dict: load before the first step")
         if self._streams is not None:  # read in this process: restore them now
             self._streams = open_streams(self._streams, state["streams"])
@@ -283,10 +286,9 @@ class Prefetcher:
         for stream in self._streams or ():
             if hasattr(stream, "close"):
                 stream.close()
-        for reader in (self._reader, self._spare):
-            if reader is not None:
-                reader.close()
-        self._reader = self._spare = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
 
 
 def _as_streams(opener: Callable) -> list:
