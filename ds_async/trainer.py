@@ -149,7 +149,10 @@ class Trainer(TrainerSetup):
         norm = self.grad_norm.take(report) if self.grad_norm is not None else None
         loss = report.loss
         self.in_flight.append((step, None if loss is None else metrics.HostValue(loss), engine.get_lr()[0], norm))
-        drained = next_drain == step or not engine.is_async
+        # A step's loss is read a step late unless the pipeline drains here, under 1F1B too, whose loss is final
+        # once the step is issued: reading it now would hold the host until the GPU has finished the step, and the
+        # GPU would then idle while the host issues the next one.
+        drained = next_drain == step
         self._report(step if drained else step - 1, drained)
         if self.monitor is not None:
             self._stop_if_nonfinite(upto=step if drained else None)

@@ -73,7 +73,7 @@ def _sym_kernel(x_ptr, d_ptr, c_ptr, M, K, sxb, sxm, sxk, sdb, sdm, sdn, scb, sc
         tl.store(c + rn[None, :] * scm + rm[:, None] * scn, out, mask=inside)
 
 
-_sym_tuned = triton.autotune(configs=CONFIGS, key=["M", "K", "HAS_D"])(_sym_kernel)
+_sym_tuned = triton.autotune(configs=CONFIGS, key=["M", "K", "HAS_D"], cache_results=True)(_sym_kernel)
 
 
 def sym_product(x: torch.Tensor, d: torch.Tensor | None = None, alpha: float = 1.0, beta: float = 0.0,

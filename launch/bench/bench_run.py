@@ -13,7 +13,8 @@ data, first step for the CLI; imports, model, data, first step for the emulation
 ``warm`` uses what an earlier run left there. ``--set KEY=VALUE`` sets a key of the config (a JSON value, else a
 string; ``ds_async.`` keys inside its section). ``--py-spy-dump S`` dumps every thread's stack (``py-spy dump``,
 subprocesses too) S seconds after the summary line if the process is still alive, to show what holds it;
-``--py-spy-record FILE`` samples the training process's stacks for a while from a given step (folded stacks).
+``--py-spy-record FILE`` samples the training process's stacks for a while from a given step (folded stacks;
+``--py-spy-idle``: waiting threads too, so that time spent waiting on the GPU or a compile worker shows).
 """
 from __future__ import annotations
 
@@ -65,6 +66,8 @@ def main() -> None:
                     help="sample the run's stacks (py-spy record, folded, without pausing it) into FILE")
     ap.add_argument("--py-spy-at", type=int, default=100, metavar="STEP", help="from this step's line (0: from launch)")
     ap.add_argument("--py-spy-seconds", type=float, default=10)
+    ap.add_argument("--py-spy-idle", action="store_true",
+                    help="sample threads that wait too (on the GPU, a lock, a compile worker), not only running ones")
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -103,7 +106,8 @@ def main() -> None:
 
     def record():
         subprocess.run(["py-spy", "record", "--nonblocking", "--rate", "500" if args.py_spy_at else "50", "--format", "raw", "--duration",
-                        str(int(args.py_spy_seconds)), "--output", args.py_spy_record, "--pid", str(proc.pid)],
+                        str(int(args.py_spy_seconds)), "--output", args.py_spy_record, "--pid", str(proc.pid)]
+                       + (["--idle"] if args.py_spy_idle else []),
                        capture_output=True)
 
     if args.py_spy_record and args.py_spy_at == 0 and shutil.which("py-spy"):
