@@ -21,6 +21,7 @@ the streams skipped up to the end of the chunk being consumed, whatever the read
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import multiprocessing
@@ -28,6 +29,7 @@ import multiprocessing.util
 import os
 import pickle
 import queue
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -124,11 +126,29 @@ def _read(streams: Streams, states, per_step: int, chunk: int, left: int | None,
     os._exit(0)
 
 
+@contextlib.contextmanager
+def _main_hidden():
+    """A spawned child imports its parent's ``__main__`` (as ``__mp_main__``) before it runs its target, so that
+    functions defined there unpickle; a reader's target and streams live in importable modules, and a training
+    script's own imports (deepspeed, transformers: the parent's whole start-up) would delay the reader's first
+    chunk by as long. Hidden while the child is started (its start reads them), restored after."""
+    main = sys.modules["__main__"]
+    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
 class ReaderProcess:
     """A spawned reader process, started before its streams are known: it imports ``imports`` (the modules that
     unpickling and opening its streams need) while the caller builds the rest, then waits for :meth:`begin`. A fresh
     interpreter spends seconds on imports alone (torch, datasets, transformers), which a process spawned at the
-    first step makes the first step wait for. ``depth``: chunks read ahead."""
+    first step makes the first step wait for. It does not import the parent's ``__main__`` (:func:`_main_hidden`):
+    what it is given to read cannot be defined there. ``depth``: chunks read ahead."""
 
     def __init__(self, imports: Sequence[str] = (), depth: int = 2):
         ctx = multiprocessing.get_context("spawn")  # no fork: the parent may hold CUDA and datasets' threads
@@ -137,7 +157,8 @@ class ReaderProcess:
         self.begun = False
         self.process = ctx.Process(target=_serve, name="ds_async-prefetch", daemon=True,
                                    args=(tuple(imports), self._work, self.queue, self.stop))
-        self.process.start()
+        with _main_hidden():
+            self.process.start()
 
     def begin(self, streams: Streams, states: list[dict] | None, per_step: int, chunk: int,
               left: int | None) -> None:

@@ -1,6 +1,8 @@
 """``ds_async.prefetch.Prefetcher``: the steps it hands out are the streams' micro-batches in order, read in the
 caller's thread or a background reader alike, and its position resumes mid-chunk."""
 import functools
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,6 +137,31 @@ def test_a_reader_process_started_before_its_streams_reads_the_same_steps():
     unused = ReaderProcess()
     unused.close()
     assert unused.process.exitcode == 0
+
+
+READER_FROM_A_SCRIPT = """
+import os, sys
+with open(sys.argv[1], "a") as f:  # every process that runs this file's top level leaves its pid
+    f.write(f"{os.getpid()}\\n")
+if __name__ == "__main__":
+    from ds_async.prefetch import ReaderProcess
+    here, spec = __file__, __spec__
+    reader = ReaderProcess()
+    assert (__file__, __spec__) == (here, spec)
+    reader.close()
+    assert reader.process.exitcode == 0
+"""
+
+
+def test_a_reader_process_does_not_run_the_parent_script(tmp_path):
+    """A training script's top level (its imports: the parent's whole start-up) does not run again in the reader
+    process, as a spawned child's import of ``__main__`` would run it; the script's ``__file__`` and ``__spec__``
+    are as before once the reader has started."""
+    script, marker = tmp_path / "train_like.py", tmp_path / "pids"
+    script.write_text(READER_FROM_A_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(marker)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert len(marker.read_text().split()) == 1
 
 
 def test_a_reader_process_hands_its_error_to_the_caller(tmp_path):

@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Iterator
 
 from tokenizers import Tokenizer
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from ..config import ConfigError
 from ..hub import one_line, refuse_remote_code
@@ -32,6 +32,9 @@ def load_tokenizer(spec: str, key: str | None = None) -> PreTrainedTokenizerFast
             if EOS_TOKEN in tokenizer.get_vocab():
                 tokenizer.eos_token = EOS_TOKEN
         else:
+            # transformers' auto classes import its model registry (seconds), which a reader process never needs
+            from transformers import AutoTokenizer
+
             refuse_remote_code(spec, where)
             tokenizer = AutoTokenizer.from_pretrained(spec, trust_remote_code=False)
     except ConfigError:
