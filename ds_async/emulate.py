@@ -58,7 +58,7 @@ from .nonfinite import NonFiniteLoss, SkipNonFinite
 from .optim import Muon, build_optimizer
 from .optim.master import MasterWeights
 from .pipe.delayed import DelayedTrainer
-from .prefetch import Prefetcher, ReaderProcess
+from .prefetch import Prefetcher, ReaderProcess, reads_in_background
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -100,15 +100,6 @@ def build_scheduler(block: dict | None, optimizer: torch.optim.Optimizer):
         return cls(optimizer, **block.get("params", {}))
     except TypeError as e:
         raise ConfigError(f"scheduler.params: {e}") from None
-
-
-def open_train_streams(data_cfg, tokenizer, micro_batch_size: int, replicas: int, seed: int,
-                       tokenize_batch_: int) -> list:
-    """Each replica's training stream (:func:`ds_async.data.open_batches`): what the prefetcher's reader opens, in
-    its own process on a GPU, so it takes only picklable arguments."""
-
-    return [data.open_batches(data_cfg, "train", tokenizer, micro_batch_size, dp_rank=r, dp_world_size=replicas,
-                              seed=seed, tokenize_batch=tokenize_batch_) for r in range(replicas)]
 
 
 def tokenize_batch(tokens: int) -> int:
@@ -178,8 +169,9 @@ class Emulation:
         self.ds_config = cfgmod.with_schedule_length(ds_config, planned)
         self.total_steps = planned if max_steps is None else min(planned, max_steps)
         self._place(device)
-        # On a GPU the training stream is read in a process: started now, its imports overlap the model's build.
-        reader = ReaderProcess(imports=("ds_async.data",)) if self.device.type == "cuda" else None
+        # Where the training stream is read in a process, it is started now: its imports overlap the model's build.
+        reads = reads_in_background(cfg.performance.data_reader, self.device)
+        reader = ReaderProcess(imports=("ds_async.data",)) if reads else None
         try:
             self._build()
         except BaseException:
@@ -260,14 +252,15 @@ class Emulation:
                                  seed=cfg.seed, tokenize_batch=tokenize_batch(tokens))
 
     def _open_data(self, reader: ReaderProcess | None) -> None:
-        """The training stream, read ahead for the run's steps and none past its last (by ``reader`` on a GPU)."""
+        """The training stream, read ahead for the run's steps and none past its last (by ``reader``, if any: see
+        ``performance.data_reader``; in this process otherwise)."""
 
         cfg = self.cfg
         tokens = self.total_steps * self.mbs * self.gas * cfg.data.seq_len
-        streams = functools.partial(open_train_streams, cfg.data, self.tokenizer, self.mbs, self.dp, cfg.seed,
+        streams = functools.partial(data.open_replica_streams, cfg.data, self.tokenizer, self.mbs, self.dp, cfg.seed,
                                     tokenize_batch(tokens))
         self.batches = Prefetcher(streams, self.gas, self.device, steps=self.total_steps,
-                                  chunk=min(16, self.total_steps), reader=reader)
+                                  chunk=min(16, self.total_steps), background=reader is not None, reader=reader)
         self.held_out: list[list] = []  # the validation micro-batches of each replica: the same every evaluation
 
     @torch.no_grad()

@@ -126,6 +126,12 @@ def _read(streams: Streams, states, per_step: int, chunk: int, left: int | None,
     os._exit(0)
 
 
+def reads_in_background(mode: str, device: torch.device) -> bool:
+    """Whether a job reads its training stream in a reader process: ``performance.data_reader`` ``mode`` is
+    ``process``, or ``auto`` on a GPU (on a CPU the process would take cores from the training)."""
+    return mode == "process" or (mode == "auto" and device.type == "cuda")
+
+
 @contextlib.contextmanager
 def _main_hidden():
     """A spawned child imports its parent's ``__main__`` (as ``__mp_main__``) before it runs its target, so that

@@ -28,7 +28,7 @@ from .data import DataError
 from .job import default_run_name, seed_everything, steps_for, use_deterministic
 from .models import build_pipeline, check_seq_len, check_vocab, model_config
 from .nonfinite import LossMonitor, SkipNonFinite, check_skip_supported
-from .prefetch import MicroBatchReader, ReaderProcess
+from .prefetch import MicroBatchReader, ReaderProcess, reads_in_background
 from .preempt import Preemption
 from .resume import check_optimizer_type, checkpoint_to_resume, config_keys, stream_recipe
 
@@ -228,8 +228,7 @@ class TrainerSetup:
 
     def _reads_in_background(self) -> bool:
         """Whether the training stream is read in a reader process (``performance.data_reader``)."""
-        mode = self.cfg.performance.data_reader
-        return mode == "process" or (mode == "auto" and self.device.type == "cuda")
+        return reads_in_background(self.cfg.performance.data_reader, self.device)
 
     def _early_reader(self) -> ReaderProcess | None:
         """On a rank that will read the training stream in a reader process: that process, started now so that

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from ds_async.config import DataConfig
-from ds_async.data import LEE_CORPUS, load_tokenizer
-from ds_async.emulate import open_train_streams
+from ds_async.data import LEE_CORPUS, load_tokenizer, open_replica_streams
 from ds_async.prefetch import Prefetcher, ReaderProcess
 
 
@@ -66,13 +65,13 @@ CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus"
 
 
 def lee_streams(replicas: int = 2, train: str = LEE_CORPUS):
-    """The emulation's training streams (``emulate.open_train_streams``) over the Lee corpus, as a picklable
+    """The emulation's training streams (``data.open_replica_streams``) over the Lee corpus, as a picklable
     function: what a reader process opens."""
     tokenizer_file = CORPUS / "tokenizers" / "bpe8192.json"
     if not tokenizer_file.is_file():
         pytest.skip(f"shared corpus not found at {CORPUS} (the repo must be cloned next to shared/)")
     cfg = DataConfig(train=train, seq_len=16, shuffle_buffer=8)
-    return functools.partial(open_train_streams, cfg, load_tokenizer(str(tokenizer_file)), 2, replicas, 3, 4)
+    return functools.partial(open_replica_streams, cfg, load_tokenizer(str(tokenizer_file)), 2, replicas, 3, 4)
 
 
 def taken(prefetcher, n):

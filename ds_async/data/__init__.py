@@ -12,13 +12,13 @@ Its parts: :mod:`.sources` (where the text comes from, opened as a stream of row
 usable document and how it becomes tokens), :mod:`.packing` (documents -> micro-batches, resumable). The names
 below are the pipeline's API for the jobs, the tokenizer's room and the tests.
 """
-from .packing import PackedBatches, open_batches
+from .packing import PackedBatches, open_batches, open_replica_streams
 from .sources import (EMBEDDED_CORPUS, EMBEDDED_PREFIXES, EOS_TOKEN, LEE_CORPUS, DataError, describe,
                       load_text_stream, resolve_files, resolve_source)
 from .text import (PIECE_CHARS, SKIP_REASONS, check_encoding, document_encoder, eos_id, load_tokenizer, usable_text,
                    usable_texts)
 
-__all__ = ["PackedBatches", "open_batches", "EMBEDDED_CORPUS", "EMBEDDED_PREFIXES", "EOS_TOKEN", "LEE_CORPUS",
+__all__ = ["PackedBatches", "open_batches", "open_replica_streams", "EMBEDDED_CORPUS", "EMBEDDED_PREFIXES", "EOS_TOKEN", "LEE_CORPUS",
            "DataError", "describe", "load_text_stream", "resolve_files", "resolve_source", "PIECE_CHARS",
            "SKIP_REASONS", "check_encoding", "document_encoder", "eos_id", "load_tokenizer", "usable_text",
            "usable_texts"]

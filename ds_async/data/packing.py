@@ -424,6 +424,14 @@ def open_batches(data: DataConfig, role: str, tokenizer, micro_batch_size: int, 
                          min_chars=data.min_chars, source=f"{key}: {describe(source)}", held_out=exclude)
 
 
+def open_replica_streams(data: DataConfig, tokenizer, micro_batch_size: int, replicas: int, seed: int,
+                         tokenize_batch: int) -> list[PackedBatches]:
+    """Each data-parallel replica's training stream (:func:`open_batches`) in one process, as the emulation reads
+    them: what its reader process opens, so it takes only picklable arguments and lives in an importable module
+    (a function of a ``python -m`` module's ``__main__`` does not unpickle in the reader)."""
+    return [open_batches(data, "train", tokenizer, micro_batch_size, dp_rank=r, dp_world_size=replicas, seed=seed,
+                         tokenize_batch=tokenize_batch) for r in range(replicas)]
+
 def _first_texts(stream: datasets.IterableDataset, n: int, text_field: str, key: str) -> list:
     """The `text_field` values of the first `n` rows of `stream` in file order (the held-out documents)."""
     try:
