@@ -250,7 +250,8 @@ def test_compiled_passes_match_eager():
 
 def test_compiled_passes_run_over_chunks_of_one_shape():
     """The passes' calls: runs of at most ``CHUNK`` tensors of one shape and dtype, each index once, in order, so
-    that a compiled pass is traced for a few small lists instead of a stage's whole list of matrices."""
+    that a compiled pass is traced for a few small lists instead of a stage's whole list of matrices; a shape's runs
+    as equal in length as can be, so that few lengths are traced."""
     from ds_async.optim.muon_pass import CHUNK, same_shape_chunks
 
     shapes = [(8, 4), (4, 8), (8, 4), (3, 8, 4)] * 20 + [(8, 4)]
@@ -258,5 +259,9 @@ def test_compiled_passes_run_over_chunks_of_one_shape():
     chunks = same_shape_chunks(tensors)
     assert sorted(k for ks in chunks for k in ks) == list(range(len(shapes)))
     assert all(len(ks) <= CHUNK and ks == sorted(ks) and len({shapes[k] for k in ks}) == 1 for ks in chunks)
-    assert [len(ks) for ks in chunks] == [16, 16, 9, 16, 4, 16, 4]  # 41 of (8, 4), 20 of each other shape
+    assert [len(ks) for ks in chunks] == [13, 14, 14, 10, 10, 10, 10]  # 41 of (8, 4), 20 of each other shape
+    # A 15-layer LLaMA stage (16 heads, 16 KV heads): 60 matrices of one shape, 30 of another, 15 of a third: one
+    # length, 15, where runs of 16 at most gave 16, 16, 16, 12 / 16, 14 / 15.
+    stage = [torch.zeros(4, 4)] * 60 + [torch.zeros(8, 4)] * 30 + [torch.zeros(4, 8)] * 15
+    assert {len(ks) for ks in same_shape_chunks(stage)} == {15}
     assert same_shape_chunks([torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.bfloat16)]) == [[0], [1]]

@@ -226,6 +226,19 @@ class AsyncPipelineEngine(PipelineEngine):
             grads = self.step_plan.norm_grads()
             self._batch.stage_sq = None if grads is None else squared_norm(grads)
 
+    def _exec_reduce_grads(self):
+        """DeepSpeed's gradient all-reduce, which 1F1B's schedule calls at every batch boundary. Over one replica
+        without ZeRO, only what it changes: the missing gradients it fills with zeros and its casts
+        (:meth:`_cast_like_one_replica_reduce`), as the flush-free path does; its flatten, all-reduce and copy-back
+        passes would cost a host-bound stage GPU idle time at every step for nothing."""
+        if (self.is_async or self.dp_world_size > 1 or self.zero_optimization() or self.has_moe_layers
+                or self.gradient_predivide_factor() != 1.0 or not self.pipeline_enable_backward_allreduce):
+            super()._exec_reduce_grads()
+            return
+        if not self.using_bf16_optimizer:
+            self._get_gradients_for_reduction()  # fills missing gradients with zeros, as DeepSpeed's reduce does
+        self._cast_like_one_replica_reduce()
+
     def _cast_like_one_replica_reduce(self):
         """What DeepSpeed's all-reduce over one replica changes, without its flatten/cast/copy passes: only the cast
         to the communication dtype where it narrows (exact under the bf16 optimizer, whose buffers hold bf16 sums)."""
