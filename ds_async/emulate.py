@@ -281,7 +281,7 @@ class Emulation:
         for batches in self.held_out:  # as the engine: each replica's micro-batch losses summed, then the mean
             total = None
             for x, y in batches:
-                loss = self.trainer.loss(x, y)
+                loss = self.trainer.eval_loss(x, y)
                 total = loss if total is None else total + loss
             means.append(total / len(batches))
         mean = sum(means[1:], means[0])

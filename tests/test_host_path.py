@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 from ds_async.config import ConfigError, parse
 from ds_async.models import (StagedPipelineModule, compiled_stage, dropout_free, llama, loss_as_in_training,
                              mixtral, model_config, use_compile_cache)
+from ds_async.pipe.delayed import DelayedTrainer
 
 
 def test_deepspeed_throughput_timer_is_off_unless_configured():
@@ -89,6 +90,26 @@ def test_evaluation_reuses_the_training_graphs():
     assert torch.equal(out_eval, out.detach()) and torch.equal(loss_eval, loss.detach())
     assert not out_eval.requires_grad and not loss_eval.requires_grad
     assert not any(m.training for m in stage.modules())
+
+
+def test_the_emulations_evaluation_reuses_the_training_graph():
+    """The emulation's trainer, compiled: after a training step, evaluating (under ``no_grad``, as
+    ``emulate.validate`` runs) compiles nothing and gives training's forward loss, detached."""
+    _, layers = _layers(2)
+    torch._dynamo.reset()
+    params = [q for layer in layers for q in layer.parameters()]
+    trainer = DelayedTrainer(layers, [0] * len(layers), lambda logits, labels: torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten()), torch.optim.SGD(params, lr=0.1), "1f1b", micro_batches=1,
+        stages=1, compile={"backend": "aot_eager"})
+    gen = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(2, 16, 32, generator=gen), torch.randint(0, 50, (2, 16), generator=gen)) for _ in range(2)]
+    trainer.train_batch(batches[:1])
+    want = trainer.loss(*batches[1]).detach()
+    grads = [None if q.grad is None else q.grad.clone() for q in params]
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
+        got = trainer.eval_loss(*batches[1])
+    assert torch.equal(got, want) and not got.requires_grad
+    assert all((g is None and q.grad is None) or torch.equal(g, q.grad) for g, q in zip(grads, params))
 
 
 def test_dropout_or_jitter_keeps_evaluation_graphs_of_its_own():

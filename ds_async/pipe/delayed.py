@@ -33,13 +33,14 @@ class DelayedTrainer:
         clip: ``gradient_clipping``: the whole model's gradient norm is clipped, 0 for none.
         after_step: called after each optimizer step (e.g. an LR scheduler's ``step``).
         compile: ``torch.compile`` the whole model's forward and loss as one region (the layers' weights change in
-            place between micro-batches, so one graph serves every version).
+            place between micro-batches, so one graph serves every version); a dict: with these keyword arguments
+            (e.g. ``backend``).
     """
 
     def __init__(self, layers: Sequence[nn.Module], stage_of_layer: Sequence[int], loss_fn: Callable,
                  optimizer: torch.optim.Optimizer, schedule: str | version_rule.VersionRule, micro_batches: int,
                  stages: int, data_parallel: int = 1, clip: float = 0.0, after_step: Callable[[], None] | None = None,
-                 compile: bool = False):
+                 compile: bool | dict = False):
         self.layers, self.loss_fn, self.optimizer = list(layers), loss_fn, optimizer
         self.rule = version_rule.get(schedule)
         self.schedule, self.m, self.p, self.dp = self.rule.name, micro_batches, stages, data_parallel
@@ -52,7 +53,8 @@ class DelayedTrainer:
         self.loaded = [0] * stages  # the version each stage's parameters hold now
         self._compiled = None
         if compile:
-            self._compiled = torch.compile(lambda inputs, labels: self.loss_fn(self.forward(inputs), labels))
+            self._compiled = torch.compile(lambda inputs, labels: self.loss_fn(self.forward(inputs), labels),
+                                           **(compile if isinstance(compile, dict) else {}))
 
     def state_dict(self) -> dict:
         """The step count and the older weight versions a next step reads (the newest are the layers' own)."""
@@ -108,6 +110,16 @@ class DelayedTrainer:
         if self._compiled is None:
             return self.loss_fn(self.forward(inputs), labels)
         return self._compiled(inputs, labels)
+
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """:meth:`loss` for evaluation: detached, no gradient kept. Compiled, it runs with gradients enabled and
+        drops them, so that it reuses training's graph, where under ``no_grad`` Dynamo would trace and compile an
+        inference graph at the first evaluation (as the pipeline's stages do: ``models.loss_as_in_training``)."""
+        if self._compiled is None:
+            with torch.no_grad():
+                return self.loss(inputs, labels)
+        with torch.enable_grad():
+            return self._compiled(inputs, labels).detach()
 
     def train_batch(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """One optimizer step over ``m x data_parallel`` micro-batches; returns their mean loss, averaged as the
