@@ -5,6 +5,7 @@
   asks for it; DeepSpeed's errors and ds_async's own lines still show.
 - :func:`summary_block`: the end-of-run summary as a short aligned block (``summary.json`` keeps every figure).
 - :func:`error_line`: the one line an expected error prints, on one rank only.
+- :func:`exit_now`: a finished job's end, without the interpreter's teardown.
 """
 from __future__ import annotations
 
@@ -134,3 +135,15 @@ def start_line(spans: dict[str, float]) -> str:
 
 def _pct(value) -> str:
     return "-" if value is None else f"{value:.1%}"
+
+
+def exit_now() -> None:
+    """End the process once its results are written (summary, logs, checkpoints) and its output flushed, without
+    the interpreter's teardown, which held a finished run for seconds: the exit handlers shut Inductor's compile
+    worker pool down (waiting for each worker process to end) and wait out the grace period arrow's reader threads
+    need after a stream was read (``ds_async.data``); neither has anything left to do once training is over. The compile workers end on their own when this process's pipe to them closes, a reader
+    process when it sees its parent gone."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

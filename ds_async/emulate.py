@@ -447,4 +447,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status == 0:
+        console.exit_now()  # the summary is written: the interpreter's teardown would only hold the process
+    sys.exit(status)

@@ -105,21 +105,7 @@ def main() -> None:
         sys.exit(PREEMPTED_EXIT)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    exit_now()
-
-
-def exit_now() -> None:
-    """End the process once its results are written (summary, logs, checkpoints) and its output flushed, without
-    the interpreter's teardown, which held a finished run for seconds: the exit handlers shut Inductor's compile
-    worker pool down (4-6 s on an H200 machine, waiting for each worker process to end) and wait out the grace
-    period arrow's reader threads need after a stream was read (``ds_async.data``); neither has anything left to do
-    once training is over. The compile workers end on their own when this process's pipe to them closes."""
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    console.exit_now()
 
 
 if __name__ == "__main__":
