@@ -206,17 +206,23 @@ def test_time_limit_and_resume_equal_an_uninterrupted_run(tmp_path, monkeypatch)
     assert manifest["resumed_from"].endswith(emulate.STATE_FILE)
 
 
+def tiny_config(tmp_path, gas: int, steps: int) -> dict:
+    """A one-layer LLaMA on the Python docs with a tokenizer trained at start: a command-line run of seconds."""
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "steps_per_print": 10 ** 9,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
+            "ds_async": {"model": {"config": {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+                                              "num_key_value_heads": 4, "num_hidden_layers": 1, "vocab_size": 300,
+                                              "max_position_embeddings": 16}},
+                         "tokenizer": "train:300", "pipeline_stages": 1,
+                         "data": {"train": "python:docs", "validation": None, "seq_len": 16},
+                         "train": {"steps": steps},
+                         "logging": {"dir": str(tmp_path / "runs"), "progress": False, "plot": False}}}
+
+
 def test_cli_reads_the_same_batches_in_a_reader_process(tmp_path):
     """``python -m ds_async.emulate`` (the module is ``__main__``, which the reader process does not import) with
     ``performance.data_reader`` ``process`` trains on the micro-batches of ``main``: the same losses."""
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 9,
-           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
-           "ds_async": {"model": {"config": {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
-                                             "num_key_value_heads": 4, "num_hidden_layers": 1, "vocab_size": 300,
-                                             "max_position_embeddings": 16}},
-                        "tokenizer": "train:300", "pipeline_stages": 1,
-                        "data": {"train": "python:docs", "validation": None, "seq_len": 16}, "train": {"steps": 3},
-                        "logging": {"dir": str(tmp_path / "runs"), "progress": False, "plot": False}}}
+    cfg = tiny_config(tmp_path, gas=2, steps=3)
     history = {}
     for mode in ("main", "process"):
         cfg["ds_async"]["logging"]["run_name"] = mode
@@ -234,16 +240,9 @@ def test_cli_reads_the_same_batches_in_a_reader_process(tmp_path):
 def test_cli_prints_none_of_deepspeeds_scheduler_warnings(tmp_path):
     """Like ``launch/train.py``, the emulation holds back DeepSpeed's lines while it builds its parts: DeepSpeed's
     ``WarmupCosineLR`` warns when built ("Attempting to get learning rate from scheduler before it has started")."""
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
-           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
-           "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 1}},
-           "ds_async": {"model": {"config": {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
-                                             "num_key_value_heads": 4, "num_hidden_layers": 1, "vocab_size": 300,
-                                             "max_position_embeddings": 16}},
-                        "tokenizer": "train:300", "pipeline_stages": 1,
-                        "data": {"train": "python:docs", "validation": None, "seq_len": 16}, "train": {"steps": 2},
-                        "logging": {"dir": str(tmp_path / "runs"), "run_name": "quiet", "progress": False,
-                                    "plot": False}}}
+    cfg = tiny_config(tmp_path, gas=1, steps=2)
+    cfg["scheduler"] = {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 1}}
+    cfg["ds_async"]["logging"]["run_name"] = "quiet"
     path = tmp_path / "quiet.json"
     path.write_text(json.dumps(cfg))
     proc = subprocess.run([sys.executable, "-m", "ds_async.emulate", "--config", str(path), "--device", "cpu"],
