@@ -1,6 +1,7 @@
 """``ds_async.prefetch.Prefetcher``: the steps it hands out are the streams' micro-batches in order, read in the
 caller's thread or a background reader alike, and its position resumes mid-chunk."""
 import functools
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -139,28 +140,39 @@ def test_a_reader_process_started_before_its_streams_reads_the_same_steps():
 
 
 READER_FROM_A_SCRIPT = """
-import os, sys
-with open(sys.argv[1], "a") as f:  # every process that runs this file's top level leaves its pid
+import os, sys, time
+with open(os.environ["MARKER"], "a") as f:  # every process that runs this file's top level leaves its pid
     f.write(f"{os.getpid()}\\n")
 if __name__ == "__main__":
     from ds_async.prefetch import ReaderProcess
     here, spec = __file__, __spec__
-    reader = ReaderProcess()
+    reader = ReaderProcess(imports=("ready_probe",))
     assert (__file__, __spec__) == (here, spec)
+    deadline = time.monotonic() + 300  # the reader's imports (torch) on a loaded machine
+    while "ready" not in open(os.environ["MARKER"]).read() and time.monotonic() < deadline:
+        time.sleep(0.05)
     reader.close()
-    assert reader.process.exitcode == 0
+    assert reader.process.exitcode == 0, reader.process.exitcode
+"""
+READY_PROBE = """
+import os
+with open(os.environ["MARKER"], "a") as f:  # the reader has run its imports: it waits for work now
+    f.write("ready\\n")
 """
 
 
 def test_a_reader_process_does_not_run_the_parent_script(tmp_path):
     """A training script's top level (its imports: the parent's whole start-up) does not run again in the reader
-    process, as a spawned child's import of ``__main__`` would run it; the script's ``__file__`` and ``__spec__``
-    are as before once the reader has started."""
+    process, as a spawned child's import of ``__main__`` would run it before the reader's own imports; the script's
+    ``__file__`` and ``__spec__`` are as before once the reader has started, and the reader ends when closed."""
     script, marker = tmp_path / "train_like.py", tmp_path / "pids"
     script.write_text(READER_FROM_A_SCRIPT)
-    done = subprocess.run([sys.executable, str(script), str(marker)], capture_output=True, text=True, timeout=120)
+    (tmp_path / "ready_probe.py").write_text(READY_PROBE)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "MARKER": str(marker)})
     assert done.returncode == 0, done.stderr
-    assert len(marker.read_text().split()) == 1
+    lines = marker.read_text().split()
+    assert len(lines) == 2 and lines[1] == "ready", lines  # the script's own pid, then the reader's imports
 
 
 def test_a_reader_process_hands_its_error_to_the_caller(tmp_path):
