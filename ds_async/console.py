@@ -141,8 +141,9 @@ def exit_now() -> None:
     """End the process once its results are written (summary, logs, checkpoints) and its output flushed, without
     the interpreter's teardown, which held a finished run for seconds: the exit handlers shut Inductor's compile
     worker pool down (waiting for each worker process to end) and wait out the grace period arrow's reader threads
-    need after a stream was read (``ds_async.data``); neither has anything left to do once training is over. The compile workers end on their own when this process's pipe to them closes, a reader
-    process when it sees its parent gone."""
+    need after a stream was read (``ds_async.data``); neither has anything left to do once training is over. The
+    compile workers end on their own when this process's pipe to them closes, a reader process when it sees its
+    parent gone."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -18,7 +18,7 @@ from .sources import (EMBEDDED_CORPUS, EMBEDDED_PREFIXES, EOS_TOKEN, LEE_CORPUS,
 from .text import (PIECE_CHARS, SKIP_REASONS, check_encoding, document_encoder, eos_id, load_tokenizer, usable_text,
                    usable_texts)
 
-__all__ = ["PackedBatches", "open_batches", "open_replica_streams", "EMBEDDED_CORPUS", "EMBEDDED_PREFIXES", "EOS_TOKEN", "LEE_CORPUS",
-           "DataError", "describe", "load_text_stream", "resolve_files", "resolve_source", "PIECE_CHARS",
-           "SKIP_REASONS", "check_encoding", "document_encoder", "eos_id", "load_tokenizer", "usable_text",
-           "usable_texts"]
+__all__ = ["PackedBatches", "open_batches", "open_replica_streams", "EMBEDDED_CORPUS", "EMBEDDED_PREFIXES",
+           "EOS_TOKEN", "LEE_CORPUS", "DataError", "describe", "load_text_stream", "resolve_files", "resolve_source",
+           "PIECE_CHARS", "SKIP_REASONS", "check_encoding", "document_encoder", "eos_id", "load_tokenizer",
+           "usable_text", "usable_texts"]

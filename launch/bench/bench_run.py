@@ -105,10 +105,9 @@ def main() -> None:
             dump.append(out.stdout + out.stderr)
 
     def record():
-        subprocess.run(["py-spy", "record", "--nonblocking", "--rate", "500" if args.py_spy_at else "50", "--format", "raw", "--duration",
-                        str(int(args.py_spy_seconds)), "--output", args.py_spy_record, "--pid", str(proc.pid)]
-                       + (["--idle"] if args.py_spy_idle else []),
-                       capture_output=True)
+        subprocess.run(["py-spy", "record", "--nonblocking", "--rate", "500" if args.py_spy_at else "50", "--format",
+                        "raw", "--duration", str(int(args.py_spy_seconds)), "--output", args.py_spy_record, "--pid",
+                        str(proc.pid)] + (["--idle"] if args.py_spy_idle else []), capture_output=True)
 
     if args.py_spy_record and args.py_spy_at == 0 and shutil.which("py-spy"):
         threading.Thread(target=record, daemon=True).start()
