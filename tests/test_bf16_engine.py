@@ -30,6 +30,19 @@ def test_2bw_first_bf16_update_equals_stock_deepspeed(tmp_path, immediate):
         torch.testing.assert_close(ours, stock, rtol=0, atol=0)
 
 
+def test_1f1b_bf16_steps_equal_stock_deepspeed(tmp_path):
+    """Under 1F1B over one replica the engine skips DeepSpeed's all-reduce and does only what it changes (the
+    engine's ``_exec_reduce_grads``): with DeepSpeed's bf16 optimizer, 3 AdamW steps equal stock DeepSpeed's bit for
+    bit, losses and fp32 master."""
+    kw = dict(stages=2, steps=3, mbs=MBS, gas=4, seq_len=SEQ, optimizer=ADAMW, clip=0.0, bf16={"enabled": True})
+    ours = run_job(2, "train", tmp_path / "ours", schedule="1f1b", **kw)
+    stock = run_job(2, "train", tmp_path / "stock", stock=True, **kw)
+    torch.testing.assert_close(ours["losses"], stock["losses"], rtol=0, atol=0)
+    for s in range(2):
+        mine, theirs = (torch.load(tmp_path / d / f"master_stage{s}.pt") for d in ("ours", "stock"))
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
 def test_2bw_bf16_clipping_at_the_hand_over_equals_clipping_in_the_step(tmp_path):
     """With one replica the engine clips bf16 gradients as it hands them over (norm summed from the bf16 gradients,
     g * factor written into DeepSpeed's gradient buffers in one pass); with replicas it copies them at the batch
