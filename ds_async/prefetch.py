@@ -63,12 +63,13 @@ def open_streams(streams: Streams, states: list[dict] | None) -> list:
     return streams
 
 
-def _serve(imports: tuple[str, ...], work, out, stop) -> None:
-    """A :class:`ReaderProcess`: imports ``imports``, waits for :func:`_read`'s first arguments on ``work`` (None:
-    not needed after all), then reads."""
+def _serve(imports: tuple[str, ...], work, out, stop, ready) -> None:
+    """A :class:`ReaderProcess`: imports ``imports``, sets ``ready``, waits for :func:`_read`'s first arguments on
+    ``work`` (None: not needed after all), then reads."""
     parent = multiprocessing.parent_process()
     for name in imports:
         importlib.import_module(name)
+    ready.set()
     while True:
         try:
             args = work.get(timeout=0.5)
@@ -160,9 +161,10 @@ class ReaderProcess:
         ctx = multiprocessing.get_context("spawn")  # no fork: the parent may hold CUDA and datasets' threads
         self.queue, self.stop = ctx.Queue(maxsize=depth), ctx.Event()
         self._work = ctx.Queue(maxsize=1)
+        self.ready = ctx.Event()  # set once its imports are done: it waits for its streams from then on
         self.begun = False
         self.process = ctx.Process(target=_serve, name="ds_async-prefetch", daemon=True,
-                                   args=(tuple(imports), self._work, self.queue, self.stop))
+                                   args=(tuple(imports), self._work, self.queue, self.stop, self.ready))
         with _main_hidden():
             self.process.start()
 

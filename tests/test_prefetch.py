@@ -135,6 +135,7 @@ def test_a_reader_process_started_before_its_streams_reads_the_same_steps():
     finally:
         resumed.close()
     unused = ReaderProcess()
+    assert unused.ready.wait(timeout=300)  # past its imports (seconds on a loaded machine), as a real one would be
     unused.close()
     assert unused.process.exitcode == 0
 
