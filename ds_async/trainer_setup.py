@@ -226,17 +226,13 @@ class TrainerSetup:
         self.cadence = Cadence(self.total_steps, eval_every=cfg.eval.every, save_every=cfg.checkpoint.every,
                                evaluate=bool(cfg.data.validation), final_save=cfg.checkpoint.final)
 
-    def _reads_in_background(self) -> bool:
-        """Whether the training stream is read in a reader process (``performance.data_reader``)."""
-        return reads_in_background(self.cfg.performance.data_reader, self.device)
-
     def _early_reader(self) -> ReaderProcess | None:
         """On a rank that will read the training stream in a reader process: that process, started now so that
         its imports overlap the model's build. The first and last stages read; DeepSpeed's topology for the
         pipeline module (stages outermost) says which stage this rank holds before the module exists."""
         stages = self.cfg.pipeline_stages
         stage = PipeDataParallelTopology(num_pp=stages, num_dp=self.world // stages).get_coord(self.rank).pipe
-        if not self._reads_in_background() or stage not in (0, stages - 1):
+        if not reads_in_background(self.cfg.performance.data_reader, self.device) or stage not in (0, stages - 1):
             return None
         return ReaderProcess(imports=("ds_async.data",))
 
@@ -265,7 +261,7 @@ class TrainerSetup:
         """``stream`` as the engine reads it (:class:`ds_async.prefetch.MicroBatchReader`): tokenized and packed in a
         reader process a step at a time (``performance.data_reader``), or here one micro-batch at a time."""
         cfg, engine = self.cfg, self.engine
-        background = self._reads_in_background()
+        background = reads_in_background(self.cfg.performance.data_reader, self.device)
         opener = functools.partial(data.open_batches, cfg.data, "train", self.tok, self.mbs,
                                    dp_rank=engine.grid.data_parallel_id,
                                    dp_world_size=engine.grid.data_parallel_size, seed=cfg.seed)
