@@ -2,12 +2,9 @@
 every output."""
 import pytest
 import torch
-import torch._dynamo
 from torch import nn
 
 from ds_async.optim import ErrorFeedback, Muon, muon_param_groups
-from ds_async.optim import muon_pass
-from ds_async.optim.muon import orthogonalise_batched
 from ds_async.optim.muon_pass import hybrid_muon_step_, muon_hyper, muon_pass_
 
 # Repeated shapes (batched Newton-Schulz), tall and wide, an expert stack, a matrix with an odd number of entries.
@@ -201,67 +198,3 @@ def test_hybrid_muon_step_skips_missing_gradients_and_refuses_other_corrections(
     fast.correction = NesterovLookahead()
     with pytest.raises(NotImplementedError, match="NesterovLookahead"):
         hybrid_muon_step_(fast, grads, torch.tensor(1.0))
-
-
-def test_compiled_passes_match_eager():
-    """The compiled passes (what GPUs run; Inductor's CPU backend here) write into the same buffers what the eager
-    ops write, up to last-bit rounding (Inductor's lerp and multiply-adds round on their own): the head's momentum
-    and bf16 directions, the Muon tail with and without EF (given the same orthogonalised input), the EF tail."""
-    gen = torch.Generator().manual_seed(2)
-    shapes = [(32, 16), (3, 24, 8), (37, 5)]
-    grads = [torch.randn(s, generator=gen).to(torch.bfloat16) for s in shapes]
-    masters = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
-    momenta = [torch.randn(s, generator=gen) * 0.1 for s in shapes]
-    prevs = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
-    ortho = orthogonalise_batched([torch.randn(s, generator=gen) for s in shapes])
-    hyper = muon_hyper(dict(lr=0.02, momentum=0.95, weight_decay=0.1, lr_rule="original"), shapes,
-                       torch.device("cpu"), 1.0)
-    scale = torch.tensor(0.37719)
-
-    def run(head, tail, ef_tail, with_ef):
-        ms, bs, ps = [m.clone() for m in masters], [b.clone() for b in momenta], [p.clone() for p in prevs]
-        ptrs = [t.data_ptr() for t in ms + bs + ps]
-        ds = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
-        outs = [[torch.empty(s, dtype=torch.bfloat16) for s in shapes]]
-        head(grads, bs, ds, hyper, scale, torch.float32, True)
-        tail(ms, ortho, ps if with_ef else None, outs, hyper)
-        assert [t.data_ptr() for t in ms + bs + ps] == ptrs
-        for o, m in zip(outs[0], ms):
-            assert torch.equal(o, m.to(torch.bfloat16))
-        olds = [m.clone() for m in ms]
-        ms2 = [m * 0.999 for m in ms]
-        ef_tail(ms2, olds, ps, outs, hyper[3])
-        return ms, bs, ps, ds, ms2
-
-    torch._dynamo.reset()
-    for with_ef in (True, False):
-        eager = run(muon_pass._muon_directions.__wrapped__, muon_pass._muon_tail.__wrapped__,
-                    muon_pass._ef_tail.__wrapped__, with_ef)
-        compiled = run(muon_pass._muon_directions.compiled, muon_pass._muon_tail.compiled,
-                       muon_pass._ef_tail.compiled, with_ef)
-        for what, have, want in zip(["master", "momentum", "EF buffer", "direction", "EF-corrected"], compiled,
-                                    eager):
-            for k in range(len(shapes)):
-                # a last-bit difference of the fp32 direction may flip its bf16 rounding: 2^-8 relative
-                rtol = 2 ** -8 if what == "direction" else 1e-5
-                torch.testing.assert_close(have[k].float(), want[k].float(), rtol=rtol, atol=1e-7,
-                                           msg=lambda m: f"{what} {k}, EF {with_ef}: {m}")
-
-
-def test_compiled_passes_run_over_chunks_of_one_shape():
-    """The passes' calls: runs of at most ``CHUNK`` tensors of one shape and dtype, each index once, in order, so
-    that a compiled pass is traced for a few small lists instead of a stage's whole list of matrices; a shape's runs
-    as equal in length as can be, so that few lengths are traced."""
-    from ds_async.optim.muon_pass import CHUNK, same_shape_chunks
-
-    shapes = [(8, 4), (4, 8), (8, 4), (3, 8, 4)] * 20 + [(8, 4)]
-    tensors = [torch.zeros(s) for s in shapes]
-    chunks = same_shape_chunks(tensors)
-    assert sorted(k for ks in chunks for k in ks) == list(range(len(shapes)))
-    assert all(len(ks) <= CHUNK and ks == sorted(ks) and len({shapes[k] for k in ks}) == 1 for ks in chunks)
-    assert [len(ks) for ks in chunks] == [13, 14, 14, 10, 10, 10, 10]  # 41 of (8, 4), 20 of each other shape
-    # A 15-layer LLaMA stage (16 heads, 16 KV heads): 60 matrices of one shape, 30 of another, 15 of a third: one
-    # length, 15, where runs of 16 at most gave 16, 16, 16, 12 / 16, 14 / 15.
-    stage = [torch.zeros(4, 4)] * 60 + [torch.zeros(8, 4)] * 30 + [torch.zeros(4, 8)] * 15
-    assert {len(ks) for ks in same_shape_chunks(stage)} == {15}
-    assert same_shape_chunks([torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.bfloat16)]) == [[0], [1]]

@@ -8,8 +8,9 @@ master and the moments once and writes the master, the moments, the bf16 weights
 traffic shares the GPU with the next batch's passes, so it costs step time.
 
 The arithmetic is torch.optim.AdamW's single-tensor path, op for op and in the same order (bit-equal on CPU,
-tested against torch). On GPUs the function is compiled; its rounding may differ from torch's fused CUDA AdamW in
-the last bit, as torch's own AdamW implementations differ from each other.
+tested against torch). On GPUs it is a Triton kernel, one launch per run of same-shaped tensors
+(:mod:`ds_async.optim.passes_triton`); its rounding may differ from torch's fused CUDA AdamW in the last bit, as
+torch's own AdamW implementations differ from each other.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .compiled import compiled_on_gpus
+from .gpu import same_shape_runs, triton_passes
 
 
 def adamw_hyper(group: dict, step: int, device: torch.device) -> torch.Tensor:
@@ -31,10 +32,12 @@ def adamw_hyper(group: dict, step: int, device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
-@compiled_on_gpus
 def _adamw_pass(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                 exp_avg_sqs: list[torch.Tensor], outs: list[list[torch.Tensor]], hyper: torch.Tensor,
                 grad_scale: torch.Tensor, grad_dtype: torch.dtype, update_sq: bool = False) -> torch.Tensor | None:
+    if params[0].is_cuda:
+        total = triton_passes().adamw(params, grads, exp_avgs, exp_avg_sqs, outs, hyper, grad_scale, grad_dtype)
+        return total if update_sq else None
     decay, one_minus_beta1, beta2, one_minus_beta2, neg_step_size, bias_correction2_sqrt, eps = hyper.unbind()
     total = None
     for k, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
@@ -66,7 +69,11 @@ def adamw_pass_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], e
     ``grad_dtype``, as DeepSpeed's gradient buffers of that dtype (its ``grad_accum_dtype``) would hold it.
     ``update_sq``: also return the update's sum of squares over all tensors (fp32, 0-dim; for the optimizer's
     statistics), else ``None``."""
-    if params:
-        return _adamw_pass(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [list(o) for o in outs],
-                           hyper, grad_scale.to(grad_dtype), grad_dtype, update_sq)
-    return None
+    total = None
+    scale = grad_scale.to(grad_dtype)
+    for ks in same_shape_runs(params):
+        run = _adamw_pass([params[k] for k in ks], [grads[k] for k in ks], [exp_avgs[k] for k in ks],
+                          [exp_avg_sqs[k] for k in ks], [[o[k] for k in ks] for o in outs], hyper, scale, grad_dtype,
+                          update_sq)
+        total = run if total is None else total + run
+    return total

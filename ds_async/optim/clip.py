@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .compiled import compiled_on_gpus
+from .gpu import same_shape_runs, triton_passes
 
 
 def squared_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -49,12 +49,15 @@ def clip_(grads: Sequence[torch.Tensor], total_squared_norm: torch.Tensor, max_n
 
 def copy_scaled_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
     """``dst = src * scale`` in ``dst``'s dtype: bit-equal to copying ``src`` into ``dst`` and then scaling ``dst``
-    in place (one rounding either way), but on GPUs one compiled pass that reads ``src`` (bf16) once and writes
-    ``dst`` once, instead of a copy and a read-modify-write of ``dst`` (fp32 ``dst``: 6 bytes a parameter, not 14)."""
-    if dst:
-        _copy_scaled(list(dst), list(src), scale)
+    in place (one rounding either way), but on GPUs one pass (a Triton launch per run of same-shaped tensors) that
+    reads ``src`` (bf16) once and writes ``dst`` once, instead of a copy and a read-modify-write of ``dst`` (fp32
+    ``dst``: 6 bytes a parameter, not 14)."""
+    for ks in same_shape_runs(dst):
+        _copy_scaled([dst[k] for k in ks], [src[k] for k in ks], scale)
 
 
-@compiled_on_gpus
 def _copy_scaled(dst: list[torch.Tensor], src: list[torch.Tensor], scale: torch.Tensor) -> None:
-    torch._foreach_copy_(dst, torch._foreach_mul([s.to(d.dtype) for d, s in zip(dst, src)], scale.to(dst[0].dtype)))
+    scale = scale.to(dst[0].dtype)
+    if dst[0].is_cuda:
+        return triton_passes().copy_scaled(dst, src, scale)
+    torch._foreach_copy_(dst, torch._foreach_mul([s.to(d.dtype) for d, s in zip(dst, src)], scale))

@@ -7,24 +7,24 @@ and the fp32 master ``x``:
 1. ``g = round_to(grad_dtype, G * s)`` in fp32, as DeepSpeed's gradient buffers of that dtype (its
    ``grad_accum_dtype``) would hold it (the same rounding as :func:`ds_async.optim.adamw_pass.adamw_pass_`);
 2. momentum ``B <- lerp(B, g, 1 - mu)`` and the direction ``lerp(g, B, mu)`` (Nesterov) or ``B``, written once in
-   bf16, the precision Newton-Schulz starts from (compiled head pass on GPUs);
+   bf16, the precision Newton-Schulz starts from (the head pass);
 3. Newton-Schulz, same shapes batched (:func:`ds_async.optim.muon.orthogonalise_batched`, or any function with its
    contract, e.g. :func:`ds_async.optim.ns_split.orthogonalise_split` across data-parallel replicas); with
    ``row_blocks = k`` each direction as ``k`` equal blocks of rows, each a matrix of its own
    (:func:`ds_async.optim.muon.orthogonalise_blocks`: fused ``[gate; up]`` expert stacks under ``split_gate_up``),
    and the lr adjusted for a block's shape;
-4. one compiled tail pass per tensor: ``new = x (1 - lr wd) - adjusted_lr * O``; with EF ``u = x - new``,
+4. the tail pass: ``new = x (1 - lr wd) - adjusted_lr * O``; with EF ``u = x - new``,
    ``x <- new - lam (u - u_prev)``, ``u_prev <- u``; without, ``x <- new``; every extra output (the module's bf16
    weight, the new weight-version slot) receives ``bf16(x)``.
 
 This is the arithmetic of :class:`ds_async.optim.Muon` with :class:`ds_async.optim.ErrorFeedback` (or without a
 correction) op for op and in the same order, on parameters that are the fp32 masters with ``.grad = g``: bit-equal
 on CPU (tested: master, momentum and EF buffers). Where the class passes Python floats (lerp weights, the decay,
-``alpha`` of ``add``, EF's ``lam``) the passes take fp32 0-dim tensors holding the same fp32 values, so that a
-compiled pass is not recompiled when a scheduler changes the lr; the one scalar that the class's kernel takes on
-the host (``add``'s ``alpha``) is read there by the eager pass (CPUs) and is a tensor product under
-``torch.compile`` (:func:`_add_scaled`). On GPUs the head and the tail are compiled by
-:func:`ds_async.optim.compiled.compiled_on_gpus`; their rounding may differ from the eager ops in the last bit.
+``alpha`` of ``add``, EF's ``lam``) the passes take fp32 tensors holding the same fp32 values (:func:`muon_hyper`),
+which the GPU kernels read on the device: a scheduler's new lr costs no host sync. Each pass runs over the tensors
+of one shape at a time (:func:`ds_async.optim.gpu.same_shape_runs`): on GPUs one Triton launch per run
+(:mod:`ds_async.optim.passes_triton`, whose rounding may differ from the eager ops in the last bit), on CPUs the
+eager ops.
 
 :func:`hybrid_muon_step_` steps a whole :class:`~ds_async.optim.Muon` (its param groups, state and correction) this
 way: Muon groups by :func:`muon_pass_`, AdamW groups (embeddings, head, norms) by the one-pass AdamW
@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from .adamw_pass import adamw_hyper, adamw_pass_
-from .compiled import compiled_on_gpus
+from .gpu import same_shape_runs, triton_passes
 from .corrections import ErrorFeedback
 from .muon import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, Muon, adjusted_lr, block_shape, orthogonalise_batched,
                    orthogonalise_blocks, require_matrix, row_blocks)
@@ -65,10 +65,11 @@ def muon_hyper(group: dict, shapes: Sequence[torch.Size], device: torch.device, 
     return host.to(device, non_blocking=True)
 
 
-@compiled_on_gpus
 def _muon_directions(grads: list[Tensor], momentum_buffers: list[Tensor], directions: list[Tensor], hyper: Tensor,
                      grad_scale: Tensor, grad_dtype: torch.dtype, nesterov: bool) -> None:
     # ds_async.optim.muon.momentum_directions: torch._foreach_lerp_(B, g, 1 - mu); lerp(g, B, mu) or B; then bf16.
+    if grads[0].is_cuda:
+        return triton_passes().muon_head(grads, momentum_buffers, directions, hyper, grad_scale, grad_dtype, nesterov)
     one_minus_momentum, momentum = hyper[0], hyper[1]
     for g, b, d in zip(grads, momentum_buffers, directions):
         g = (g.to(grad_dtype) * grad_scale).to(b.dtype)
@@ -76,31 +77,22 @@ def _muon_directions(grads: list[Tensor], momentum_buffers: list[Tensor], direct
         d.copy_(g.lerp(b, momentum) if nesterov else b)
 
 
-def _add_scaled(x: Tensor, o: Tensor, alpha: Tensor) -> Tensor:
-    """``x + alpha * o`` (``alpha`` 0-dim), rounded once as ``torch.add(x, o, alpha=...)`` rounds it (a fused
-    multiply-add on CPU), the op the class runs. Eagerly it is that op (which reads ``alpha`` on the host: the eager
-    pass runs on CPUs only); under ``torch.compile`` a tensor product that the compiler may fuse into the addition,
-    since reading a tensor ``alpha`` on the host there costs a graph break and a device sync per tensor (the tail
-    would run eagerly)."""
-    if torch.compiler.is_compiling():
-        return torch.addcmul(x, o, alpha)
-    return torch.add(x, o, alpha=alpha)
-
-
 def _square_sum(t: Tensor) -> Tensor:
     return t.square().sum(dtype=torch.float32)
 
 
-@compiled_on_gpus
 def _muon_tail(params: list[Tensor], orthogonalised: list[Tensor], prev_updates: list[Tensor] | None,
-               outs: list[list[Tensor]], hyper: Tensor) -> tuple[Tensor, Tensor]:
-    # muon_apply: decayed(x).add_(O, alpha=-adjusted_lr); UpdateOptimizer._apply with ErrorFeedback: u = x - new,
-    # e = (u - u_prev) * lam, u_prev <- u, new -= e, x <- new. Returns the sums of squares of the applied update
-    # and, with EF, of the update before the correction (the statistics UpdateOptimizer._apply keeps; else 0).
-    decay, lam = hyper[2], hyper[3]
-    applied_sq = base_sq = torch.zeros((), dtype=torch.float32, device=hyper.device)
+               outs: list[list[Tensor]], hyper: Tensor, lr_index: int) -> Tensor:
+    # muon_apply: decayed(x).add_(O, alpha=-adjusted_lr) with the lr hyper[lr_index] (one shape: one lr);
+    # UpdateOptimizer._apply with ErrorFeedback: u = x - new, e = (u - u_prev) * lam, u_prev <- u, new -= e, x <- new.
+    # Returns [the sum of squares of the applied update, with EF that of the update before the correction (else 0)],
+    # the statistics UpdateOptimizer._apply keeps.
+    if params[0].is_cuda:
+        return triton_passes().muon_tail(params, orthogonalised, prev_updates, outs, hyper, lr_index)
+    decay, lam, lr = hyper[2], hyper[3], hyper[lr_index]
+    applied_sq = base_sq = torch.zeros((), dtype=torch.float32)
     for k, (p, o) in enumerate(zip(params, orthogonalised)):
-        new = _add_scaled(p * decay, o, hyper[4 + k])
+        new = torch.add(p * decay, o, alpha=lr)
         u = p - new
         if prev_updates is not None:
             base_sq = base_sq + _square_sum(u)
@@ -112,15 +104,16 @@ def _muon_tail(params: list[Tensor], orthogonalised: list[Tensor], prev_updates:
         p.copy_(new)
         for out in outs:
             out[k].copy_(p)
-    return applied_sq, base_sq
+    return torch.stack((applied_sq, base_sq))
 
 
-@compiled_on_gpus
 def _ef_tail(params: list[Tensor], olds: list[Tensor], prev_updates: list[Tensor], outs: list[list[Tensor]],
-             lam: Tensor) -> tuple[Tensor, Tensor]:
+             lam: Tensor) -> Tensor:
     # ErrorFeedback on an update already applied: params hold the base optimizer's new values, olds the values before.
-    # Returns the sums of squares of the applied update and of the base one, as _muon_tail.
-    applied_sq = base_sq = torch.zeros((), dtype=torch.float32, device=lam.device)
+    # Returns [the applied update's sum of squares, the base update's], as _muon_tail.
+    if params[0].is_cuda:
+        return triton_passes().ef_tail(params, olds, prev_updates, outs, lam)
+    applied_sq = base_sq = torch.zeros((), dtype=torch.float32)
     for k, (p, old, prev) in enumerate(zip(params, olds, prev_updates)):
         u = old - p
         extra = (u - prev) * lam
@@ -130,7 +123,7 @@ def _ef_tail(params: list[Tensor], olds: list[Tensor], prev_updates: list[Tensor
         applied_sq = applied_sq + _square_sum(u + extra)
         for out in outs:
             out[k].copy_(p)
-    return applied_sq, base_sq
+    return torch.stack((applied_sq, base_sq))
 
 
 @torch.no_grad()
@@ -155,53 +148,22 @@ def muon_pass_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffe
         return None
     params, grads, momentum_buffers = list(params), list(grads), list(momentum_buffers)
     directions = [torch.empty_like(g, dtype=torch.bfloat16) for g in grads]
-    chunks = same_shape_chunks(params)
+    runs = same_shape_runs(params)
     scale = grad_scale.to(grad_dtype)
-    for ks, chunk_hyper in _chunk_hypers(chunks, hyper):
+    for ks in runs:
         _muon_directions([grads[k] for k in ks], [momentum_buffers[k] for k in ks], [directions[k] for k in ks],
-                         chunk_hyper, scale, grad_dtype, nesterov)
+                         hyper, scale, grad_dtype, nesterov)
     orthogonalised = orthogonalise_blocks(orthogonalise, directions, row_blocks, ns_steps, ns_coefficients, ns_eps)
-    # A tall matrix is orthogonalised as its transpose and comes back as a transposed view, which the compiled tail
-    # would read across its rows, slower than a copy (launch/bench/RESULTS.md, "A Mixtral stage"). Values are
-    # unchanged; a contiguous result is not copied.
+    # A tall matrix is orthogonalised as its transpose and comes back as a transposed view; the tail's kernel reads
+    # contiguous tensors. Values are unchanged; a contiguous result is not copied.
     orthogonalised = [o.contiguous() for o in orthogonalised]
-    applied_sq = base_sq = None
-    for ks, chunk_hyper in _chunk_hypers(chunks, hyper):
-        applied, base = _muon_tail([params[k] for k in ks], [orthogonalised[k] for k in ks],
-                                   None if prev_updates is None else [prev_updates[k] for k in ks],
-                                   [[o[k] for k in ks] for o in outs], chunk_hyper)
-        applied_sq, base_sq = (applied, base) if applied_sq is None else (applied_sq + applied, base_sq + base)
-    return applied_sq, base_sq
-
-
-CHUNK = 16
-
-
-def same_shape_chunks(tensors: Sequence[Tensor], size: int = CHUNK) -> list[list[int]]:
-    """The indices of ``tensors`` as runs of at most ``size`` tensors of one shape and dtype, in order of first
-    appearance, each shape's tensors split into runs as equal as can be.
-
-    A compiled pass is traced for the shapes and the number of tensors it is given, and unrolled over them: one
-    call over a stage's ~100 matrices is one large graph to trace and compile at every start, where calls over
-    chunks of one shape repeat a few small graphs, each traced once (Dynamo keeps one entry per shape and chunk
-    length). Equal runs keep those lengths few: a 15-layer stage's 60 attention matrices of one shape are four
-    runs of 15 (one entry), not 16, 16, 16 and 12 (two). The arithmetic per tensor is the same either way."""
-    by_shape: dict[tuple, list[int]] = {}
-    for k, t in enumerate(tensors):
-        by_shape.setdefault((tuple(t.shape), t.dtype), []).append(k)
-    chunks = []
-    for ks in by_shape.values():
-        runs = -(-len(ks) // size)
-        bounds = [len(ks) * r // runs for r in range(runs + 1)]
-        chunks += [ks[a:b] for a, b in zip(bounds, bounds[1:])]
-    return chunks
-
-
-def _chunk_hypers(chunks: list[list[int]], hyper: Tensor):
-    """Each chunk with its own scalars: :func:`muon_hyper`'s four shared values and its tensors' lrs, which are
-    one value (an lr is adjusted for a shape, and a chunk has one shape)."""
-    for ks in chunks:
-        yield ks, torch.cat((hyper[:4], hyper[4 + ks[0]].expand(len(ks))))
+    sums = None
+    for ks in runs:
+        run = _muon_tail([params[k] for k in ks], [orthogonalised[k] for k in ks],
+                         None if prev_updates is None else [prev_updates[k] for k in ks],
+                         [[o[k] for k in ks] for o in outs], hyper, 4 + ks[0])
+        sums = run if sums is None else sums + run
+    return sums[0], sums[1]
 
 
 @torch.no_grad()
@@ -212,9 +174,14 @@ def ef_pass_(params: Sequence[Tensor], olds: Sequence[Tensor], prev_updates: Seq
     the corrected params; ``lam`` a 0-dim fp32 tensor. Bit-equal on CPU to the class's ``_apply`` with EF (which
     subtracts the same term from the same new value). Returns the sums of squares of the applied and the base
     update."""
-    if params:
-        return _ef_tail(list(params), list(olds), list(prev_updates), [list(o) for o in outs], lam)
-    return None
+    if not params:
+        return None
+    sums = None
+    for ks in same_shape_runs(params):
+        run = _ef_tail([params[k] for k in ks], [olds[k] for k in ks], [prev_updates[k] for k in ks],
+                       [[o[k] for k in ks] for o in outs], lam)
+        sums = run if sums is None else sums + run
+    return sums[0], sums[1]
 
 
 def _correction_lam(correction) -> float | None:
