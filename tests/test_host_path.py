@@ -121,12 +121,14 @@ def test_dropout_or_jitter_keeps_evaluation_graphs_of_its_own():
 def test_compile_cache_folder_is_the_configs(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     model = {"model": {"config": {"hidden_size": 32}}}
     assert parse(model).performance.compile_cache == "~/.cache/ds_async/compile"
     use_compile_cache(parse(model).performance.compile_cache)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / ".cache" / "ds_async" / "compile")
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     assert cache_dir() == str(tmp_path / ".cache" / "ds_async" / "compile")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / ".cache" / "ds_async" / "compile" / "triton")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
     use_compile_cache(None)  # null: torch's own location
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"

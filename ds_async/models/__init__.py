@@ -9,6 +9,8 @@ loads. A family (:mod:`.llama`, :mod:`.mixtral`) provides ``layer_specs`` and ``
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule
 
@@ -380,14 +382,16 @@ def cache_compiled_code(perf) -> None:
 def use_compile_cache(folder: str | None) -> None:
     """Keep compiled code in ``folder`` (``performance.compile_cache``; None: torch's own location) with Inductor's
     FX graph cache and the AOTAutograd cache on, so that a later process with the same layers, shapes and torch
-    loads it instead of compiling. Set before the first compilation; Triton's kernels go in a subfolder of it."""
-    import os
-
+    loads it instead of compiling. Set before the first compilation. Triton's kernels go in its subfolder
+    ``triton``: Inductor's, and ds_async's own (the optimizer's passes and Newton-Schulz, which may compile before
+    any Inductor kernel), unless ``TRITON_CACHE_DIR`` is set."""
     import torch._functorch.config
     import torch._inductor.config
 
     if folder is not None:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.expandvars(os.path.expanduser(folder))
+        folder = os.path.expandvars(os.path.expanduser(folder))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+        os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(folder, "triton"))
     torch._inductor.config.fx_graph_cache = True
     torch._functorch.config.enable_autograd_cache = True
 
