@@ -6,20 +6,13 @@ fp32 iteration as the matmul path is. The interpreter reads ``TRITON_INTERPRET``
 checks run in a child process (``python tests/test_ns_triton.py``). GPU timing and bit-equality with cuBLAS:
 ``launch/bench/bench_newton_schulz.py``.
 """
-import os
-import subprocess
-import sys
-
-import pytest
 import torch
+
+from interpreter import run_interpreted
 
 
 def test_symmetric_newton_schulz_under_the_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert proc.stdout.count("ok") == 8, proc.stdout
+    run_interpreted(__file__, 8)
 
 
 def _newton_schulz_fp32(g: torch.Tensor, steps: int) -> torch.Tensor:

@@ -7,12 +7,10 @@ of such a difference; every bf16 output is exactly the bf16 of its new master, a
 the kernels run under Triton's interpreter in a child process (it reads ``TRITON_INTERPRET`` when Triton is
 imported: ``python tests/test_passes_triton.py``); on a GPU in process.
 """
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+
+from interpreter import run_interpreted
 
 from ds_async.optim import adamw_pass, clip, muon_pass
 from ds_async.optim.adamw_pass import adamw_hyper
@@ -24,11 +22,7 @@ SHAPES = [(32, 16), (50, 70), (32, 16), (3, 24, 8), (50, 70), (37, 5)]
 
 
 def test_triton_passes_under_the_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert proc.stdout.count("ok") == 6, proc.stdout
+    run_interpreted(__file__, 6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -39,6 +33,12 @@ def test_triton_passes_on_the_gpu():
 def _close(have, want, what, rtol=1e-5):
     for k, (h, w) in enumerate(zip(have, want)):
         torch.testing.assert_close(h.cpu().float(), w.float(), rtol=rtol, atol=1e-7, msg=lambda m: f"{what} {k}: {m}")
+
+
+def _check_outs_and_sums(outs, masters, have, want):
+    """Every bf16 out is exactly its new master's bf16; the pass's sums of squares match the eager pass's."""
+    assert all(torch.equal(a, m.to(torch.bfloat16)) for a, m in zip(outs, masters)), "bf16 out"
+    torch.testing.assert_close(have.cpu(), want, rtol=1e-5, atol=0)
 
 
 def _on(device, tensors):
@@ -92,8 +92,7 @@ def _check(device: torch.device) -> int:
         _close(ms2, ms, f"master (EF {ef})")
         _close(ps2, ps if ef else prevs, f"EF buffer (EF {ef})")
         for o in outs2:
-            assert all(torch.equal(a, m.to(torch.bfloat16)) for a, m in zip(o, ms2)), "bf16 out"
-        torch.testing.assert_close(have.cpu(), want, rtol=1e-5, atol=0)
+            _check_outs_and_sums(o, ms2, have, want)
         assert (want[1] > 0) == ef
     print("ok Muon tail (with and without EF)")
     done += 1
@@ -111,8 +110,7 @@ def _check(device: torch.device) -> int:
                                             [[outs2[k] for k in ks]], lam.to(device))
     _close(ms2, ms, "EF master")
     _close(ps2, ps, "EF buffer")
-    assert all(torch.equal(a, m.to(torch.bfloat16)) for a, m in zip(outs2, ms2)), "bf16 out"
-    torch.testing.assert_close(have.cpu(), want, rtol=1e-5, atol=0)
+    _check_outs_and_sums(outs2, ms2, have, want)
     print("ok EF tail")
     done += 1
 
@@ -133,8 +131,7 @@ def _check(device: torch.device) -> int:
         _close(ms2, ms, "AdamW master")
         _close(m2, m1, "AdamW exp_avg")
         _close(v2, v1, "AdamW exp_avg_sq")
-        assert all(torch.equal(a, m.to(torch.bfloat16)) for a, m in zip(outs2, ms2)), "bf16 out"
-        torch.testing.assert_close(have.cpu(), want, rtol=1e-5, atol=0)
+        _check_outs_and_sums(outs2, ms2, have, want)
     print("ok AdamW (grad dtypes)")
     done += 1
 
