@@ -1,11 +1,12 @@
-"""The optimizer's pointwise passes as Triton kernels, one launch per run of equal-sized tensors: what GPUs run.
+"""The optimizer's pointwise passes as Triton kernels, one launch per run of same-shaped tensors: what GPUs run.
 
 Each function here takes what its eager pass takes (:mod:`ds_async.optim.muon_pass`, :mod:`ds_async.optim.adamw_pass`,
 :mod:`ds_async.optim.clip`) and does its arithmetic op for op, in fp32, in the same order; a tensor's elements are
 read once and written once. The tensors of one call must be contiguous and of one size; the kernel finds them
 through a table of their addresses (one int64 per tensor and operand, kept on the device for addresses seen
 before), so a run of 15 matrices is one launch, and nothing is compiled per shape or per list length: a kernel is
-compiled once per dtype combination and cached by Triton on disk.
+compiled once per combination of dtypes and flags (and of Triton's specialisations of its integer arguments) and
+cached by Triton on disk (``performance.compile_cache``).
 
 Rounding: products and sums are fp32 and may be fused into multiply-adds by the GPU compiler, as CUDA's eager
 kernels fuse them, so results may differ from the eager ops in the last bit (tests: ``tests/test_passes_triton.py``,
