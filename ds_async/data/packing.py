@@ -432,6 +432,7 @@ def open_replica_streams(data: DataConfig, tokenizer, micro_batch_size: int, rep
     return [open_batches(data, "train", tokenizer, micro_batch_size, dp_rank=r, dp_world_size=replicas, seed=seed,
                          tokenize_batch=tokenize_batch) for r in range(replicas)]
 
+
 def _first_texts(stream: datasets.IterableDataset, n: int, text_field: str, key: str) -> list:
     """The `text_field` values of the first `n` rows of `stream` in file order (the held-out documents)."""
     try:

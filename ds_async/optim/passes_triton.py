@@ -111,8 +111,8 @@ def _muon_tail_kernel(table, n, numel, hyper, lr_index, sums, stride, O: tl.cons
     o = tl.load(_operand(table, 1, n, t, O) + offs, mask=mask, other=0.0).to(tl.float32)
     new = p * tl.load(hyper + 2) + o * tl.load(hyper + lr_index)  # decayed(x).add_(O, alpha=-adjusted_lr)
     u = p - new
-    base = u
-    if EF:  # u_prev <- u; new -= lam (u - u_prev)
+    if EF:  # u_prev <- u; new -= lam (u - u_prev); the base update's square is the statistic before the correction
+        base = u
         prev_ptr = _operand(table, 2, n, t, tl.float32) + offs
         extra = (u - tl.load(prev_ptr, mask=mask, other=0.0)) * tl.load(hyper + 3)
         tl.store(prev_ptr, u, mask=mask)
