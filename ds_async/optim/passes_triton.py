@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-BLOCK = 1024
-WARPS = 4
+BLOCK = 4096
+WARPS = 8
 _TABLES: dict[tuple, Tensor] = {}
 _TABLES_KEPT = 4096  # address tables kept on the device before the cache starts over
 
