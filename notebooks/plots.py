@@ -1,6 +1,6 @@
 """The study's figures, drawn from the rows of :mod:`runs` (beside this file): loss curves over seeds, the sweeps,
-PipeDream's depth, EF's λ, the engine next to its emulation and time to loss. Each function returns its matplotlib
-figure."""
+PipeDream's depth, EF's λ, steps against tokens, the engine next to its emulation and time to loss. Each function
+returns its matplotlib figure."""
 from __future__ import annotations
 
 import pandas as pd
@@ -135,6 +135,28 @@ def plot_lambda_grid(grid: pd.DataFrame):
         ax.set_xlabel("EF λ (0: plain 2BW)")
         ax.set_ylabel("final validation loss")
     _grid_and_legend(axes[0], fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_batch(gaps: pd.DataFrame):
+    """Steps against tokens (a ``batch_gaps`` frame): each delayed variant's gap to sync at one token count against
+    the optimizer steps it took (left) and against the tokens a step (right), a line per optimizer and variant, bars
+    the 95% interval where there are two or more seeds; both axes of steps and tokens logarithmic."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for (opt, variant), part in gaps.sort_values("steps").groupby(["optimizer", "variant"]):
+        seeds = f"n={part['n'].min()}" if part["n"].nunique() == 1 else f"n={part['n'].min()}–{part['n'].max()}"
+        for ax, x in zip(axes, ("steps", "tokens/step")):
+            ax.errorbar(part[x], part["gap"], yerr=part["gap half"].fillna(0), marker="o", capsize=3,
+                        label=f"{opt} {variant} ({seeds})")
+    for ax, xlabel in zip(axes, ("optimizer steps (the same tokens)", "tokens a step")):
+        ax.set_xscale("log")
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("final validation loss − sync's")
+    _grid_and_legend(axes, fontsize=8)
     fig.tight_layout()
     return fig
 

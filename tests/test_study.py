@@ -339,6 +339,40 @@ def test_lambda_grid_and_delay_table_by_hand():
     assert study.delay_block(_runs(rows)) == "Not run yet.\n"
 
 
+def test_steps_against_tokens_by_hand():
+    """long-batch's half and twice the batch at the same tokens sit beside long.json's own batch, at each optimizer's
+    sync-tuned LR: steps, the gaps paired by seed, EF's share; the page's block waits for its runs."""
+    def at(group, batch, lr, x=1.0):
+        return {"group": group, "parameters": 1000, "lr_scale": x, "lr": lr, "batch": batch, "steps": 256 * 10 // batch,
+                "tokens_per_step": batch * 4}
+
+    own = [("adamw", v, k, loss + k / 100, at("long", 256, 0.003)) for v, loss in (("sync", 3.0), ("2bw", 3.6),
+                                                                                    ("2bw+ef", 3.3)) for k in (0, 1)]
+    sweep = [("adamw", "sync", 0, loss, at("long-lr", 256, 0.003 * x, x)) for x, loss in ((0.5, 3.02), (2.0, 3.04))]
+    other = [("adamw", v, 0, loss, at("long-batch", b, 0.003)) for b, losses in ((128, (3.1, 3.9, 3.5)),
+                                                                                  (512, (3.05, 3.35, 3.2)))
+             for v, loss in zip(("sync", "2bw", "2bw+ef"), losses)]
+    off_lr = [("adamw", "2bw", 0, 9.0, at("long-lr", 256, 0.0015, 0.5))]  # not at sync's best LR: left out
+    runs = _runs(own + sweep + other + off_lr)
+    table = study.batch_table(runs).set_index("batch")
+    assert table.index.tolist() == [128, 256, 512] and table["steps"].tolist() == [20, 10, 5]
+    assert table["lr"].eq("0.003").all()
+    assert table.loc[256, "sync"] == "3.005 (2)" and table.loc[256, "2bw − sync"] == "+0.600 ± 0.000 (n=2)"
+    assert table.loc[128, "2bw − sync"] == "+0.800 (n=1, no interval)"
+    assert table.loc[512, "2bw+ef − sync"] == "+0.150 (n=1, no interval)"
+    assert table.loc[512, "recovered by ef"] == "50% (n=1, no interval)"
+    gaps = study.batch_gaps(runs).set_index(["batch", "variant"])
+    assert gaps.loc[(128, "2bw"), ["steps", "tokens/step", "n"]].tolist() == [20, 512, 1]
+    assert gaps.loc[(256, "2bw+ef"), "gap"] == pytest.approx(0.3) and gaps.loc[(256, "2bw+ef"), "n"] == 2
+    assert math.isnan(gaps.loc[(512, "2bw"), "gap half"])
+    assert study.batch_block(_runs(own + sweep)) == "Not run yet.\n"
+    block = study.batch_block(runs.assign(command="c", card="card", commit="abc", declared_commit=None, dirty=False))
+    assert "| adamw | 0.003 | 512 | 5 | 3.050 (1) |" in block and "6 emulation runs on card" in block
+    fig = plots.plot_batch(study.batch_gaps(runs))
+    assert [ax.get_xscale() for ax in fig.axes] == ["log", "log"]
+    assert len(fig.axes[0].get_lines()) >= 2  # a line per variant (and the zero line)
+
+
 def test_moe_table_by_hand():
     """The Mixtral study's table: per way of orthogonalising the experts' gate_up_proj, sync / 2bw / 2bw+ef with
     the gaps paired by seed and EF's share, then the paper's 10B MoE."""

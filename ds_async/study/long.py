@@ -20,7 +20,7 @@ from .tables import (at_reference, formatted, gap_with_interval, markdown, paire
 # The study at a real length (long.json: 20 tokens per parameter)
 
 LONG_GROUPS = ("long", "long-tuned", "long-lr", "long-async-lr", "long-own-lr", "long-lengths", "long-lambda",
-               "long-delay", "long-moe", "long-moe-ns")
+               "long-delay", "long-moe", "long-moe-ns", "long-batch")
 LR_GROUPS = ("long", "long-tuned", "long-lr", "long-async-lr", "long-own-lr")
 """The groups whose runs sit on long.json's LR axis at its full length."""
 MAIN_GROUPS = ("long", "long-tuned")
@@ -399,6 +399,50 @@ def delay_table(runs: pd.DataFrame) -> pd.DataFrame:
                          "constant (mean delay)": constant, "gap 2bw": two - sync, "gap pipedream": variable - sync,
                          "gap constant": constant - sync, "pipedream − constant": variable - constant})
     return pd.DataFrame(rows)
+
+
+def batch_points(runs: pd.DataFrame) -> pd.DataFrame:
+    """Steps against tokens at long.json's token count and each optimizer's sync-tuned LR (:func:`sync_tuned_lr`):
+    ``long-batch``'s runs at half and twice long.json's batch, with long.json's own batch there (its
+    :func:`main_points` at that LR, every seed)."""
+    tuned, main = sync_tuned_lr(runs), main_points(runs)
+    own = main[[tuned.get(opt) == lr for opt, lr in zip(main["optimizer"], main["lr"])]]
+    other = runs[runs["group"] == "long-batch"]
+    return pd.concat([own, other.assign(lr=[_lr_key(v) for v in other["lr"]])], ignore_index=True)
+
+
+def batch_gaps(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per optimizer and batch (sequences a step) of :func:`batch_points`: its steps and tokens a step, and each
+    delayed variant's gap to sync paired by seed: mean, the 95% interval's half-width (NaN below two seeds), n."""
+    rows = []
+    for (opt, batch), part in batch_points(runs).groupby(["optimizer", "batch"], sort=True):
+        table = part.pivot_table(index="seed", columns="label", values="final_val", aggfunc="mean")
+        for label in ("2bw", "2bw+ef"):
+            if not {"sync", label} <= set(table):
+                continue
+            diff = (table[label] - table["sync"]).dropna()
+            rows.append({"optimizer": opt, "batch": int(batch), "steps": int(part["steps"].max()),
+                         "tokens/step": int(part["tokens_per_step"].max()), "variant": label,
+                         "gap": diff.mean(), "gap half": paired_interval(diff), "n": len(diff)})
+    return pd.DataFrame(rows, columns=["optimizer", "batch", "steps", "tokens/step", "variant", "gap", "gap half",
+                                       "n"])
+
+
+def batch_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per optimizer and batch of :func:`batch_points`: the LR, the steps that batch takes to long.json's tokens,
+    and the :func:`variant_cells` (losses with n, gaps paired by seed with their intervals, EF's share)."""
+    rows = [{"optimizer": opt, "lr": f"{lr:g}", "batch": int(batch), "steps": int(part["steps"].max()),
+             **variant_cells(part)}
+            for (opt, lr, batch), part in batch_points(runs).groupby(["optimizer", "lr", "batch"], sort=True)]
+    return pd.DataFrame(rows, columns=["optimizer", "lr", "batch", "steps", *VARIANT_CELLS])
+
+
+def batch_block(runs: pd.DataFrame) -> str:
+    """The results page's steps-against-tokens table (:func:`batch_table`), what ran and its training clock."""
+    batch = runs[runs["group"] == "long-batch"]
+    if batch.empty:
+        return "Not run yet.\n"
+    return markdown(batch_table(runs), index=False) + "\n" + ran_line(batch) + clock_markdown(batch)
 
 
 def lambda_block(runs: pd.DataFrame) -> str:
