@@ -69,7 +69,8 @@ def test_gap_and_recovered_share_by_hand():
 
     shown = study.main_table(runs)
     assert shown.loc["adamw", "sync (n)"] == "2.100 ± 0.141 (2)"
-    assert shown.loc["adamw", "gap 2bw − sync"] == "0.300 ± 0.000"
+    assert shown.loc["adamw", "gap 2bw − sync"] == "+0.300 ± 0.000 (n=2)"  # paired: both seeds' gaps are 0.3
+    assert shown.loc["muon", "gap 2bw − sync"] == "+0.000 (n=1, no interval)"
     # both seeds recover 2/3 of their own gap: the interval of the ratio has no width
     assert shown.loc["adamw", "recovered by ef"] == "67% ± 0% (n=2)"
     assert shown.loc["adamw", "recovered by nesterov"] == "17% (n=1, no interval)"

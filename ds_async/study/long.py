@@ -12,8 +12,8 @@ import numpy as np
 import pandas as pd
 
 from .rows import PAPER
-from .tables import (at_reference, formatted, gap_with_interval, markdown, paired_interval, ran_line, recovered_share,
-                     reference, reference_parameters, share_cell, share_text, sweep)
+from .tables import (at_reference, formatted, gap_with_interval, markdown, paired_gap_cell, paired_interval, ran_line,
+                     recovered_share, reference, reference_parameters, share_cell, share_text, sweep)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -85,9 +85,7 @@ def variant_cells(runs: pd.DataFrame) -> dict[str, str]:
     row = {label: f"{table[label].mean():.3f} ({int(table[label].count())})" if label in table else "—"
            for label in ("sync", "2bw", "2bw+ef")}
     for label in ("2bw", "2bw+ef"):
-        diff = (table[label] - table["sync"]).dropna() if {"sync", label} <= set(table) else pd.Series([])
-        row[f"{label} − sync"] = (gap_with_interval(diff.mean(), paired_interval(diff), len(diff)) if len(diff)
-                                  else "—")
+        row[f"{label} − sync"] = paired_gap_cell(table, label)
     row["recovered by ef"] = share_cell(table) if {"sync", "2bw", "2bw+ef"} <= set(table.columns) else "—"
     return row
 

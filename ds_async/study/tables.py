@@ -228,10 +228,20 @@ def pm(mean: float, std: float, digits: int = 3) -> str:
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
+def paired_gap_cell(seeds: pd.DataFrame, delayed: str = "2bw", sync: str = "sync") -> str:
+    """``delayed`` − ``sync`` from per-seed losses (a frame by seed with those columns), paired by seed over the seeds
+    that have both: :func:`gap_with_interval`'s cell; a dash without such a seed."""
+    if not {sync, delayed} <= set(seeds):
+        return "—"
+    diff = (seeds[delayed] - seeds[sync]).dropna()
+    return gap_with_interval(diff.mean(), paired_interval(diff), len(diff)) if len(diff) else "—"
+
+
 def main_table(runs: pd.DataFrame, labels: tuple[str, ...] = ("sync", "2bw", "2bw+ef", "2bw+nesterov"),
                ref: dict | None = None) -> pd.DataFrame:
-    """The study's headline table at the reference point: final validation loss ``mean ± std`` per label, the gap
-    and the share of it each correction recovers, one row per optimizer (strings, ready to print)."""
+    """The study's headline table at the reference point: final validation loss ``mean ± std (n)`` per label, the gap
+    paired by seed with its 95% interval and n, and the share of it each correction recovers with its interval, one
+    row per optimizer (strings, ready to print)."""
     ref = ref or reference(runs)
     sub = at_reference(runs, ref)
     sub = sub[sub["label"].isin(labels)]
@@ -241,10 +251,10 @@ def main_table(runs: pd.DataFrame, labels: tuple[str, ...] = ("sync", "2bw", "2b
         if label in table:
             out[f"{label} (n)"] = [f"{pm(m, s)} ({int(n)})" if n == n and n > 0 else "—" for m, s, n in
                                    zip(table[label], table[f"{label} std"], table[f"{label} n"])]
-    if "gap" in table:
-        out["gap 2bw − sync"] = [pm(m, s) for m, s in zip(table["gap"], table["gap std"])]
     seeds = {opt: part.pivot_table(index="seed", columns="label", values="final_val", aggfunc="mean")
              for opt, part in sub.groupby("optimizer", sort=False)}
+    if "gap" in table:
+        out["gap 2bw − sync"] = [paired_gap_cell(seeds[opt]) for opt in out.index]
     for label in labels[2:]:
         if f"recovered {label}" in table:
             out[f"recovered by {label.split('+', 1)[1]}"] = [
