@@ -182,6 +182,7 @@ def test_each_variant_at_its_own_best_lr():
         ["2bw+ef", "0.02", "2.980", 3, "inside", "+0.020"]]
     one = _runs([r for r in rows if r[1] == "sync" or r[4]["lr"] == 0.02])
     assert study.own_lr_table(one).set_index("variant")["lrs"].to_dict() == {"sync": 3, "2bw": 1, "2bw+ef": 1}
+    assert study.own_lr_table(one)["seeds"].tolist() == [1, 1, 1]  # seed 0's sweep
 
 
 def test_the_own_lr_table_says_what_each_async_variant_gains_at_its_own_lr():
@@ -334,6 +335,7 @@ def test_lambda_grid_and_delay_table_by_hand():
     table = study.delay_table(_runs(delay)).set_index("stages")
     assert table.loc[3, "pipedream − constant"] == pytest.approx(0.04)
     assert table.loc[5, "gap constant"] == pytest.approx(0.4) and table.loc[5, "gap 2bw"] == pytest.approx(0.2)
+    assert table["seeds"].tolist() == [1, 1]  # seed 0 alone, said in the table
     shown = study.delay_block(_runs(delay).assign(command="c", card="card", commit="abc", declared_commit=None,
                                                   dirty=False))
     assert "| adamw | 3 | 3.000 | 3.200 | 3.250 | 3.210 | +0.200 | +0.250 | +0.210 | +0.040 |" in shown

@@ -310,8 +310,8 @@ def extrapolation_table(runs: pd.DataFrame) -> pd.DataFrame:
 def own_lr_table(runs: pd.DataFrame) -> pd.DataFrame:
     """Each optimizer's sync, 2bw and 2bw+ef at the best peak LR each has run on seed 0's sweep (:func:`own_best_lr`):
     the LR, the loss, how many LRs it tried and whether the best lies inside them; the same variant's loss at sync's
-    best LR and how much lower its own LR ends; the gap to sync's best; and on the 2bw+ef row, the share of the gap
-    EF recovers at the variants' own best LRs and at sync's."""
+    best LR and how much lower its own LR ends; the gap to sync's best; on the 2bw+ef row, the share of the gap EF
+    recovers at the variants' own best LRs and at sync's; and the number of seeds (1: seed 0's sweep)."""
     own, sweep_at = own_best_lr(runs), lr_sweep(runs).set_index(["optimizer", "lr"])
     rows = []
     for opt, part in own.groupby("optimizer"):
@@ -326,7 +326,7 @@ def own_lr_table(runs: pd.DataFrame) -> pd.DataFrame:
                    "inside": "inside" if r["inside"] else "edge", "at sync's lr": there,
                    "lower than at sync's lr": math.nan if label == "sync" else there - r["loss"],
                    "gap to sync's best": math.nan if label == "sync" else r["loss"] - sync,
-                   "recovered by ef, own lrs": math.nan, "recovered by ef, sync's lr": math.nan}
+                   "recovered by ef, own lrs": math.nan, "recovered by ef, sync's lr": math.nan, "seeds": 1}
             if label == "2bw+ef" and "2bw" in best.index:
                 row["recovered by ef, own lrs"] = recovered_share(sync, best.loc["2bw", "loss"], r["loss"])
                 row["recovered by ef, sync's lr"] = recovered_share(sync, at_sync.get("2bw", math.nan), there)
@@ -383,7 +383,8 @@ def lambda_grid(runs: pd.DataFrame) -> pd.DataFrame:
 
 def delay_table(runs: pd.DataFrame) -> pd.DataFrame:
     """PipeDream's variable delay against the constant delay of its mean (long-delay, seed 0, m = 1): per optimizer
-    and depth, the final loss of sync, 2bw, pipedream and the constant delay, and each delayed run's gap to sync."""
+    and depth, the final loss of sync, 2bw, pipedream and the constant delay, each delayed run's gap to sync, and the
+    number of seeds (1)."""
     sub = runs[(runs["group"] == "long-delay") & (runs["seed"] == 0)]
     rows = []
     for opt, part in sub.groupby("optimizer"):
@@ -395,7 +396,8 @@ def delay_table(runs: pd.DataFrame) -> pd.DataFrame:
             constant = next((v for (sched, st), v in loss.items() if st == p and sched.startswith("delay")), math.nan)
             rows.append({"optimizer": opt, "stages": p, "sync": sync, "2bw": two, "pipedream": variable,
                          "constant (mean delay)": constant, "gap 2bw": two - sync, "gap pipedream": variable - sync,
-                         "gap constant": constant - sync, "pipedream − constant": variable - constant})
+                         "gap constant": constant - sync, "pipedream − constant": variable - constant,
+                         "seeds": 1})  # seed 0 alone
     return pd.DataFrame(rows)
 
 
@@ -459,5 +461,6 @@ def delay_block(runs: pd.DataFrame) -> str:
     if not (runs["group"] == "long-delay").any():
         return "Not run yet.\n"
     table = delay_table(runs)
-    shown = formatted(table, {c: "+3" if c.startswith("gap") or "−" in c else 3 for c in table.columns[2:]})
+    shown = formatted(table, {c: "+3" if c.startswith("gap") or "−" in c else 3 for c in table.columns[2:]
+                              if c != "seeds"})
     return markdown(shown, index=False) + "\n" + ran_line(runs[runs["group"] == "long-delay"])
