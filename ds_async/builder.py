@@ -10,6 +10,7 @@ import random
 import socket
 
 import deepspeed
+import torch.distributed as tdist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.config import DeepSpeedConfig
@@ -48,8 +49,6 @@ def init_distributed() -> None:
     On an accelerator each process takes the device of its ``LOCAL_RANK``, as the launchers lay them out, before
     anything is placed on "the current device": DeepSpeed's engine sets it only when it is built, after the client
     optimizer has put its fp32 masters and state there (every rank's on device 0 otherwise)."""
-    import torch.distributed as tdist
-
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu" and not tdist.is_initialized():
         shm = accelerator.create_op_builder("ShareMemCommBuilder")

@@ -16,6 +16,7 @@ import ast
 import hashlib
 import json
 import os
+import pydoc_data.topics
 import sys
 import sysconfig
 from collections.abc import Iterator
@@ -47,8 +48,6 @@ def _prose(text: str) -> str:
 
 def documents() -> Iterator[tuple[str, str]]:
     """``(name, text)`` of every document: the reference topics, then the standard library's docstrings."""
-    import pydoc_data.topics
-
     for name, text in sorted(pydoc_data.topics.topics.items()):
         yield f"topic:{name}", _prose(text)
     lib = Path(sysconfig.get_paths()["stdlib"])

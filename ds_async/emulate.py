@@ -43,6 +43,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from deepspeed.runtime import lr_schedules
 from torch import nn
 
 from . import config as cfgmod
@@ -86,8 +87,6 @@ def precision(ds_config: dict, device: torch.device) -> str:
 def build_scheduler(block: dict | None, optimizer: torch.optim.Optimizer):
     """The ``scheduler`` block as DeepSpeed builds it: its ``lr_schedules`` class of that name, else
     ``torch.optim.lr_scheduler``'s, with ``params`` as keyword arguments; None without a block."""
-    from deepspeed.runtime import lr_schedules
-
 
     if not block:
         return None

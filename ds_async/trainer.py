@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as tdist
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 
 from . import checkpoint
 from . import config as cfgmod
@@ -50,9 +52,6 @@ class Trainer(TrainerSetup):
     ``run`` trains to the end and returns the summary on the reporting rank (``None`` elsewhere)."""
 
     def __init__(self, config_path: str, max_steps: int | None = None, run_name: str | None = None):
-        from deepspeed import comm as dist
-        from deepspeed.accelerator import get_accelerator
-
         self.start_clock = telemetry.StartClock()  # marked along set-up and at the end of the first step
         self.config_path = config_path
         self.ds_config, cfg = cfgmod.load(config_path)
@@ -317,8 +316,6 @@ class Trainer(TrainerSetup):
 
     def close(self) -> dict | None:
         """The final evaluation and save, and the run summary (on the reporting rank)."""
-        from deepspeed import comm as dist
-
         total, engine = self.total_steps, self.engine
         self._stop_if_nonfinite(upto=total)
         if self.cadence.evaluates(total):

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import torch.distributed as tdist
+from deepspeed import comm as dist
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from . import checkpoint
@@ -87,8 +88,6 @@ class TrainerSetup:
         self._start_logging(carried)
 
     def _locate_run(self, resume: str | None) -> None:
-        from deepspeed import comm as dist
-
         cfg = self.cfg
         self.run_dir = Path(cfg.logging.dir) / agree(cfg.logging.run_name or default_run_name(cfg, self.ds_config),
                                                       self.group)
@@ -190,8 +189,6 @@ class TrainerSetup:
     def _build_engine(self, changed: dict[str, dict[str, tuple]]) -> None:
         """The tokenizer, the model and the DeepSpeed engine. A resume first checks the model's config against the
         checkpoint's, adding its applied changes to ``changed``."""
-        from deepspeed import comm as dist
-
         cfg = self.cfg
         if self.resume_from is not None and cfg.tokenizer.startswith("train:"):
             # The one the saved run trained, checked against the checkpoint's manifest.

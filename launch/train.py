@@ -26,6 +26,7 @@ console.quiet_imports()  # before DeepSpeed and transformers are imported, which
 
 import deepspeed  # noqa: E402
 
+from ds_async import config as cfgmod  # noqa: E402
 from ds_async.builder import free_local_port  # noqa: E402
 from ds_async.checkpoint import CheckpointError  # noqa: E402
 from ds_async.config import ConfigError  # noqa: E402
@@ -43,8 +44,6 @@ def without_launcher(config: str) -> None:
     """Started as ``python launch/train.py`` (no deepspeed/torchrun/MPI environment; DeepSpeed would look for MPI
     and fail on a missing mpi4py): a config with one pipeline stage runs as a world of one process; any other is
     refused with the launcher line that runs it."""
-    from ds_async import config as cfgmod
-
     if any(k in os.environ for k in LAUNCHER_ENV):
         return
     _, cfg = cfgmod.load(config)

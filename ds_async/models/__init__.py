@@ -9,10 +9,13 @@ loads. A family (:mod:`.llama`, :mod:`.mixtral`) provides ``layer_specs`` and ``
 """
 from __future__ import annotations
 
+import difflib
 import os
 
 import torch
+from deepspeed import comm as dist
 from deepspeed.pipe import LayerSpec, PipelineModule
+from transformers import AutoConfig
 
 from ..config import ConfigError, DsAsyncConfig, check_boundaries, check_recompute, recomputed_layers
 from .. import fp8, hub
@@ -229,8 +232,6 @@ def model_config(cfg: DsAsyncConfig, tokenizer=None):
     fit (hidden size and heads, an odd head dimension, key/value heads that do not divide the heads), tied
     embeddings, a folder that is not there or a hub name that cannot be fetched, and a config with ``auto_map``
     (remote code, never run)."""
-    from transformers import AutoConfig
-
     if cfg.model.path is not None:
         where = f"ds_async.model.path: {cfg.model.path}"
         hub.refuse_remote_code(cfg.model.path, where, files=("config.json",))
@@ -309,10 +310,6 @@ def _check_geometry(values: dict, prefix: str) -> None:
 def _check_config_keys(family: str, kwargs: dict) -> None:
     """Hugging Face configs keep unknown kwargs as attributes without a word (``hidden_sise`` would train a model of
     the default width): refuse keys the family's config class does not define, naming the closest one."""
-    import difflib
-
-    from transformers import AutoConfig
-
     base = AutoConfig.for_model(family).to_dict()
     for key, value in kwargs.items():
         if key in base:
@@ -409,8 +406,6 @@ def export_hf(engine, out_dir: str, hf_config) -> None:
 
     Collective over all ranks: the first data-parallel replica of each stage writes its shard, rank 0 the index.
     """
-    from deepspeed import comm as dist
-
     stages = engine.num_stages
     if engine.grid.data_parallel_id == 0:
         hf_io.save_shard(hf_state_dict(engine.module), out_dir, hf_io.shard_name(engine.stage_id, stages))

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from accelerate import init_empty_weights
+from deepspeed.pipe import LayerSpec
 from torch import nn
 from transformers import LlamaConfig, PretrainedConfig
 try:
@@ -196,8 +197,6 @@ def check_supported(config: PretrainedConfig, prefix: str | None = None, rotary_
 def layer_specs(config: PretrainedConfig, seed: int = 0, hf_dir: str | None = None, *,
                 embedding: type = EmbeddingPipe, decoder: type = DecoderLayerPipe, head: type = HeadPipe) -> list:
     """The model as ``[embedding, decoder x L, head]`` LayerSpecs (built lazily, only on the owning stage)."""
-    from deepspeed.pipe import LayerSpec
-
     check_supported(config)
     n = config.num_hidden_layers
     return ([LayerSpec(embedding, config, seed=seed, index=0, hf_dir=hf_dir)]

@@ -22,10 +22,13 @@ fp16, ZeRO-2/3, offload         refused
 """
 from __future__ import annotations
 
+import importlib
+import inspect
 import logging
 from functools import partial
 
 import torch
+from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
 from torch import nn
 
 from ..config import OWN_OPTIMIZER_TYPES, OptimizerSetupError, OptimizerSpec, did_you_mean, parse_optimizer
@@ -68,10 +71,6 @@ def check_optimizer_block(ds_config: dict, correction=None) -> OptimizerSpec | N
 def _deepspeed_class(spec: OptimizerSpec):
     """``(class, keys DeepSpeed takes out of the params first)`` of a type DeepSpeed or torch builds; the class is
     ``None`` for DeepSpeed's types not checked here; an unknown type is refused with the nearest names."""
-    import importlib
-
-    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
-
     kind, lk, params = spec.type, spec.kind, spec.params
     if lk in _DEEPSPEED_TYPES or lk in DEEPSPEED_OPTIMIZERS:
         target, extra = _DEEPSPEED_TYPES.get(lk, (None, ()))
@@ -95,8 +94,6 @@ def _deepspeed_class(spec: OptimizerSpec):
 
 def _check_deepspeed_block(spec: OptimizerSpec) -> None:
     """The params of a type DeepSpeed builds, against its class's signature and (torch's) values."""
-    import inspect
-
     kind, params = spec.type, spec.params
     cls, extra = _deepspeed_class(spec)
     if "max_grad_norm" in params and spec.kind != "lamb":

@@ -13,6 +13,7 @@ It also measures the bubble on DeepSpeed's step grid: a step in which a stage ha
 """
 from __future__ import annotations
 
+import argparse
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -182,7 +183,6 @@ class _Run:
 
 
 def main(argv=None) -> None:
-    import argparse
     parser = argparse.ArgumentParser(description="Print the step x stage grid of a flush-free schedule.")
     def flush_free(name: str) -> version_rule.VersionRule:
         try:

@@ -22,7 +22,10 @@ imports this.
 """
 from __future__ import annotations
 
+import argparse
+import base64
 import difflib
+import io
 import os
 import re
 import sys
@@ -173,9 +176,6 @@ def render(page: str, blocks: dict[str, str]) -> str:
 def compact_images(nb, colors: int = 32) -> None:
     """Re-encode the notebook's PNG outputs with an adaptive palette of ``colors`` (line plots need few): about a
     quarter of the bytes, so that the executed notebook stays small enough to commit."""
-    import base64
-    import io
-
     from PIL import Image
 
     for cell in nb.cells:
@@ -234,8 +234,6 @@ def write_page(path: Path, results: Path, check: bool = False) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m ds_async.study.runs", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
