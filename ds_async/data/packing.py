@@ -335,8 +335,8 @@ class PackedBatches:
         # One token beyond the batch is needed as the last label; it stays buffered as the next batch's first input.
         if len(self._buffer) - self._pos < n + 1 and not self._refill(n + 1):
             raise StopIteration
-        # Through numpy: 3.4x faster than torch.tensor(list) (0.46 against 1.59 ms for 32k tokens), time a stream
-        # read in a background thread holds the GIL against the training loop.
+        # Through numpy, which converts a list of ints several times faster than torch.tensor(list): a stream read
+        # in a background thread holds the GIL against the training loop while it converts.
         flat = torch.from_numpy(np.array(self._buffer[self._pos : self._pos + n + 1], dtype=np.int64))
         self._pos += n
         self._tokens += n
