@@ -19,6 +19,7 @@ import os
 import time
 
 import torch
+from model_flags import add_model_flags, model_of
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
@@ -162,13 +163,7 @@ def main() -> None:
     ap.add_argument("--schedule", choices=["1f1b", "2bw"], default=None, help="required without --config")
     ap.add_argument("--stages", type=int, default=None, help="pipeline depth (default: world size)")
     ap.add_argument("--micro-batches", type=int, default=None, help="m (default 4, or the config's)")
-    ap.add_argument("--micro-batch-size", type=int, default=2)
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=15)
-    ap.add_argument("--ffn", type=int, default=5632)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--vocab", type=int, default=32000)
+    add_model_flags(ap)
     ap.add_argument("--optimizer", choices=["adamw", "muon", "muon-ef"], default="adamw",
                     help="muon / muon-ef (ds_async's hybrid Muon, with error feedback) need --precision autocast")
     ap.add_argument("--precision", choices=["bf16", "autocast"], default="bf16",
@@ -212,7 +207,6 @@ def main() -> None:
     a = ap.parse_args()
 
     from deepspeed import comm as dist
-    from transformers import LlamaConfig
 
     from ds_async import config as cfgmod
     from ds_async import init_distributed
@@ -226,9 +220,7 @@ def main() -> None:
     if a.schedule is None:
         ap.error("--schedule is required without --config")
     stages = a.stages or world
-    model = {"vocab_size": a.vocab, "hidden_size": a.hidden, "intermediate_size": a.ffn,
-             "num_hidden_layers": a.layers, "num_attention_heads": a.heads, "num_key_value_heads": a.heads,
-             "max_position_embeddings": a.seq_len}
+    model, hf = model_of(a)
     partition = ({"method": "explicit", "boundaries": [int(x) for x in a.partition.split(",")]}
                  if "," in a.partition else {"method": a.partition})
     cfg = cfgmod.parse({"model": {"config": model}, "pipeline_stages": stages, "schedule": a.schedule,
@@ -239,7 +231,6 @@ def main() -> None:
                                         "activation_checkpoint_interval": a.activation_checkpoint_interval,
                                         "activation_checkpoint_layers": recompute_counts(a),
                                         "fused_optimizer_step": a.fused_step}})
-    hf = LlamaConfig(**model, tie_word_embeddings=False)
     ds_config = {"train_micro_batch_size_per_gpu": a.micro_batch_size,
                  "gradient_accumulation_steps": a.micro_batches or 4, "steps_per_print": 10 ** 9,
                  "gradient_clipping": a.clip, "wall_clock_breakdown": False,
