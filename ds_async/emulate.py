@@ -87,7 +87,6 @@ def precision(ds_config: dict, device: torch.device) -> str:
 def build_scheduler(block: dict | None, optimizer: torch.optim.Optimizer):
     """The ``scheduler`` block as DeepSpeed builds it: its ``lr_schedules`` class of that name, else
     ``torch.optim.lr_scheduler``'s, with ``params`` as keyword arguments; None without a block."""
-
     if not block:
         return None
     name = block.get("type")
