@@ -13,11 +13,12 @@ torchtitan's loss over the batch's tokens when micro-batches hold equal token co
 
 What runs is what ``bench_pipeline.py`` runs for DeepSpeed's engine, so that a row here pairs with one there on the
 same machine: the same model flags and defaults (``model_flags.py``: the 0.9B LLaMA at 2 x 2048 tokens a
-micro-batch), ds_async's LLaMA layers seeded alike, split over the virtual stages by DeepSpeed's parameter balance
-(``--partition``), each decoder layer and the head compiled (``--compile``, from the second warm-up step on;
-``--compile-scope stage``: one region per stage), bf16 weights with fp32 master weights (``ds_async.optim.MasterWeights``; DeepSpeed's bf16 keeps its masters
-flat, which an elementwise AdamW steps alike), torch's AdamW (``--adamw fused``), and the gradient clipped by the
-whole model's norm. Batches are random tokens already on the device.
+micro-batch), ds_async's LLaMA layers seeded alike and split over the virtual stages by DeepSpeed's balance of their
+training FLOPs (``--partition``; at p = 4 the split of ``bench_pipeline.py``'s first table), each decoder layer and
+the head compiled (``--compile``, from the second warm-up step on; ``--compile-scope stage``: one region a stage),
+bf16 weights with fp32 master weights (``ds_async.optim.MasterWeights``; DeepSpeed's bf16 keeps its masters flat,
+which an elementwise AdamW steps alike), torch's AdamW (``--adamw fused``), and the gradient clipped by the whole
+model's norm. Batches are random tokens already on the device.
 
 Appends one JSON row per schedule: step time, tokens/s, MFU, peak memory and measured idle fraction per rank (time
 outside the stages' forward and backward chunks, timed with CUDA events on GPUs), and the loss of every step
@@ -42,7 +43,7 @@ from torch.distributed.pipelining.schedules import (PipelineScheduleSingle, Sche
                                                     get_schedule_class)
 
 from ds_async import init_distributed
-from ds_async.flops import model_flops_per_token
+from ds_async.flops import layer_flops_per_token, model_flops_per_token
 from ds_async.metrics import card_name, code_version
 from ds_async.models import compiled_stage, llama, trainable_counts
 from ds_async.optim.clip import clip_coefficient, squared_norm
@@ -64,11 +65,13 @@ def stages_of_rank(rank: int, ranks: int, per_rank: int, v_shaped: bool) -> list
     return [rank + k * ranks for k in range(per_rank)]
 
 
-def bounds_of(partition: str, specs: list, stages: int) -> list[int]:
-    """``stages + 1`` indices into ``[embedding, decoder x L, head]``: DeepSpeed's balance of the layers' parameter
-    counts (``parameters``), its split by count (``uniform``), or explicit boundaries ``0,5,9,...``."""
-    if partition == "parameters":
-        return [int(b) for b in partition_balanced(weights=trainable_counts(specs), num_parts=stages)]
+def bounds_of(partition: str, specs: list, stages: int, hf, seq_len: int) -> list[int]:
+    """``stages + 1`` indices into ``[embedding, decoder x L, head]``: DeepSpeed's balance of the layers' training
+    FLOPs (``flops``; for the 902M model over 4 stages the first table's ``0,5,9,13,17``) or parameter counts
+    (``parameters``), its split by count (``uniform``), or explicit boundaries ``0,5,9,...``."""
+    if partition in ("flops", "parameters"):
+        weights = layer_flops_per_token(hf, seq_len) if partition == "flops" else trainable_counts(specs)
+        return [int(b) for b in partition_balanced(weights=weights, num_parts=stages)]
     if partition == "uniform":
         return [int(b) for b in partition_uniform(len(specs), stages)]
     bounds = [int(x) for x in partition.split(",")]
@@ -151,7 +154,7 @@ def run_schedule(name: str, a, hf, device: torch.device) -> dict:
         raise SystemExit(f"--stages-per-rank: {name} holds one stage per rank")
     total = ranks * per_rank
     specs = llama.layer_specs(hf, seed=a.seed)
-    bounds = bounds_of(a.partition, specs, total)
+    bounds = bounds_of(a.partition, specs, total, hf, a.seq_len)
     mine = stages_of_rank(rank, ranks, per_rank, cls in V_SHAPED)
 
     scope = a.compile_scope if a.compile else None
@@ -249,9 +252,9 @@ def main(argv=None) -> None:
                     help="virtual stages per rank for multi-stage schedules (default 2, as torchtitan's)")
     ap.add_argument("--micro-batches", type=int, default=4, help="m, torch's n_microbatches")
     add_model_flags(ap)
-    ap.add_argument("--partition", default="parameters",
-                    help="'parameters', 'uniform', or explicit boundaries over [embedding, layers..., head] for "
-                         "all virtual stages, e.g. 0,3,5,7,9,11,13,15,17")
+    ap.add_argument("--partition", default="flops",
+                    help="'flops' (balanced training FLOPs), 'parameters', 'uniform', or explicit boundaries over "
+                         "[embedding, layers..., head] for all virtual stages, e.g. 0,3,5,7,9,11,13,15,17")
     ap.add_argument("--precision", choices=["bf16", "autocast", "fp32"], default="bf16",
                     help="bf16: bf16 weights, fp32 masters (as bench_pipeline.py's default); autocast: fp32 weights, "
                          "bf16 compute (torchtitan's without FSDP); fp32: no bf16 anywhere")
