@@ -85,3 +85,79 @@ def test_the_driver_gives_both_schedules_the_same_training_time(tmp_path):
     assert json.loads((again / "sync" / "manifest.json").read_text())["ds_async"]["seed"] == 1
     assert second["runs"]["sync"]["validation"] != sync["validation"]
 
+
+
+def test_the_driver_adds_the_adamw_run_and_earlier_targets(tmp_path):
+    """``--variants sync,sync-adamw --adamw-lr LR --targets 3``: the third run is synchronous 1F1B with AdamW at that
+    LR (unfused step), the targets are three points of the sync run's curve with its final loss last, and every
+    run is also timed to the AdamW run's final loss; each crossing is the one its own curve gives."""
+    if not (SHARED / "corpus" / "tokenizers" / "bpe8192.json").exists():
+        pytest.skip("shared corpus not found next to the repository")
+    budget, out = 2.0, tmp_path / "ttl"
+    sets = [a for k, v in TINY.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+    subprocess.run([sys.executable, str(ROOT / "launch" / "study" / "time_to_loss.py"), "--budget", str(budget),
+                    "--gpus", "2", "--out", str(out), "--calibrate-steps", "4", "--evals", "4", "--targets", "3",
+                    "--variants", "sync,sync-adamw", "--adamw-lr", "0.002", "--port", str(free_port()), *sets],
+                   cwd=ROOT, env=job_env(), check=True, timeout=600)
+    doc = json.loads((out / "time_to_loss.json").read_text())
+    assert list(doc["runs"]) == ["sync", "sync-adamw"] and doc["adamw_lr"] == 0.002
+    adamw = json.loads((out / "sync-adamw" / "manifest.json").read_text())
+    assert adamw["ds_async"]["schedule"] == "1f1b" and adamw["ds_async"]["correction"]["type"] == "none"
+    assert not adamw["ds_async"]["performance"]["fused_optimizer_step"]
+    assert json.loads((out / "sync-adamw.json").read_text())["optimizer"] == {
+        "type": "AdamW", "params": {"lr": 0.002, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
+                                    "torch_adam": True, "fused": True}}
+    sync_val = doc["runs"]["sync"]["validation"]
+    assert len(sync_val) >= 3
+    assert doc["targets"][-1] == doc["target"] == doc["runs"]["sync"]["final_validation_loss"]
+    assert doc["targets"][:2] == [sync_val[round(len(sync_val) / 3) - 1][1], sync_val[round(2 * len(sync_val) / 3) - 1][1]]
+    assert doc["adamw_target"] == doc["runs"]["sync-adamw"]["final_validation_loss"]
+    for name, run in doc["runs"].items():
+        assert run["steps"] == max(1, math.floor(budget / doc["calibration_step_time_s"][name]))
+        losses, clock = [v for _, v in run["validation"]], [t for _, t in run["validation_seconds"]]
+        for target, at in zip([*doc["targets"], doc["adamw_target"]], [*run["time_to_targets"],
+                                                                        run["time_to_adamw_target"]]):
+            want = runs.time_to_loss(clock, losses, target)
+            assert at == (None if want is None else round(want, 1))
+        assert (run["time_to_loss"], run["tokens_to_loss"]) == (run["time_to_targets"][-1], run["tokens_to_targets"][-1])
+    block = runs.time_to_loss_block(doc)
+    assert "AdamW at peak LR 0.002" in block and "(AdamW's)" in block
+
+
+def test_the_variants_and_the_adamw_lr_go_together():
+    from ds_async.study import time_to_loss as driver
+
+    for argv in (["--variants", "2bw+ef,sync"], ["--variants", "sync,sync-adamw"], ["--adamw-lr", "1e-3"],
+                 ["--variants", "sync,sync"], ["--variants", "sync,adamw"], ["--targets", "0"]):
+        with pytest.raises(SystemExit) as stop:
+            driver.main(["--budget", "1", "--gpus", "2", *argv])
+        assert stop.value.code == 2, argv
+
+
+def _run(curve: list[tuple[int, float]], step_time: float, start: float) -> dict:
+    """A time-to-loss run of hand-made numbers: validations at ``curve``'s steps, its clock its steps at
+    ``step_time`` after ``start`` seconds."""
+    return {"card": "1x test", "commit": "0" * 7, "steps": curve[-1][0], "tokens": curve[-1][0] * 100,
+            "step_time_s": step_time, "seconds": start + curve[-1][0] * step_time,
+            "final_validation_loss": curve[-1][1], "validation": [list(p) for p in curve],
+            "validation_seconds": [[s, start + s * step_time] for s, _ in curve]}
+
+
+def test_time_to_every_target_after_start_up_by_hand():
+    doc = {"target": 3.0, "targets": [4.0, 3.0],
+           "adamw_target": 3.5, "adamw_lr": 3e-4,
+           "runs": {"sync": _run([(10, 5.0), (20, 4.0), (30, 3.0)], 1.0, 5.0),  # 4.0 at 20 s, 3.0 at 30 s
+                    "2bw+ef": _run([(10, 4.5), (20, 3.5), (30, 2.5)], 0.5, 2.0),  # 4.0 at 7.5 s, 3.0 at 12.5 s
+                    "sync-adamw": _run([(10, 5.5), (20, 4.5), (30, 3.5)], 1.0, 5.0)}}  # 4.0 at 25 s, 3.5 at 30 s
+    table = runs.time_to_targets_table(doc).set_index("run")
+    assert list(table.columns) == ["to 4.0000 (s)", "speed-up at 4.0000", "to 3.0000 (s)", "speed-up at 3.0000",
+                                   "to 3.5000 (AdamW's) (s)", "speed-up at 3.5000 (AdamW's)"]
+    assert table.loc["sync", "to 4.0000 (s)"] == 20.0 and table.loc["sync", "to 3.0000 (s)"] == 30.0
+    assert table.loc["2bw+ef", "to 4.0000 (s)"] == 7.5 and table.loc["2bw+ef", "to 3.0000 (s)"] == 12.5
+    assert table.loc["2bw+ef", "speed-up at 3.0000"] == 30.0 / 12.5
+    assert math.isnan(table.loc["sync-adamw", "to 3.0000 (s)"])  # never reached: no speed-up either
+    assert math.isnan(table.loc["sync-adamw", "speed-up at 3.0000"])
+    assert table.loc["sync-adamw", "to 3.5000 (AdamW's) (s)"] == 30.0
+    assert table.loc["2bw+ef", "to 3.5000 (AdamW's) (s)"] == 10.0  # 3.5 at step 20: 2 + 10 s, less 2 s start-up
+    assert table.loc["2bw+ef", "speed-up at 3.5000 (AdamW's)"] == 3.0
+    assert table.loc["sync", "speed-up at 3.5000 (AdamW's)"] == 30.0 / 25.0  # 3.5 halfway from step 20 to 30

@@ -58,8 +58,7 @@ def time_to_loss_table(doc: dict) -> pd.DataFrame:
         losses = [v for _, v in run["validation"]]
         at = time_to_loss([t for _, t in run["validation_seconds"]], losses, doc["target"])
         step = time_to_loss([s for s, _ in run["validation"]], losses, doc["target"])
-        first_step, first_seconds = run["validation"][0][0], run["validation_seconds"][0][1]
-        start = first_seconds - first_step * run["step_time_s"]
+        start = start_up(run)
         rows.append({"run": name, "card": run["card"], "commit": str(run["commit"])[:7], "steps": run["steps"],
                      "tokens (M)": run["tokens"] / 1e6, "step (s)": run["step_time_s"],
                      "training (s)": run["seconds"], "final loss": run["final_validation_loss"],
@@ -78,6 +77,38 @@ def time_to_loss_table(doc: dict) -> pd.DataFrame:
     return table
 
 
+def start_up(run: dict) -> float:
+    """Seconds of a time-to-loss run's clock that are not its steps: what its first evaluation's clock holds beyond
+    its steps at the run's step time (compiling, warm-up)."""
+    first_step, first_seconds = run["validation"][0][0], run["validation_seconds"][0][1]
+    return first_seconds - first_step * run["step_time_s"]
+
+
+def time_to_targets_table(doc: dict) -> pd.DataFrame:
+    """Every run's training seconds after its start-up (:func:`start_up`) to each of the comparison's targets (the
+    sync run's curve at several points, its final loss last) and, with the AdamW run, to that run's final loss,
+    each recomputed from the run's validation curve, with the speed-up over sync (over the AdamW run for its
+    target). NaN where a run never reached the target."""
+    runs = doc["runs"]
+    targets = [(f"{t:.4f}", t, "sync") for t in doc.get("targets", [doc["target"]])]
+    if doc.get("adamw_target") is not None:
+        targets.append((f"{doc['adamw_target']:.4f} (AdamW's)", doc["adamw_target"], "sync-adamw"))
+    seconds = {}
+    for name, run in runs.items():
+        losses, clock = [v for _, v in run["validation"]], [t for _, t in run["validation_seconds"]]
+        for label, target, _ in targets:
+            at = time_to_loss(clock, losses, target)
+            seconds[name, label] = math.nan if at is None else at - start_up(run)
+    rows = []
+    for name in runs:
+        row = {"run": name}
+        for label, _, against in targets:
+            row[f"to {label} (s)"] = seconds[name, label]
+            row[f"speed-up at {label}"] = seconds[against, label] / seconds[name, label]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def time_to_loss_block(doc: dict) -> str:
     """The results page's time-to-loss table and the line saying what ran (target, model, calibration, command)."""
     table = time_to_loss_table(doc)
@@ -93,7 +124,22 @@ def time_to_loss_block(doc: dict) -> str:
             f"{doc['budget_s']:g} s of steady-state steps each ("
             + (f"as calibrated for `{doc['calibration_from']}`: " if doc.get("calibration_from") else "calibrated: ")
             + ", ".join(f"{k} {v:.4f} s a step" for k, v in doc["calibration_step_time_s"].items())
-            + f"). Ran: `{doc['command']}`" + (f" ({doc['note']})" if doc.get("note") else "") + ".\n")
+            + f"). Ran: `{doc['command']}`" + (f" ({doc['note']})" if doc.get("note") else "") + ".\n"
+            + _targets_block(doc))
+
+
+def _targets_block(doc: dict) -> str:
+    """The table of every target, for a comparison run with several (``--targets``) or with AdamW's run."""
+    if len(doc.get("targets", [])) < 2 and doc.get("adamw_target") is None:
+        return ""
+    table = time_to_targets_table(doc)
+    text = (f"\nTraining seconds after each run's start-up to each target: sync's validation loss at "
+            f"{len(doc['targets'])} points of its curve, its final loss last")
+    if doc.get("adamw_target") is not None:
+        text += (f", and the AdamW run's final loss (synchronous 1F1B, AdamW at peak LR {doc['adamw_lr']:g}), its "
+                 "speed-up against that run")
+    return ("\n" + markdown(formatted(table, {c: 1 if c.endswith("(s)") else 3 for c in table.columns[1:]}),
+                            index=False) + text + ".\n")
 
 
 # ---------------------------------------------------------------------------------------------------------------

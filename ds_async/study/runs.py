@@ -38,7 +38,8 @@ from ..report import time_to_loss
 # The study's analysis as one namespace for the notebook, its plots and the tests (``runs.X``), beside what the
 # page and the command line use.
 from .comparisons import (engine_summary, engine_table, find_time_to_loss, load_time_to_loss, provenance,
-                          time_to_loss_block, time_to_loss_curves, time_to_loss_table, within_noise)
+                          time_to_loss_block, time_to_loss_curves, time_to_loss_table, time_to_targets_table,
+                          within_noise)
 from .long import (LAMBDAS, LONG_GROUPS, LR_GROUPS, VARIANT_CELLS, batch_block, batch_gaps, batch_points,
                    batch_table, clock_markdown, clock_table, delay_block, delay_table, extrapolation_table,
                    headline_runs, lambda_block, lambda_grid, length_sweep, length_table, long_lr_table, long_table,

@@ -1,24 +1,35 @@
 """Time to loss through the real engine: synchronous 1F1B + Muon against 2BW + Muon + EF with the same wall-clock.
 
 The number a user decides by: on the same GPUs, model and data, how soon does each schedule reach the loss the
-synchronous run ends at? Both runs get the same training time, ``--budget`` seconds: each variant first runs
+synchronous run ends at? Every run gets the same training time, ``--budget`` seconds: each variant first runs
 ``--calibrate-steps`` steps to measure its steady step time (``summary.json``'s ``step_time_s``, warm-up left out),
 then trains ``budget / step_time`` steps with its own LR schedule of that length (the config's warm-up, cosine to
 the end). Each full run validates ``--evals`` times on the same held-out micro-batches, its manifest and summary
 recording the wall-clock of every evaluation (``history["validation_seconds"]``).
 
+Targets: the sync run's final validation loss and, with ``--targets N``, N - 1 earlier points of its curve (its
+evaluations nearest each k/N of the run), so that a speed-up is read at several losses, not one crossing. With
+``--variants sync,2bw+ef,sync-adamw --adamw-lr LR`` a third run is the one a DeepSpeed user makes today,
+synchronous 1F1B with AdamW (torch's fused kernel) at the peak LR given, for which the user tunes it at this size;
+every run is then also timed to that run's final loss.
+
     python launch/study/time_to_loss.py --budget 300 --gpus 4 --out runs/ttl
     python launch/study/time_to_loss.py --budget 300 --gpus 4 --out runs/ttl --set ds_async.data.train=...
     python launch/study/time_to_loss.py --budget 300 --gpus 4 --out runs/ttl-s1 --set ds_async.seed=1 \
         --calibration runs/ttl/time_to_loss.json      # another seed, the same steps: no calibration runs
+    python launch/study/time_to_loss.py --budget 600 --gpus 4 --out runs/ttl-0.9b --config C.json --targets 3 \
+        --variants sync,2bw+ef,sync-adamw --adamw-lr 3e-4    # three targets, and AdamW's run beside
 
 ``tests/test_time_to_loss.py`` runs it end to end on 2 CPU ranks with the model shrunk (``--set``).
 
 Writes ``OUT/time_to_loss.json``: the command, the model's parameter count, the target (the sync run's final
-validation loss) and per run its card, commit, steps, tokens, step time, final loss, ``time_to_loss`` (seconds from
-the start of training to the target, linear between evaluations; null if never reached), ``tokens_to_loss`` and
-its validation curve against steps and seconds; the run folders are ``OUT/<variant>`` as
-``launch/train.py`` writes them. The base config is ``engine_ttl.json`` beside this file (``--config`` for another).
+validation loss), ``targets`` (all of them, the final last) and, with the AdamW run, ``adamw_target`` (its final
+validation loss) and ``adamw_lr``; per run its card, commit, steps, tokens, step time, final loss, ``time_to_loss``
+(seconds from the start of training to the target, linear between evaluations; null if never reached),
+``tokens_to_loss``, the same to every target (``time_to_targets``, ``tokens_to_targets``) and to AdamW's
+(``time_to_adamw_target``, ``tokens_to_adamw_target``), and its validation curve against steps and seconds; the run
+folders are ``OUT/<variant>`` as ``launch/train.py`` writes them. The base config is ``engine_ttl.json`` beside
+this file (``--config`` for another).
 """
 from __future__ import annotations
 
@@ -32,8 +43,8 @@ from pathlib import Path
 
 from ..report import time_to_loss
 from .driver import parse_set
+from .matrices import LONG_OPTIMIZERS, override
 from .matrices import VARIANTS as STUDY_VARIANTS
-from .matrices import override
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = ROOT / "launch" / "study"  # the base config beside the study's others
@@ -41,6 +52,23 @@ HERE = ROOT / "launch" / "study"  # the base config beside the study's others
 # The study's two variants; sync also says "no correction", for a job config that carries one (the shipped 2BW ones).
 VARIANTS = {"sync": {**STUDY_VARIANTS["sync"], "ds_async.correction": {"type": "none"}},
             "2bw+ef": STUDY_VARIANTS["2bw+ef"]}
+ADAMW = "sync-adamw"
+
+
+def adamw_variant(lr: float) -> dict:
+    """Synchronous 1F1B with AdamW at peak LR ``lr`` (the study's AdamW block on torch's fused kernel; the config's
+    LR schedule). Its step runs unfused: the one-pass step is for flush-free schedules."""
+    params = {**LONG_OPTIMIZERS["adamw"]["optimizer"]["params"], "lr": lr}
+    return {**VARIANTS["sync"], "optimizer": {"type": "AdamW", "params": params},
+            "ds_async.performance.fused_optimizer_step": False}
+
+
+def sync_targets(summary: dict, count: int) -> list[float]:
+    """``count`` losses of the sync run's validation curve, at its evaluations nearest each k/count of the run; the
+    last is its final validation loss."""
+    val = summary["history"]["validation"]
+    earlier = [val[max(0, round(k * len(val) / count) - 1)][1] for k in range(1, count)]
+    return [*earlier, summary["final_validation_loss"]]
 
 
 def train(config: dict, out: Path, name: str, gpus: int, port: int = 29500) -> dict:
@@ -67,18 +95,31 @@ def length(steps: int, evals: int) -> dict:
     return {"ds_async.train.steps": steps, "ds_async.eval.every": max(1, steps // evals)}
 
 
-def result(summary: dict, manifest: dict, tokens_per_step: int, target: float) -> dict:
+def reach(summary: dict, tokens_per_step: int, target: float) -> tuple[float | None, int | None]:
+    """(seconds from the start of training, tokens) at which a run's validation curve first reaches ``target``,
+    linear between evaluations; ``(None, None)`` if it never does."""
     history = summary["history"]
     val, seconds = history["validation"], history["validation_seconds"]
     losses = [v for _, v in val]
     at = time_to_loss([t for _, t in seconds], losses, target)
     step = time_to_loss([s for s, _ in val], losses, target)  # the same crossing, in steps
-    tokens = None if step is None else round(step * tokens_per_step)
-    return {"card": f"{manifest['world_size']}x {manifest.get('card')}", "commit": manifest["code"]["commit"],
-            "steps": summary["steps"], "tokens": summary["tokens"], "step_time_s": summary["step_time_s"],
-            "final_validation_loss": summary["final_validation_loss"], "seconds": summary["seconds"],
-            "time_to_loss": None if at is None else round(at, 1), "tokens_to_loss": tokens,
-            "validation": val, "validation_seconds": seconds}
+    return (None if at is None else round(at, 1)), (None if step is None else round(step * tokens_per_step))
+
+
+def result(summary: dict, manifest: dict, tokens_per_step: int, targets: list[float],
+           adamw_target: float | None = None) -> dict:
+    """One run's entry: what it ran and reached, ``time_to_loss`` and ``tokens_to_loss`` for the last of
+    ``targets`` (the sync run's final loss)."""
+    crossings = [reach(summary, tokens_per_step, t) for t in targets]
+    out = {"card": f"{manifest['world_size']}x {manifest.get('card')}", "commit": manifest["code"]["commit"],
+           "steps": summary["steps"], "tokens": summary["tokens"], "step_time_s": summary["step_time_s"],
+           "final_validation_loss": summary["final_validation_loss"], "seconds": summary["seconds"],
+           "time_to_loss": crossings[-1][0], "tokens_to_loss": crossings[-1][1],
+           "time_to_targets": [at for at, _ in crossings], "tokens_to_targets": [n for _, n in crossings]}
+    if adamw_target is not None:
+        out["time_to_adamw_target"], out["tokens_to_adamw_target"] = reach(summary, tokens_per_step, adamw_target)
+    history = summary["history"]
+    return {**out, "validation": history["validation"], "validation_seconds": history["validation_seconds"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,9 +133,24 @@ def main(argv: list[str] | None = None) -> int:
                    help="take each variant's step time from an earlier OUT/time_to_loss.json (the same config and "
                         "card, e.g. another seed: --set ds_async.seed=1) instead of calibrating again")
     p.add_argument("--evals", type=int, default=20, help="validations per full run")
+    p.add_argument("--targets", type=int, default=1,
+                   help="target losses read off the sync run's curve: its final one and N - 1 earlier ones")
+    p.add_argument("--variants", default="sync,2bw+ef",
+                   help=f"runs, comma-separated, sync first: sync, 2bw+ef, {ADAMW} (needs --adamw-lr)")
+    p.add_argument("--adamw-lr", type=float, default=None,
+                   help=f"{ADAMW}'s peak LR: AdamW's, tuned for synchronous training of this model")
     p.add_argument("--set", dest="sets", type=parse_set, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--port", type=int, default=29500, help="torchrun's master port")
     args = p.parse_args(argv)
+    names = args.variants.split(",")
+    variants = {**VARIANTS, ADAMW: None if args.adamw_lr is None else adamw_variant(args.adamw_lr)}
+    if names[0] != "sync" or len(set(names)) != len(names) or not set(names) <= set(variants):
+        p.error(f"--variants: distinct names of {', '.join(variants)}, sync first; got {args.variants}")
+    if (ADAMW in names) != (args.adamw_lr is not None):
+        p.error(f"--adamw-lr goes with the {ADAMW} variant, and it with the LR")
+    if args.targets < 1:
+        p.error("--targets: at least 1 (the sync run's final loss)")
+    variants = {name: variants[name] for name in names}
 
     base = override(json.loads(args.config.read_text()), dict(args.sets))
     # Each run's length sets its LR schedule's (ds_async fills it in); a length written there would be refused.
@@ -102,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out.resolve()
     plans = {}
     earlier = json.loads(args.calibration.read_text())["calibration_step_time_s"] if args.calibration else {}
-    for name, variant in VARIANTS.items():
+    for name, variant in variants.items():
         if name in earlier:
             step_time = earlier[name]
         else:
@@ -113,12 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         plans[name] = (steps, step_time)
         print(f"[calibrate] {name}: {step_time:.4f} s a step -> {steps} steps in {args.budget:g} s", flush=True)
     summaries = {}
-    for name, variant in VARIANTS.items():
+    for name, variant in variants.items():
         steps, _ = plans[name]
         summaries[name] = train(override(base, {**variant, **length(steps, args.evals)}), out, name, args.gpus,
                                 args.port)
     tokens_per_step = summaries["sync"]["tokens"] // summaries["sync"]["steps"]
-    target = summaries["sync"]["final_validation_loss"]
+    targets = sync_targets(summaries["sync"], args.targets)
+    adamw_target = summaries[ADAMW]["final_validation_loss"] if ADAMW in summaries else None
     from .rows import model_parameters  # pandas: only when the comparison is made
 
     manifests = {name: json.loads((out / name / "manifest.json").read_text()) for name in summaries}
@@ -127,14 +184,19 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"budget_s": args.budget, "gpus": args.gpus,
            "config": str(config.relative_to(ROOT) if config.is_relative_to(ROOT) else config),
            "sets": dict(args.sets), "command": shlex.join(command),
-           "parameters": model_parameters(manifests["sync"]["model"]), "target": target,
+           "parameters": model_parameters(manifests["sync"]["model"]), "target": targets[-1], "targets": targets,
+           **({"adamw_target": adamw_target, "adamw_lr": args.adamw_lr} if adamw_target is not None else {}),
            "calibration_step_time_s": {k: v[1] for k, v in plans.items()},
            "calibration_from": str(args.calibration) if args.calibration else None,
-           "runs": {name: result(s, manifests[name], tokens_per_step, target) for name, s in summaries.items()}}
+           "runs": {name: result(s, manifests[name], tokens_per_step, targets, adamw_target)
+                    for name, s in summaries.items()}}
     (out / "time_to_loss.json").write_text(json.dumps(doc, indent=1) + "\n")
     for name, r in doc["runs"].items():
-        print(f"[result] {name}: {r['steps']} steps, final {r['final_validation_loss']:.4f}, reaches {target:.4f} "
-              f"after {r['time_to_loss']} s ({r['tokens_to_loss']} tokens)", flush=True)
+        reached = ", ".join(f"{t:.4f} after {at} s" for t, at in zip(targets, r["time_to_targets"]))
+        adamw = (f"; AdamW's final {adamw_target:.4f} after {r['time_to_adamw_target']} s"
+                 if adamw_target is not None else "")
+        print(f"[result] {name}: {r['steps']} steps, final {r['final_validation_loss']:.4f}, reaches {reached}"
+              f"{adamw}", flush=True)
     return 0
 
 
