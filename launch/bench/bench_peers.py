@@ -174,6 +174,9 @@ def run_schedule(name: str, a, hf, device: torch.device) -> dict:
     schedule = cls(stages[0] if single else stages, n_microbatches=m, loss_fn=loss_fn)
     timer = PassTimer(stages, device.type == "cuda")
 
+    # Every rank in one collective before the schedule's first batched send and receive: NCCL leaves a batch of
+    # point-to-point operations undefined as a group's first communication unless all its ranks take part.
+    tdist.barrier()
     steps = a.warmup + a.steps
     gen = torch.Generator().manual_seed(a.seed)
     batches = torch.randint(0, hf.vocab_size, (steps, m * a.micro_batch_size, a.seq_len + 1), generator=gen)
