@@ -37,17 +37,15 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from ds_async.flops import newton_schulz_flops  # noqa: E402
-from ds_async.optim.muon import orthogonalise_batched, zeropower_matmul  # noqa: E402
-from ds_async.optim.ns_split import assign  # noqa: E402
+from ds_async.flops import newton_schulz_flops
+from ds_async.optim import ErrorFeedback, Muon
+from ds_async.optim.muon import orthogonalise_batched, zeropower_matmul
+from ds_async.optim.muon_pass import muon_hyper, muon_pass_
+from ds_async.optim.ns_split import assign, orthogonalise_split
 
 
 def stage_shapes(hidden: int, ffn: int, heads: int, kv_heads: int, layers: int) -> list[tuple[int, int]]:
@@ -126,8 +124,6 @@ def main() -> None:
         rows.append(row)
 
     if world > 1:
-        from ds_async.optim.ns_split import orthogonalise_split
-
         dist = torch.distributed
         got = orthogonalise_split(directions, a.steps)
         ms = torch.tensor(timed_ms(lambda: orthogonalise_split(directions, a.steps), a.iters, a.warmup, cuda),
@@ -190,9 +186,6 @@ def muon_step_ms(variant: str, shapes, a, device, cuda: bool) -> tuple[float, di
     """One Muon + EF step of the stage's matrices, timed: the class on fp32 parameters, or the bf16 fast path's
     pass. For the pass also how far its first step lands from the class's (compiled on GPUs: last-bit rounding;
     bf16 Newton-Schulz can amplify a flipped bit of a direction)."""
-    from ds_async.optim import ErrorFeedback, Muon
-    from ds_async.optim.muon_pass import muon_hyper, muon_pass_
-
     gen = torch.Generator(device=device).manual_seed(1)
     init = [torch.randn(s, generator=gen, device=device) * 0.02 for s in shapes]
     grads = [torch.randn(s, generator=gen, device=device).bfloat16() for s in shapes]

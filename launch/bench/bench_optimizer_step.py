@@ -20,6 +20,18 @@ import statistics
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers import LlamaConfig, MixtralConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+from ds_async.flops import newton_schulz_flops
+from ds_async.metrics import code_version
+from ds_async.models.mixtral import MoeDecoderLayerPipe
+from ds_async.optim.corrections import ErrorFeedback
+from ds_async.optim.muon import (Muon, momentum_directions, muon_param_groups, orthogonalise_batched,
+                                 orthogonalise_blocks, row_blocks, split_rows)
+from ds_async.optim.muon_pass import hybrid_muon_step_
+from ds_async.optim.optimizers import AdamW
 
 
 def median_ms(fn, steps: int, warmup: int) -> tuple[float, float]:
@@ -42,8 +54,6 @@ def print_host_profile(name: str, fn, rows: int = 15) -> None:
     """One call of ``fn`` under torch's profiler (CPU and, on a GPU, the CUDA runtime's calls): its top ``rows``
     calls by self CPU time, the host's share of the step (a wait for the device shows as the runtime call that
     blocks, e.g. cudaStreamSynchronize or cudaFree, or as "Command Buffer Full" when the launch queue is full)."""
-    from torch.profiler import ProfilerActivity, profile
-
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -57,17 +67,12 @@ def print_host_profile(name: str, fn, rows: int = 15) -> None:
 
 def build_stage(a) -> torch.nn.Module:
     if a.experts:  # the library's layer: it declares the router's and the expert stacks' roles
-        from transformers import MixtralConfig
-
-        from ds_async.models.mixtral import MoeDecoderLayerPipe as Layer
-
+        Layer = MoeDecoderLayerPipe
         cfg = MixtralConfig(hidden_size=a.hidden, intermediate_size=a.ffn, num_attention_heads=a.heads,
                             num_key_value_heads=a.heads, vocab_size=a.vocab, num_hidden_layers=a.layers,
                             num_local_experts=a.experts, num_experts_per_tok=2)
     else:
-        from transformers import LlamaConfig
-        from transformers.models.llama.modeling_llama import LlamaDecoderLayer as Layer
-
+        Layer = LlamaDecoderLayer
         cfg = LlamaConfig(hidden_size=a.hidden, intermediate_size=a.ffn, num_attention_heads=a.heads,
                           num_key_value_heads=a.heads, vocab_size=a.vocab, num_hidden_layers=a.layers)
     mods = [Layer(cfg, i) for i in range(a.layers)]
@@ -77,10 +82,6 @@ def build_stage(a) -> torch.nn.Module:
 
 
 def make_optimizer(name: str, model: torch.nn.Module):
-    from ds_async.optim.corrections import ErrorFeedback
-    from ds_async.optim.muon import Muon, muon_param_groups
-    from ds_async.optim.optimizers import AdamW
-
     if name == "torch-adamw-fused":
         return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     if name == "adamw":
@@ -104,8 +105,6 @@ def step_function(name: str, opt):
     """What one step of optimizer ``name`` runs: the class's ``step()``, or for ``-pass`` the bf16 fast path's."""
     if not name.startswith("muon") or "pass" not in muon_flags(name):
         return opt.step
-    from ds_async.optim.muon_pass import hybrid_muon_step_
-
     params = [p for g in opt.param_groups for p in g["params"]]
     grads = [p.grad.bfloat16() for p in params]
     outs = [[torch.empty_like(p, dtype=torch.bfloat16) for p in params] for _ in range(2)]
@@ -130,11 +129,6 @@ def main() -> None:
                     help="after timing each optimizer, profile one more step and print its host's top calls "
                          "(self CPU time: a host wait shows as the runtime call it waits in)")
     a = ap.parse_args()
-
-    from ds_async.flops import newton_schulz_flops
-    from ds_async.metrics import code_version
-    from ds_async.optim.muon import momentum_directions, orthogonalise_batched, orthogonalise_blocks, split_rows
-    from ds_async.optim.muon import row_blocks
 
     torch.manual_seed(0)
     model = build_stage(a)

@@ -19,6 +19,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from ds_async.metrics import code_version
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -29,7 +31,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from ds_async.metrics import code_version
 
     dist.init_process_group("nccl")
     rank = dist.get_rank()

@@ -14,12 +14,27 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import hashlib
 import json
 import os
+import tempfile
 import time
 
 import torch
+from deepspeed import comm as dist
 from model_flags import add_model_flags, model_of
+from torch.profiler import ProfilerActivity, profile, record_function
+from trace_gaps import PREFIX, gap_report
+
+from ds_async import config as cfgmod
+from ds_async import data, init_distributed, initialize
+from ds_async.config import DataConfig
+from ds_async.flops import model_flops_per_token
+from ds_async.metrics import code_version
+from ds_async.models import build_pipeline, model_config
+from ds_async.pipe.engine import AsyncPipelineEngine
+from ds_async.plan import plan, to_json
+from ds_async.study.driver import override, parse_set
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
@@ -84,8 +99,6 @@ class GcPauses:
 def param_digest(engine) -> str:
     """SHA-1 of this stage's trained weights (the fp32 master where DeepSpeed keeps one): runs of the same
     settings must agree bit for bit whatever the overlap, so a race between streams shows up here."""
-    import hashlib
-
     master = getattr(engine.optimizer, "fp32_groups_flat_partition", None)
     tensors = master if master is not None else [p.detach() for p in engine.module.parameters()]
     h = hashlib.sha1()
@@ -97,10 +110,6 @@ def param_digest(engine) -> str:
 def profile_steps(engine, it, folder: str, schedule: str) -> None:
     """Two steady steps on this rank under torch.profiler, every pipeline instruction marked: a kernel and
     host-op table, a chrome trace, and its compute-stream gaps (``trace_gaps.py``, next to this file)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from trace_gaps import PREFIX, gap_report
-
     def marked(name, fn):
         def run(engine, *args, **kwargs):
             with record_function(PREFIX + name):
@@ -206,11 +215,6 @@ def main() -> None:
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None)
     a = ap.parse_args()
 
-    from deepspeed import comm as dist
-
-    from ds_async import config as cfgmod
-    from ds_async import init_distributed
-
     init_distributed()
     world = dist.get_world_size()
     if a.config:
@@ -253,16 +257,8 @@ def recompute_counts(a) -> int | list[int]:
 
 def bench_config(a, world: int) -> None:
     """``--config``: the shipped job's model and levers, random tokens, the planner's figures in the row."""
-    import tempfile
-
-    from ds_async import config as cfgmod
-    from ds_async.models import model_config
-    from ds_async.plan import plan, to_json
-
     raw = json.loads(open(a.config).read())
     if a.sets:
-        from ds_async.study.driver import override, parse_set
-
         raw = override(raw, dict(parse_set(x) for x in a.sets))
     if a.schedule:
         raw["ds_async"]["schedule"] = a.schedule
@@ -310,9 +306,6 @@ def described(cfg, ds_config: dict) -> dict:
 def text_batches(a, engine, job: dict, vocab_size: int):
     """This rank's micro-batches of ``--text``, as the trainer opens its training stream (``ds_async.data``:
     shuffled, packed, read and tokenized on this thread when the engine asks for the next one)."""
-    from ds_async import data
-    from ds_async.config import DataConfig
-
     tokenizer = data.load_tokenizer(a.tokenizer, key="--tokenizer")
     if len(tokenizer) > vocab_size:
         raise SystemExit(f"--tokenizer {a.tokenizer}: {len(tokenizer)} tokens, more than the model's vocabulary "
@@ -326,14 +319,6 @@ def measure(a, cfg, hf, ds_config: dict, model: dict, world: int, stages: int, e
     """Build the engine, run ``--warmup`` + ``--steps`` batches of random tokens, print and append the row. ``a``
     gives only how to run (warm-up, steps, profile, ``--skip-step``, ``--host-batches``, ``--out``); what runs is
     ``cfg``, ``hf`` and ``ds_config``."""
-    from deepspeed import comm as dist
-
-    from ds_async import initialize
-    from ds_async.flops import model_flops_per_token
-    from ds_async.metrics import code_version
-    from ds_async.models import build_pipeline
-    from ds_async.pipe.engine import AsyncPipelineEngine
-
     job = described(cfg, ds_config)
     timer = ComputeTimer(AsyncPipelineEngine)
     engine = initialize(build_pipeline(cfg, hf), ds_config, schedule=cfg.schedule, correction=cfg.correction,

@@ -31,16 +31,21 @@ import time
 import warnings
 
 import torch
+import torch._functorch.config
+import torch._inductor.config
+from torch.autograd import DeviceType
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
+from transformers import LlamaConfig
+
+from ds_async import fp8 as fp8_products
+from ds_async.metrics import code_version
+from ds_async.models import compiled_stage, llama
+from ds_async.pipe.graphs import GraphedStage
+from ds_async.pipe.versions import WeightVersions
 
 
 def build(args, scope: str, fp8: str | None = None):
-    from transformers import LlamaConfig
-
-    from ds_async import fp8 as fp8_products
-    from ds_async.models import compiled_stage, llama
-    from ds_async.pipe.graphs import GraphedStage
-    from ds_async.pipe.versions import WeightVersions
-
     cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.ffn, num_attention_heads=args.heads,
                       num_key_value_heads=args.kv_heads or args.heads, num_hidden_layers=args.layers,
                       vocab_size=32000, max_position_embeddings=args.seq_len, tie_word_embeddings=False)
@@ -81,8 +86,6 @@ def passes(forward, versions, x, grad, n: int):
 
 def sdpa_choice(args) -> str:
     """The SDPA backend torch picks for this stage's attention shapes (under the active backend restriction)."""
-    from torch.nn.attention import SDPBackend
-
     hd = args.hidden // args.heads
     q = torch.randn(args.micro_batch_size, args.heads, args.seq_len, hd, device="cuda", dtype=torch.bfloat16,
                     requires_grad=True)
@@ -92,9 +95,6 @@ def sdpa_choice(args) -> str:
 def host_profile(forward, versions, x, grad, args) -> dict:
     """Host-side op table of one repeat of passes (GPU held busy), heaviest self CPU time first, and the number of
     kernels a micro-batch (forward + backward) launches."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         torch.cuda._sleep(int(args.sleep_cycles))
         for _, thunk in passes(forward, versions, x, grad, args.micro_batches):
@@ -179,10 +179,6 @@ def main() -> None:
     ap.add_argument("--host-profile", action="store_true", help="add the host's op table (torch.profiler, CPU)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-
-    from ds_async.metrics import code_version
-
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
