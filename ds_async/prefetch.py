@@ -10,9 +10,7 @@ the device in one asynchronous copy, so the training loop never waits on the hos
 
 Why a process and not a thread: reading holds the GIL between tokenizer calls (datasets' rows, token lists), and
 a training loop that launches kernels releases and retakes it at every op, so a reading thread stalls it at each
-one. On a 2-core CPU a loop of small torch ops ran at 263k ops/s alone, 79k beside a reading thread (81k with a
-0.5 ms switch interval) and 230k beside a reading process; the GPU study runs stepped 16-19% (Muon) slower while a
-thread was reading than after it stopped (``launch/bench/RESULTS.md``).
+one, and a reading process does not (the CHANGELOG and ``launch/bench/RESULTS.md`` have the measurements).
 
 Position: :meth:`state_dict` is the streams' states at the start of the chunk being consumed plus the steps of it
 consumed since; :meth:`load_state_dict` (before the first step) restores the streams and skips those steps, so a

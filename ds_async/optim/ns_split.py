@@ -75,7 +75,7 @@ def orthogonalise_split(directions: list[Tensor], steps: int = NS_STEPS,
 
     One all-gather round (:func:`orthogonalise_owned`) per shape, largest in bytes first, each started as soon as
     that shape is orthogonalised, so that it runs while the next shape's Newton-Schulz does and only the last,
-    smallest gather is exposed (measured 3-4% faster than one round after all of them; module docstring)."""
+    smallest gather is exposed (module docstring)."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1 or not directions:
         return orthogonalise_batched(directions, steps, coefficients, eps)
