@@ -206,7 +206,8 @@ def plot_engine(runs: pd.DataFrame, ref: dict | None = None, group: str | None =
 def plot_time_to_loss(doc: dict):
     """A time-to-loss comparison (``launch/study/time_to_loss.py``'s JSON): validation loss against wall-clock
     seconds (left) and training tokens (right) per run, the target (the sync run's final loss) as a line and each
-    run's crossing of it marked. Returns the figure."""
+    run's crossing of it marked; earlier targets and the AdamW run's final loss, where the comparison has them, as
+    lines of their own. Returns the figure."""
     import matplotlib.pyplot as plt
 
     curves, table = study.time_to_loss_curves(doc), study.time_to_loss_table(doc).set_index("run")
@@ -221,6 +222,10 @@ def plot_time_to_loss(doc: dict):
     low = curves["loss"].min()
     for ax, xlabel in zip(axes, ("seconds from the start of training", "training tokens (M)")):
         ax.axhline(doc["target"], color="k", lw=0.8, ls="--", label="target: sync's final loss")
+        for k, earlier in enumerate(doc.get("targets", [])[:-1]):  # --targets: earlier points of sync's curve
+            ax.axhline(earlier, color="0.5", lw=0.8, ls=":", label="earlier targets (sync's curve)" if k == 0 else None)
+        if doc.get("adamw_target") is not None:
+            ax.axhline(doc["adamw_target"], color="k", lw=0.8, ls="-.", label="the AdamW run's final loss")
         ax.set_xlabel(xlabel)
         ax.set_ylim(low - 0.05, low + 1.5)
     axes[0].set_ylabel("validation loss")
