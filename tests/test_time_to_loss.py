@@ -87,31 +87,40 @@ def test_the_driver_gives_both_schedules_the_same_training_time(tmp_path):
 
 
 
-def test_the_driver_adds_the_adamw_run_and_earlier_targets(tmp_path):
-    """``--variants sync,sync-adamw --adamw-lr LR --targets 3``: the third run is synchronous 1F1B with AdamW at that
-    LR (unfused step), the targets are three points of the sync run's curve with its final loss last, and every
-    run is also timed to the AdamW run's final loss; each crossing is the one its own curve gives."""
+def test_the_driver_adds_the_tuned_adamw_run_and_earlier_targets(tmp_path):
+    """``--variants sync,sync-adamw --adamw-lr LR1,LR2 --targets 3``: an AdamW run per LR, synchronous 1F1B with an
+    unfused step, both timed by one calibration; the lower final loss makes the AdamW run. The targets are three
+    points of the sync run's curve with its final loss last, and every run is also timed to the AdamW run's final
+    loss; each crossing is the one its own curve gives."""
     if not (SHARED / "corpus" / "tokenizers" / "bpe8192.json").exists():
         pytest.skip("shared corpus not found next to the repository")
     budget, out = 2.0, tmp_path / "ttl"
     sets = [a for k, v in TINY.items() for a in ("--set", f"{k}={json.dumps(v)}")]
     subprocess.run([sys.executable, str(ROOT / "launch" / "study" / "time_to_loss.py"), "--budget", str(budget),
                     "--gpus", "2", "--out", str(out), "--calibrate-steps", "4", "--evals", "4", "--targets", "3",
-                    "--variants", "sync,sync-adamw", "--adamw-lr", "0.002", "--port", str(free_port()), *sets],
+                    "--variants", "sync,sync-adamw", "--adamw-lr", "0.002,0.004", "--port", str(free_port()), *sets],
                    cwd=ROOT, env=job_env(), check=True, timeout=600)
     doc = json.loads((out / "time_to_loss.json").read_text())
-    assert list(doc["runs"]) == ["sync", "sync-adamw"] and doc["adamw_lr"] == 0.002
-    adamw = json.loads((out / "sync-adamw" / "manifest.json").read_text())
-    assert adamw["ds_async"]["schedule"] == "1f1b" and adamw["ds_async"]["correction"]["type"] == "none"
-    assert not adamw["ds_async"]["performance"]["fused_optimizer_step"]
-    assert json.loads((out / "sync-adamw.json").read_text())["optimizer"] == {
-        "type": "AdamW", "params": {"lr": 0.002, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
-                                    "torch_adam": True, "fused": True}}
+    assert list(doc["runs"]) == ["sync", "sync-adamw@0.002", "sync-adamw@0.004"]
+    assert doc["adamw_lrs"] == {"sync-adamw@0.002": 0.002, "sync-adamw@0.004": 0.004}
+    for name, lr in doc["adamw_lrs"].items():
+        adamw = json.loads((out / name / "manifest.json").read_text())
+        assert adamw["ds_async"]["schedule"] == "1f1b" and adamw["ds_async"]["correction"]["type"] == "none"
+        assert not adamw["ds_async"]["performance"]["fused_optimizer_step"]
+        assert json.loads((out / f"{name}.json").read_text())["optimizer"] == {
+            "type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
+                                        "torch_adam": True, "fused": True}}
+    assert sorted(p.name for p in out.iterdir() if p.name.endswith("-calibrate")) == ["sync-adamw@0.002-calibrate",
+                                                                                      "sync-calibrate"]
+    finals = {name: doc["runs"][name]["final_validation_loss"] for name in doc["adamw_lrs"]}
+    assert finals["sync-adamw@0.002"] != finals["sync-adamw@0.004"]
+    best = min(finals, key=finals.get)
+    assert (doc["adamw_run"], doc["adamw_lr"]) == (best, doc["adamw_lrs"][best])
     sync_val = doc["runs"]["sync"]["validation"]
     assert len(sync_val) >= 3
     assert doc["targets"][-1] == doc["target"] == doc["runs"]["sync"]["final_validation_loss"]
     assert doc["targets"][:2] == [sync_val[round(len(sync_val) / 3) - 1][1], sync_val[round(2 * len(sync_val) / 3) - 1][1]]
-    assert doc["adamw_target"] == doc["runs"]["sync-adamw"]["final_validation_loss"]
+    assert doc["adamw_target"] == finals[best]
     for name, run in doc["runs"].items():
         assert run["steps"] == max(1, math.floor(budget / doc["calibration_step_time_s"][name]))
         losses, clock = [v for _, v in run["validation"]], [t for _, t in run["validation_seconds"]]
@@ -121,14 +130,17 @@ def test_the_driver_adds_the_adamw_run_and_earlier_targets(tmp_path):
             assert at == (None if want is None else round(want, 1))
         assert (run["time_to_loss"], run["tokens_to_loss"]) == (run["time_to_targets"][-1], run["tokens_to_targets"][-1])
     block = runs.time_to_loss_block(doc)
-    assert "AdamW at peak LR 0.002" in block and "(AdamW's)" in block
+    assert f"AdamW at peak LR {doc['adamw_lr']:g}, the best of 2 runs at peak LRs 0.002, 0.004" in block
+    assert "(AdamW's)" in block
 
 
 def test_the_variants_and_the_adamw_lr_go_together():
     from ds_async.study import time_to_loss as driver
 
-    for argv in (["--variants", "2bw+ef,sync"], ["--variants", "sync,sync-adamw"], ["--adamw-lr", "1e-3"],
-                 ["--variants", "sync,sync"], ["--variants", "sync,adamw"], ["--targets", "0"]):
+    adamw = ["--variants", "sync,sync-adamw"]
+    for argv in (["--variants", "2bw+ef,sync"], adamw, ["--adamw-lr", "1e-3"], ["--variants", "sync,sync"],
+                 ["--variants", "sync,adamw"], ["--targets", "0"], [*adamw, "--adamw-lr", "1e-3,x"],
+                 [*adamw, "--adamw-lr", "1e-3,1e-3"]):
         with pytest.raises(SystemExit) as stop:
             driver.main(["--budget", "1", "--gpus", "2", *argv])
         assert stop.value.code == 2, argv

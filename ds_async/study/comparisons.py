@@ -92,7 +92,8 @@ def time_to_targets_table(doc: dict) -> pd.DataFrame:
     runs = doc["runs"]
     targets = [(f"{t:.4f}", t, "sync") for t in doc.get("targets", [doc["target"]])]
     if doc.get("adamw_target") is not None:
-        targets.append((f"{doc['adamw_target']:.4f} (AdamW's)", doc["adamw_target"], "sync-adamw"))
+        adamw = doc.get("adamw_run", "sync-adamw")
+        targets.append((f"{doc['adamw_target']:.4f} (AdamW's)", doc["adamw_target"], adamw))
     seconds = {}
     for name, run in runs.items():
         losses, clock = [v for _, v in run["validation"]], [t for _, t in run["validation_seconds"]]
@@ -136,8 +137,11 @@ def _targets_block(doc: dict) -> str:
     text = (f"\nTraining seconds after each run's start-up to each target: sync's validation loss at "
             f"{len(doc['targets'])} points of its curve, its final loss last")
     if doc.get("adamw_target") is not None:
-        text += (f", and the AdamW run's final loss (synchronous 1F1B, AdamW at peak LR {doc['adamw_lr']:g}), its "
-                 "speed-up against that run")
+        lrs = doc.get("adamw_lrs", {})
+        tuned = (f", the best of {len(lrs)} runs at peak LRs {', '.join(f'{lr:g}' for lr in lrs.values())}"
+                 if len(lrs) > 1 else "")
+        text += (f", and the AdamW run's final loss (synchronous 1F1B, AdamW at peak LR {doc['adamw_lr']:g}{tuned}), "
+                 "its speed-up against that run")
     return ("\n" + markdown(formatted(table, {c: 1 if c.endswith("(s)") else 3 for c in table.columns[1:]}),
                             index=False) + text + ".\n")
 

@@ -10,26 +10,28 @@ recording the wall-clock of every evaluation (``history["validation_seconds"]``)
 Targets: the sync run's final validation loss and, with ``--targets N``, N - 1 earlier points of its curve (its
 evaluations nearest each k/N of the run), so that a speed-up is read at several losses, not one crossing. With
 ``--variants sync,2bw+ef,sync-adamw --adamw-lr LR`` a third run is the one a DeepSpeed user makes today,
-synchronous 1F1B with AdamW (torch's fused kernel) at the peak LR given, for which the user tunes it at this size;
-every run is then also timed to that run's final loss.
+synchronous 1F1B with AdamW (torch's fused kernel) at its tuned peak LR; every run is then also timed to that run's
+final loss. ``--adamw-lr LR1,LR2,...`` tunes it here: one AdamW run per LR (``sync-adamw@LR``), each with the same
+training time, and the one with the lowest final validation loss is the AdamW run. A run that fails stops the
+comparison; the same command without that LR goes on, finished runs are not run again.
 
     python launch/study/time_to_loss.py --budget 300 --gpus 4 --out runs/ttl
     python launch/study/time_to_loss.py --budget 300 --gpus 4 --out runs/ttl --set ds_async.data.train=...
     python launch/study/time_to_loss.py --budget 300 --gpus 4 --out runs/ttl-s1 --set ds_async.seed=1 \
         --calibration runs/ttl/time_to_loss.json      # another seed, the same steps: no calibration runs
     python launch/study/time_to_loss.py --budget 600 --gpus 4 --out runs/ttl-0.9b --config C.json --targets 3 \
-        --variants sync,2bw+ef,sync-adamw --adamw-lr 3e-4    # three targets, and AdamW's run beside
+        --variants sync,2bw+ef,sync-adamw --adamw-lr 3e-4,6e-4,1.2e-3    # three targets, AdamW tuned beside
 
 ``tests/test_time_to_loss.py`` runs it end to end on 2 CPU ranks with the model shrunk (``--set``).
 
 Writes ``OUT/time_to_loss.json``: the command, the model's parameter count, the target (the sync run's final
-validation loss), ``targets`` (all of them, the final last) and, with the AdamW run, ``adamw_target`` (its final
-validation loss) and ``adamw_lr``; per run its card, commit, steps, tokens, step time, final loss, ``time_to_loss``
-(seconds from the start of training to the target, linear between evaluations; null if never reached),
-``tokens_to_loss``, the same to every target (``time_to_targets``, ``tokens_to_targets``) and to AdamW's
-(``time_to_adamw_target``, ``tokens_to_adamw_target``), and its validation curve against steps and seconds; the run
-folders are ``OUT/<variant>`` as ``launch/train.py`` writes them. The base config is ``engine_ttl.json`` beside
-this file (``--config`` for another).
+validation loss), ``targets`` (all of them, the final last) and, with AdamW's runs, ``adamw_lrs`` (each run's LR),
+``adamw_run`` (the best), ``adamw_lr`` (its LR) and ``adamw_target`` (its final validation loss); per run its card,
+commit, steps, tokens, step time, final loss, ``time_to_loss`` (seconds from the start of training to the target,
+linear between evaluations; null if never reached), ``tokens_to_loss``, the same to every target
+(``time_to_targets``, ``tokens_to_targets``) and to AdamW's (``time_to_adamw_target``, ``tokens_to_adamw_target``),
+and its validation curve against steps and seconds; the run folders are ``OUT/<variant>`` as ``launch/train.py``
+writes them. The base config is ``engine_ttl.json`` beside this file (``--config`` for another).
 """
 from __future__ import annotations
 
@@ -61,6 +63,13 @@ def adamw_variant(lr: float) -> dict:
     params = {**LONG_OPTIMIZERS["adamw"]["optimizer"]["params"], "lr": lr}
     return {**VARIANTS["sync"], "optimizer": {"type": "AdamW", "params": params},
             "ds_async.performance.fused_optimizer_step": False}
+
+
+def adamw_runs(lrs: list[float]) -> dict[str, dict]:
+    """The AdamW runs by name: ``sync-adamw`` for one peak LR, ``sync-adamw@LR`` for each of several."""
+    if len(lrs) == 1:
+        return {ADAMW: adamw_variant(lrs[0])}
+    return {f"{ADAMW}@{lr:g}": adamw_variant(lr) for lr in lrs}
 
 
 def sync_targets(summary: dict, count: int) -> list[float]:
@@ -137,20 +146,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="target losses read off the sync run's curve: its final one and N - 1 earlier ones")
     p.add_argument("--variants", default="sync,2bw+ef",
                    help=f"runs, comma-separated, sync first: sync, 2bw+ef, {ADAMW} (needs --adamw-lr)")
-    p.add_argument("--adamw-lr", type=float, default=None,
-                   help=f"{ADAMW}'s peak LR: AdamW's, tuned for synchronous training of this model")
+    p.add_argument("--adamw-lr", default=None, metavar="LR[,LR...]",
+                   help=f"{ADAMW}'s peak LR, tuned for synchronous training of this model; several, comma-separated: "
+                        "a run each, the lowest final loss is the AdamW run")
     p.add_argument("--set", dest="sets", type=parse_set, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--port", type=int, default=29500, help="torchrun's master port")
     args = p.parse_args(argv)
     names = args.variants.split(",")
-    variants = {**VARIANTS, ADAMW: None if args.adamw_lr is None else adamw_variant(args.adamw_lr)}
-    if names[0] != "sync" or len(set(names)) != len(names) or not set(names) <= set(variants):
-        p.error(f"--variants: distinct names of {', '.join(variants)}, sync first; got {args.variants}")
-    if (ADAMW in names) != (args.adamw_lr is not None):
-        p.error(f"--adamw-lr goes with the {ADAMW} variant, and it with the LR")
+    if names[0] != "sync" or len(set(names)) != len(names) or not set(names) <= {*VARIANTS, ADAMW}:
+        p.error(f"--variants: distinct names of {', '.join([*VARIANTS, ADAMW])}, sync first; got {args.variants}")
+    try:
+        lrs = [float(x) for x in args.adamw_lr.split(",")] if args.adamw_lr is not None else []
+    except ValueError:
+        p.error(f"--adamw-lr: numbers, comma-separated; got {args.adamw_lr}")
+    if (ADAMW in names) != bool(lrs) or len(set(lrs)) != len(lrs):
+        p.error(f"--adamw-lr (distinct LRs) goes with the {ADAMW} variant, and it with the LRs")
     if args.targets < 1:
         p.error("--targets: at least 1 (the sync run's final loss)")
-    variants = {name: variants[name] for name in names}
+    variants = {}
+    for name in names:
+        variants.update(adamw_runs(lrs) if name == ADAMW else {name: VARIANTS[name]})
 
     base = override(json.loads(args.config.read_text()), dict(args.sets))
     # Each run's length sets its LR schedule's (ds_async fills it in); a length written there would be refused.
@@ -159,8 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     plans = {}
     earlier = json.loads(args.calibration.read_text())["calibration_step_time_s"] if args.calibration else {}
     for name, variant in variants.items():
+        # AdamW's runs differ in their LR alone: one calibration times them all
+        shared = [step for other, (_, step) in plans.items() if other.startswith(ADAMW)]
         if name in earlier:
             step_time = earlier[name]
+        elif name.startswith(ADAMW) and shared:
+            step_time = shared[0]
         else:
             config = override(base, {**variant, **length(args.calibrate_steps, 1), "ds_async.eval.every": 0,
                                      "ds_async.data.validation": None})
@@ -175,7 +194,10 @@ def main(argv: list[str] | None = None) -> int:
                                 args.port)
     tokens_per_step = summaries["sync"]["tokens"] // summaries["sync"]["steps"]
     targets = sync_targets(summaries["sync"], args.targets)
-    adamw_target = summaries[ADAMW]["final_validation_loss"] if ADAMW in summaries else None
+    adamw_lrs = {name: variant["optimizer"]["params"]["lr"] for name, variant in variants.items()
+                 if name.startswith(ADAMW)}
+    best = min(adamw_lrs, key=lambda name: summaries[name]["final_validation_loss"], default=None)
+    adamw_target = None if best is None else summaries[best]["final_validation_loss"]
     from .rows import model_parameters  # pandas: only when the comparison is made
 
     manifests = {name: json.loads((out / name / "manifest.json").read_text()) for name in summaries}
@@ -185,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
            "config": str(config.relative_to(ROOT) if config.is_relative_to(ROOT) else config),
            "sets": dict(args.sets), "command": shlex.join(command),
            "parameters": model_parameters(manifests["sync"]["model"]), "target": targets[-1], "targets": targets,
-           **({"adamw_target": adamw_target, "adamw_lr": args.adamw_lr} if adamw_target is not None else {}),
+           **({"adamw_lrs": adamw_lrs, "adamw_run": best, "adamw_lr": adamw_lrs[best], "adamw_target": adamw_target}
+              if best is not None else {}),
            "calibration_step_time_s": {k: v[1] for k, v in plans.items()},
            "calibration_from": str(args.calibration) if args.calibration else None,
            "runs": {name: result(s, manifests[name], tokens_per_step, targets, adamw_target)
