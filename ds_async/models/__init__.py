@@ -352,11 +352,8 @@ def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineMod
     if perf.compile:  # the loss too, so it fuses with the softmax
         if perf.compile_scope == "stage":
             module.compile_stage()
-        else:  # per layer: DeepSpeed drives the module layer by layer; identical decoder layers share one compiled
-            # code (Dynamo's cache is keyed by the code, and their weights are the graph's inputs)
-            for layer in module.forward_funcs:
-                if isinstance(layer, (llama.DecoderLayerPipe, llama.HeadPipe)):
-                    layer.compile()
+        else:  # per layer: DeepSpeed drives the module layer by layer
+            compile_layers(module.forward_funcs)
         module.loss_fn = torch.compile(module.loss_fn)
         if dropout_free(hf_config):
             module.eval_as_training = True
@@ -367,6 +364,15 @@ def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineMod
                               "random masks a replayed graph would repeat: set those to 0 or cuda_graphs to false")
         module.graph_stage()
     return module
+
+
+def compile_layers(layers) -> None:
+    """Compile each decoder layer and the head on its own (``performance.compile_scope = "layer"``), in place:
+    identical decoder layers share one compiled code (Dynamo's cache is keyed by the code, and their weights are the
+    graph's inputs)."""
+    for layer in layers:
+        if isinstance(layer, (llama.DecoderLayerPipe, llama.HeadPipe)):
+            layer.compile()
 
 
 def cache_compiled_code(perf) -> None:

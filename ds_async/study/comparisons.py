@@ -97,9 +97,10 @@ def time_to_targets_table(doc: dict) -> pd.DataFrame:
     seconds = {}
     for name, run in runs.items():
         losses, clock = [v for _, v in run["validation"]], [t for _, t in run["validation_seconds"]]
+        start = start_up(run)
         for label, target, _ in targets:
             at = time_to_loss(clock, losses, target)
-            seconds[name, label] = math.nan if at is None else at - start_up(run)
+            seconds[name, label] = math.nan if at is None else at - start
     rows = []
     for name in runs:
         row = {"run": name}

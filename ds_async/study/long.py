@@ -12,8 +12,9 @@ import numpy as np
 import pandas as pd
 
 from .rows import PAPER
-from .tables import (at_reference, formatted, gap_with_interval, markdown, paired_gap_cell, paired_interval, ran_line,
-                     recovered_share, reference, reference_parameters, share_cell, share_text, sweep)
+from .tables import (at_reference, formatted, gap_with_interval, markdown, paired_diff, paired_gap_cell,
+                     paired_interval, ran_line, recovered_share, reference, reference_parameters, share_cell,
+                     share_text, sweep)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -420,7 +421,7 @@ def batch_gaps(runs: pd.DataFrame) -> pd.DataFrame:
         for label in ("2bw", "2bw+ef"):
             if not {"sync", label} <= set(table):
                 continue
-            diff = (table[label] - table["sync"]).dropna()
+            diff = paired_diff(table, label)
             rows.append({"optimizer": opt, "batch": int(batch), "steps": int(part["steps"].max()),
                          "tokens/step": int(part["tokens_per_step"].max()), "variant": label,
                          "gap": diff.mean(), "gap half": paired_interval(diff), "n": len(diff)})

@@ -228,12 +228,17 @@ def pm(mean: float, std: float, digits: int = 3) -> str:
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
-def paired_gap_cell(seeds: pd.DataFrame, delayed: str = "2bw", sync: str = "sync") -> str:
-    """``delayed`` − ``sync`` from per-seed losses (a frame by seed with those columns), paired by seed over the seeds
-    that have both: :func:`gap_with_interval`'s cell; a dash without such a seed."""
+def paired_diff(seeds: pd.DataFrame, delayed: str = "2bw", sync: str = "sync") -> pd.Series:
+    """``delayed`` − ``sync`` per seed from per-seed losses (a frame by seed with those columns), over the seeds that
+    have both; empty without such a seed."""
     if not {sync, delayed} <= set(seeds):
-        return "—"
-    diff = (seeds[delayed] - seeds[sync]).dropna()
+        return pd.Series(dtype=float)
+    return (seeds[delayed] - seeds[sync]).dropna()
+
+
+def paired_gap_cell(seeds: pd.DataFrame, delayed: str = "2bw", sync: str = "sync") -> str:
+    """:func:`paired_diff` as :func:`gap_with_interval`'s cell; a dash without a seed that has both."""
+    diff = paired_diff(seeds, delayed, sync)
     return gap_with_interval(diff.mean(), paired_interval(diff), len(diff)) if len(diff) else "—"
 
 

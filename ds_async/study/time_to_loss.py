@@ -175,11 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     earlier = json.loads(args.calibration.read_text())["calibration_step_time_s"] if args.calibration else {}
     for name, variant in variants.items():
         # AdamW's runs differ in their LR alone: one calibration times them all
-        shared = [step for other, (_, step) in plans.items() if other.startswith(ADAMW)]
+        shared = next((step for other, (_, step) in plans.items() if other.startswith(ADAMW)), None)
         if name in earlier:
             step_time = earlier[name]
-        elif name.startswith(ADAMW) and shared:
-            step_time = shared[0]
+        elif name.startswith(ADAMW) and shared is not None:
+            step_time = shared
         else:
             config = override(base, {**variant, **length(args.calibrate_steps, 1), "ds_async.eval.every": 0,
                                      "ds_async.data.validation": None})

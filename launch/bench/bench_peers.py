@@ -45,7 +45,8 @@ from torch.distributed.pipelining.schedules import (PipelineScheduleSingle, Sche
 from ds_async import init_distributed
 from ds_async.flops import layer_flops_per_token, model_flops_per_token
 from ds_async.metrics import card_name, code_version
-from ds_async.models import compiled_stage, llama, trainable_counts
+from ds_async.config import ConfigError, check_boundaries
+from ds_async.models import compile_layers, compiled_stage, llama, trainable_counts
 from ds_async.optim.clip import clip_coefficient, squared_norm
 from ds_async.optim.master import MasterWeights
 from ds_async.telemetry import peak_flops, peak_memory_gib
@@ -74,10 +75,10 @@ def bounds_of(partition: str, specs: list, stages: int, hf, seq_len: int) -> lis
         return [int(b) for b in partition_balanced(weights=weights, num_parts=stages)]
     if partition == "uniform":
         return [int(b) for b in partition_uniform(len(specs), stages)]
-    bounds = [int(x) for x in partition.split(",")]
-    if len(bounds) != stages + 1 or bounds[0] != 0 or bounds[-1] != len(specs) or sorted(set(bounds)) != bounds:
-        raise SystemExit(f"--partition {partition}: {stages + 1} increasing indices from 0 to {len(specs)} needed")
-    return bounds
+    try:
+        return check_boundaries([int(x) for x in partition.split(",")], stages, len(specs))
+    except (ValueError, ConfigError) as e:
+        raise SystemExit(f"--partition {partition}: {e}") from None
 
 
 class Chunk(nn.Module):
@@ -92,9 +93,7 @@ class Chunk(nn.Module):
         if scope == "stage":
             self.region = compiled_stage(self.layers)
             return
-        for layer in self.layers:  # as build_pipeline compiles at performance.compile_scope "layer"
-            if isinstance(layer, (llama.DecoderLayerPipe, llama.HeadPipe)):
-                layer.compile()
+        compile_layers(self.layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.region is not None:

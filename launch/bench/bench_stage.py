@@ -40,7 +40,7 @@ from transformers import LlamaConfig
 
 from ds_async import fp8 as fp8_products
 from ds_async.metrics import code_version
-from ds_async.models import compiled_stage, llama
+from ds_async.models import compile_layers, compiled_stage, llama
 from ds_async.pipe.graphs import GraphedStage
 from ds_async.pipe.versions import WeightVersions
 
@@ -56,8 +56,7 @@ def build(args, scope: str, fp8: str | None = None):
         for layer in layers:
             fp8_products.convert(layer, fp8)
     if scope == "layer":
-        for layer in layers:
-            layer.compile()
+        compile_layers(layers)
     forward = torch.nn.Sequential(*layers)  # layer by layer, as DeepSpeed's PipelineModule runs them
     if scope in ("stage", "graphs"):
         forward = compiled_stage(layers)
