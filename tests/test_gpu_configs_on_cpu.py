@@ -1,0 +1,96 @@
+"""The shipped GPU configs as their users run them, on CPU: each trains through ``launch/train.py`` under torchrun
+on one gloo rank per pipeline stage, with its own schedule, optimizer, correction, partition, precision, recompute,
+loss chunks and fused optimizer step; a second run resumed from the first one's mid-run checkpoint ends with the
+same weights and losses, bit for bit.
+
+Only the model's width (its depth, head ratio, experts and vocabulary stay as shipped), the sequence length, the
+run's length and cadences, where the corpus lies and the run folder differ from the shipped files. Not covered on
+CPU: compiled code (the jobs run with ``TORCHDYNAMO_DISABLE``), Triton kernels, CUDA graphs and streams.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from distributed import SHARED, free_port, job_env
+
+from ds_async import checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = SHARED / "corpus"
+SHIPPED_CORPUS = "data/corpus/"  # where the shipped configs expect the corpus (README, "Your data")
+GPU_CONFIGS = sorted(p.name for p in (ROOT / "ds_configs").glob("*.json") if not p.name.startswith("demo_cpu"))
+STEPS, SAVED = 4, 2
+
+
+def toy(file: str, folder: Path, name: str) -> Path:
+    """The shipped config at a toy width, ``STEPS`` long, saved every ``SAVED`` steps, reading the shared corpus."""
+    config = json.loads((ROOT / "ds_configs" / file).read_text())
+    section = config["ds_async"]
+    model = section["model"]["config"]
+    group = model["num_attention_heads"] // model.get("num_key_value_heads", model["num_attention_heads"])
+    model.update(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=4 // group,
+                 max_position_embeddings=64)
+
+    def local(path):
+        return str(CORPUS / path[len(SHIPPED_CORPUS):]) if path.startswith(SHIPPED_CORPUS) else path
+
+    section["tokenizer"] = local(section["tokenizer"])
+    section["data"].update(train=local(section["data"]["train"]), validation=local(section["data"]["validation"]),
+                           seq_len=64, shuffle_buffer=10)
+    section["train"] = {"steps": STEPS}
+    section["eval"] = {"every": SAVED, "batches": 1}
+    section["checkpoint"] = {"every": SAVED, "keep": 2}
+    section["logging"].update(dir=str(folder / "runs"), run_name=name, progress=False, plot=False)
+    config["scheduler"]["params"].pop("total_num_steps", None)  # filled in from the run length
+    config["scheduler"]["params"]["warmup_num_steps"] = 1
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def train(config: Path, folder: Path, stages: int, *args: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={stages}",
+                           "--master_port", str(free_port()), str(ROOT / "launch" / "train.py"), "--config",
+                           str(config), *args], env=job_env(), cwd=folder, capture_output=True, text=True,
+                          timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    return out
+
+
+def weights(run: Path, step: int) -> dict:
+    folder = checkpoint.step_dir(run / "checkpoints", step)
+    return {f"{f.name}:{k}": v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("file", GPU_CONFIGS)
+def test_shipped_gpu_config_trains_and_resumes_exactly_on_cpu(tmp_path, file):
+    if not (CORPUS / "tokenizers").exists():
+        pytest.skip(f"shared corpus not found at {CORPUS} (the repo must be cloned next to shared/)")
+    shipped = json.loads((ROOT / "ds_configs" / file).read_text())["ds_async"]
+    stages = shipped["pipeline_stages"]
+    config = toy(file, tmp_path, "run")
+    train(config, tmp_path, stages)
+    run = tmp_path / "runs" / "run"
+    middle = checkpoint.step_dir(run / "checkpoints", SAVED)
+    out = train(config, tmp_path, stages, "--run-name", "resumed", "--resume", str(middle))
+    assert f"ds_async: resumed from {middle} (step {SAVED})" in out
+    resumed = tmp_path / "runs" / "resumed"
+    manifest = json.loads((checkpoint.step_dir(resumed / "checkpoints", STEPS) / checkpoint.MANIFEST).read_text())
+    if shipped["partition"]["method"] == "explicit":
+        assert manifest["parts"] == shipped["partition"]["boundaries"]
+    got, want = weights(resumed, STEPS), weights(run, STEPS)
+    assert got.keys() == want.keys() and len(got) > 2 * stages
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    history = {name: json.loads((tmp_path / "runs" / name / "summary.json").read_text())["history"]
+               for name in ("run", "resumed")}
+    assert [s for s, _ in history["resumed"]["train"]] == list(range(1, STEPS + 1))
+    assert history["resumed"]["train"] == history["run"]["train"]
+    assert history["resumed"]["validation"][-1] == history["run"]["validation"][-1]
