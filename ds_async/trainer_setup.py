@@ -27,7 +27,7 @@ from .checkpoint.state import rng_state, set_rng_state
 from .config import ConfigError
 from .data import DataError
 from .job import default_run_name, seed_everything, steps_for, use_deterministic
-from .models import build_pipeline, check_seq_len, check_vocab, model_config
+from .models import build_pipeline, check_seq_len, check_vocab, compile_line, model_config
 from .nonfinite import LossMonitor, SkipNonFinite, check_skip_supported
 from .prefetch import MicroBatchReader, ReaderProcess, reads_in_background
 from .preempt import Preemption
@@ -210,6 +210,8 @@ class TrainerSetup:
                                               fused_optimizer_step=cfg.performance.fused_optimizer_step,
                                               stats_every=cfg.logging.optimizer_every)
         self.start_clock.mark("engine")
+        if self.rank == 0 and (line := compile_line(cfg.performance)):
+            print(line, flush=True)
         self.monitor = None
         if cfg.train.on_nonfinite == "skip":
             check_skip_supported(engine.optimizer)

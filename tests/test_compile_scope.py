@@ -45,3 +45,19 @@ def test_compiled_stage_follows_the_swapped_in_version_without_recompiling():
     versions.point_at(1)
     assert not torch.allclose(out0, run(x))
     versions.restore_master()
+
+
+def test_a_compiling_run_says_why_its_first_step_waits_and_where_the_code_is_kept(monkeypatch):
+    from ds_async.config import PerformanceConfig
+    from ds_async.models import compile_line
+
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    monkeypatch.setenv("CACHE_ROOT", "/scratch")
+    assert compile_line(PerformanceConfig()) is None
+    stage = compile_line(PerformanceConfig(compile=True, compile_scope="stage", compile_cache="$CACHE_ROOT/cc"))
+    assert stage.startswith("ds_async: the first step compiles each stage's layers as one region")
+    assert "kept in /scratch/cc for later runs" in stage
+    layer = compile_line(PerformanceConfig(compile=True, compile_cache=None))
+    assert "one decoder layer, which the others reuse" in layer and "TORCHINDUCTOR_CACHE_DIR" in layer
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    assert compile_line(PerformanceConfig(compile=True)) is None

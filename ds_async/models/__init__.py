@@ -382,6 +382,24 @@ def cache_compiled_code(perf) -> None:
         use_compile_cache(perf.compile_cache)
 
 
+def compile_cache_folder(folder: str | None) -> str | None:
+    """``performance.compile_cache`` with ``~`` and environment variables expanded (None: torch's own location)."""
+    return None if folder is None else os.path.expandvars(os.path.expanduser(folder))
+
+
+def compile_line(perf) -> str | None:
+    """The console line that says why a run's first step waits: it compiles the layers (``performance.compile``),
+    and where the compiled code is kept for the next run. None when nothing compiles them (compile off, or Dynamo
+    disabled by ``TORCHDYNAMO_DISABLE=1``)."""
+    if not perf.compile or os.environ.get("TORCHDYNAMO_DISABLE") == "1":
+        return None
+    what = {"layer": "one decoder layer, which the others reuse, and the head",
+            "stage": "each stage's layers as one region"}[perf.compile_scope]
+    where = compile_cache_folder(perf.compile_cache) or "torch's cache folder (TORCHINDUCTOR_CACHE_DIR)"
+    return (f"ds_async: the first step compiles {what} (performance.compile_scope: {perf.compile_scope}); the "
+            f"compiled code is kept in {where} for later runs of this model and shapes (performance.compile_cache)")
+
+
 def use_compile_cache(folder: str | None) -> None:
     """Keep compiled code in ``folder`` (``performance.compile_cache``; None: torch's own location) with Inductor's
     FX graph cache and the AOTAutograd cache on, so that a later process with the same layers, shapes and torch
@@ -391,8 +409,8 @@ def use_compile_cache(folder: str | None) -> None:
     import torch._functorch.config
     import torch._inductor.config
 
+    folder = compile_cache_folder(folder)
     if folder is not None:
-        folder = os.path.expandvars(os.path.expanduser(folder))
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
         os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(folder, "triton"))
     torch._inductor.config.fx_graph_cache = True
