@@ -9,6 +9,8 @@ stop the run at start with one message that names the key.
 """
 from __future__ import annotations
 
+import argparse
+import copy
 import dataclasses
 import json
 import types
@@ -443,3 +445,29 @@ def data_parallel_degree(ds_config: dict) -> int:
         raise ConfigError(f"train_batch_size: {tbs} is not a multiple of train_micro_batch_size_per_gpu ({mbs}) x "
                           f"gradient_accumulation_steps ({gas})")
     return tbs // (mbs * gas)
+
+
+def parse_set(text: str) -> tuple[str, object]:
+    """A ``--set KEY=VALUE`` argument (the study driver's, the benchmarks'): the dotted key and the value as JSON,
+    else as the string it is."""
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--set {text!r}: expected KEY=VALUE")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def override(config: dict, overrides: dict) -> dict:
+    """A copy of ``config`` with each dotted key set to its value (missing objects on the way are created)."""
+    out = copy.deepcopy(config)
+    for key, value in overrides.items():
+        *path, last = key.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"{key}: {part!r} is not an object in the config")
+        node[last] = copy.deepcopy(value)
+    return out

@@ -42,9 +42,9 @@ from pathlib import Path
 import torch
 
 from .. import emulate
-from ..config import data_parallel_degree
+from ..config import data_parallel_degree, override, parse_set
 from ..nonfinite import NonFiniteLoss
-from .matrices import HERE, MATRICES, ROOT, Run, lookup, matrix, override
+from .matrices import HERE, MATRICES, ROOT, Run, lookup, matrix
 
 RESULTS_CSV = HERE / "results" / "runs.csv"
 RUNNERS = ("emulation", "engine")
@@ -237,16 +237,6 @@ def spread(argv: list[str], runs: list[Run], out: Path, runner: str, gpus: int, 
         lines = [line for line in log.read_text().splitlines() if line.startswith("[matrix]")]
         print(f"worker {k}: " + ("; ".join(lines) or f"no summary line, see {log}"), flush=True)
     return status
-
-
-def parse_set(text: str) -> tuple[str, object]:
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"--set {text!r}: expected KEY=VALUE")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
 
 
 def main(argv: list[str] | None = None) -> int:

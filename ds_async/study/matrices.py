@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import override
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = ROOT / "launch" / "study"  # the base configs and the committed results
 
@@ -53,20 +55,6 @@ class Run:
 
 def load_base(name: str) -> dict:
     return json.loads((HERE / name).read_text())
-
-
-def override(config: dict, overrides: dict) -> dict:
-    """A copy of ``config`` with each dotted key set to its value (missing objects on the way are created)."""
-    out = copy.deepcopy(config)
-    for key, value in overrides.items():
-        *path, last = key.split(".")
-        node = out
-        for part in path:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"{key}: {part!r} is not an object in the config")
-        node[last] = copy.deepcopy(value)
-    return out
 
 
 def lookup(config: dict, key: str):

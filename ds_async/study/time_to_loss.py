@@ -43,9 +43,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..config import override, parse_set
 from ..report import time_to_loss
-from .driver import parse_set
-from .matrices import LONG_OPTIMIZERS, override
+from .matrices import LONG_OPTIMIZERS
 from .matrices import VARIANTS as STUDY_VARIANTS
 
 ROOT = Path(__file__).resolve().parents[2]

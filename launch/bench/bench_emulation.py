@@ -22,7 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ds_async.study import driver as study
+from ds_async.config import override, parse_set
+from ds_async.study.matrices import LONG_OPTIMIZERS, OPTIMIZERS, VARIANTS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,9 +33,9 @@ def row_config(spec: str, sets: dict) -> tuple[str, dict]:
     config = json.loads((ROOT / path).read_text())
     if variant:
         opt, _, schedule = variant.partition("-")
-        optimizers = study.LONG_OPTIMIZERS if Path(path).name == "long.json" else study.OPTIMIZERS
-        config = study.override(config, {**optimizers[opt], **study.VARIANTS[schedule]})
-    return spec, study.override(config, sets)
+        optimizers = LONG_OPTIMIZERS if Path(path).name == "long.json" else OPTIMIZERS
+        config = override(config, {**optimizers[opt], **VARIANTS[schedule]})
+    return spec, override(config, sets)
 
 
 STEADY_FROM = 100
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("rows", nargs="+", metavar="CONFIG[:OPTIMIZER-VARIANT]")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--set", dest="sets", type=study.parse_set, action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", dest="sets", type=parse_set, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)

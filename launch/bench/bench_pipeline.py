@@ -28,13 +28,12 @@ from trace_gaps import PREFIX, gap_report
 
 from ds_async import config as cfgmod
 from ds_async import data, init_distributed, initialize
-from ds_async.config import DataConfig
+from ds_async.config import DataConfig, override, parse_set
 from ds_async.flops import model_flops_per_token
 from ds_async.metrics import code_version
 from ds_async.models import build_pipeline, model_config
 from ds_async.pipe.engine import AsyncPipelineEngine
 from ds_async.plan import plan, to_json
-from ds_async.study.driver import override, parse_set
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 

@@ -30,19 +30,9 @@ import threading
 import time
 from pathlib import Path
 
+from ds_async.config import override, parse_set
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def set_key(config: dict, key: str, value: str) -> None:
-    try:
-        parsed = json.loads(value)
-    except ValueError:
-        parsed = value
-    *parents, last = key.split(".")
-    node = config
-    for part in parents:
-        node = node.setdefault(part, {})
-    node[last] = parsed
 
 
 def card() -> str | None:
@@ -57,7 +47,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runner", choices=("cli", "emulation"), required=True)
     ap.add_argument("--config", required=True)
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--set", dest="sets", type=parse_set, action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--cache", choices=("cold", "warm"), default="warm")
     ap.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/ds_async/compile"))
     ap.add_argument("--label", default="")
@@ -72,14 +62,11 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    config = json.loads(Path(args.config).read_text())
-    for item in args.set:
-        key, _, value = item.partition("=")
-        set_key(config, key, value)
     cache = args.cache_dir
     if args.cache == "cold":  # emptied: this run compiles everything and fills it for the next
         shutil.rmtree(cache, ignore_errors=True)
-    set_key(config, "ds_async.performance.compile_cache", json.dumps(cache))
+    config = override(json.loads(Path(args.config).read_text()),
+                      {**dict(args.sets), "ds_async.performance.compile_cache": cache})
     work = Path(tempfile.mkdtemp(prefix="ds_async_bench_run_"))
     config["ds_async"].setdefault("logging", {}).update({"every": 1, "progress": False, "plot": False,
                                                          "dir": str(work / "runs")})
