@@ -1,5 +1,5 @@
-"""``launch/bench/bench_emulation.py``'s steady step time: from the logger's running means to the exact mean step
-after the read-ahead phase."""
+"""``launch/bench/bench_emulation.py``: its steady step time (from the logger's running means to the exact mean step
+after the read-ahead phase) and the configs of its rows."""
 import sys
 from pathlib import Path
 
@@ -26,3 +26,17 @@ def test_steady_step_time_is_the_mean_step_after_the_read_ahead():
     assert abs(bench_emulation.steady_step_time(history, 20) - want) < 1e-12
     assert abs(bench_emulation.steady_step_time(history, 20) - sum(spans[2:]) / len(spans[2:])) > 1e-3
     assert bench_emulation.steady_step_time(history[:110], 20) is None  # no whole window past step 100
+
+
+def test_a_row_named_by_optimizer_and_variant_is_the_studys_run_config():
+    """``CONFIG:OPTIMIZER-VARIANT`` rows take the study's optimizer blocks (the long table's for ``long.json``) and
+    its schedule variants, then the ``--set`` keys."""
+    from ds_async.study.matrices import LONG_OPTIMIZERS, OPTIMIZERS
+
+    _, long = bench_emulation.row_config("launch/study/long.json:muon-2bw+ef", {"ds_async.train.steps": 5})
+    assert long["optimizer"] == LONG_OPTIMIZERS["muon"]["optimizer"]
+    assert long["ds_async"]["performance"]["fused_optimizer_step"] is True
+    assert long["ds_async"]["schedule"] == "2bw" and long["ds_async"]["correction"] == {"type": "ef", "lambda": 1.0}
+    assert long["ds_async"]["train"] == {"steps": 5}
+    _, base = bench_emulation.row_config("launch/study/base.json:adamw-sync", {})
+    assert base["optimizer"] == OPTIMIZERS["adamw"]["optimizer"] and base["ds_async"]["schedule"] == "1f1b"
