@@ -1,7 +1,8 @@
 """The shipped GPU configs as their users run them, on CPU: each trains through ``launch/train.py`` under torchrun
 on one gloo rank per pipeline stage, with its own schedule, optimizer, correction, partition, precision, recompute,
-loss chunks and fused optimizer step; a second run resumed from the first one's mid-run checkpoint ends with the
-same weights and losses, bit for bit.
+loss chunks and fused optimizer step. For one config of each optimizer state (Muon + EF, bf16 AdamW, Mixtral's
+Muon + EF), a second run resumed from the first one's mid-run checkpoint ends with the same weights and losses, bit
+for bit; the others' state is the same kind (a launch costs a CPU test worker about a minute).
 
 Only the model's width (its depth, head ratio, experts and vocabulary stay as shipped), the sequence length, the
 run's length and cadences, where the corpus lies and the run folder differ from the shipped files. Not covered on
@@ -26,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CORPUS = SHARED / "corpus"
 SHIPPED_CORPUS = "data/corpus/"  # where the shipped configs expect the corpus (README, "Your data")
 GPU_CONFIGS = sorted(p.name for p in (ROOT / "ds_configs").glob("*.json") if not p.name.startswith("demo_cpu"))
+RESUMED = {"llama_0.9b_4gpu_2bw_muon_ef.json", "llama3_8b_4gpu_2bw_adamw.json", "mixtral_8x1b_4gpu_2bw_muon_ef.json"}
 STEPS, SAVED = 4, 2
 
 
@@ -71,7 +73,7 @@ def weights(run: Path, step: int) -> dict:
 
 
 @pytest.mark.parametrize("file", GPU_CONFIGS)
-def test_shipped_gpu_config_trains_and_resumes_exactly_on_cpu(tmp_path, file):
+def test_shipped_gpu_config_trains_on_cpu(tmp_path, file):
     if not (CORPUS / "tokenizers").exists():
         pytest.skip(f"shared corpus not found at {CORPUS} (the repo must be cloned next to shared/)")
     shipped = json.loads((ROOT / "ds_configs" / file).read_text())["ds_async"]
@@ -79,18 +81,20 @@ def test_shipped_gpu_config_trains_and_resumes_exactly_on_cpu(tmp_path, file):
     config = toy(file, tmp_path, "run")
     train(config, tmp_path, stages)
     run = tmp_path / "runs" / "run"
+    manifest = json.loads((checkpoint.step_dir(run / "checkpoints", STEPS) / checkpoint.MANIFEST).read_text())
+    if shipped["partition"]["method"] == "explicit":
+        assert manifest["parts"] == shipped["partition"]["boundaries"]
+    history = json.loads((run / "summary.json").read_text())["history"]
+    assert [s for s, _ in history["train"]] == list(range(1, STEPS + 1))
+    if file not in RESUMED:
+        return
     middle = checkpoint.step_dir(run / "checkpoints", SAVED)
     out = train(config, tmp_path, stages, "--run-name", "resumed", "--resume", str(middle))
     assert f"ds_async: resumed from {middle} (step {SAVED})" in out
     resumed = tmp_path / "runs" / "resumed"
-    manifest = json.loads((checkpoint.step_dir(resumed / "checkpoints", STEPS) / checkpoint.MANIFEST).read_text())
-    if shipped["partition"]["method"] == "explicit":
-        assert manifest["parts"] == shipped["partition"]["boundaries"]
     got, want = weights(resumed, STEPS), weights(run, STEPS)
     assert got.keys() == want.keys() and len(got) > 2 * stages
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
-    history = {name: json.loads((tmp_path / "runs" / name / "summary.json").read_text())["history"]
-               for name in ("run", "resumed")}
-    assert [s for s, _ in history["resumed"]["train"]] == list(range(1, STEPS + 1))
-    assert history["resumed"]["train"] == history["run"]["train"]
-    assert history["resumed"]["validation"][-1] == history["run"]["validation"][-1]
+    again = json.loads((resumed / "summary.json").read_text())["history"]
+    assert again["train"] == history["train"]
+    assert again["validation"][-1] == history["validation"][-1]
