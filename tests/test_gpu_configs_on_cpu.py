@@ -2,7 +2,8 @@
 on one gloo rank per pipeline stage, with its own schedule, optimizer, correction, partition, precision, recompute,
 loss chunks and fused optimizer step. For one config of each optimizer state (Muon + EF, bf16 AdamW, Mixtral's
 Muon + EF), a second run resumed from the first one's mid-run checkpoint ends with the same weights and losses, bit
-for bit; the others' state is the same kind (a launch costs a CPU test worker about a minute).
+for bit. The other three train only: their state is of those kinds, and every launch is a whole multi-process start
+on the test machine's two cores.
 
 Only the model's width (its depth, head ratio, experts and vocabulary stay as shipped), the sequence length, the
 run's length and cadences, where the corpus lies and the run folder differ from the shipped files. Not covered on
