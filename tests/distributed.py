@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from ds_async.builder import free_local_port
 from ds_async.pipe.versions import WeightVersions
@@ -199,6 +200,17 @@ def assert_params_close(have: dict, want: dict, rel: float) -> None:
             diff = (have[name] - w).abs()
             raise AssertionError(f"{name}: relative error {err.item():.3g} > {rel}; {int((diff > 0).sum())}/"
                                  f"{w.numel()} entries differ, max abs {diff.max().item():.3g}")
+
+
+def torchrun_train_py(nproc: int, config: Path, *args: str) -> list[str]:
+    """The command that runs ``launch/train.py --config CONFIG ARGS`` under torchrun on ``nproc`` CPU ranks."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
+            str(free_port()), str(ROOT / "launch" / "train.py"), "--config", str(config), *args]
+
+
+def checkpoint_weights(folder: Path) -> dict:
+    """Every tensor of a checkpoint folder's ``*.safetensors`` files, keyed ``FILE:NAME``."""
+    return {f"{f.name}:{k}": v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def train_py_exit(argv: list[str]) -> int:

@@ -12,16 +12,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from distributed import free_port, job_env
+from distributed import checkpoint_weights, job_env, torchrun_train_py
 
 from ds_async import checkpoint
 
@@ -54,9 +52,7 @@ def shipped(file: str, folder: Path, name: str, partition: dict | None) -> Path:
 
 
 def start(config: Path, folder: Path, *args: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
-           str(ROOT / "launch" / "train.py"), "--config", str(config), *args]
-    return subprocess.Popen(cmd, env=job_env(), cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    return subprocess.Popen(torchrun_train_py(2, config, *args), env=job_env(), cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
 
 
@@ -80,10 +76,6 @@ def kill_after_checkpoint(proc: subprocess.Popen, root: Path) -> None:
         except ProcessLookupError:
             pass
     proc.communicate(timeout=60)
-
-
-def weights(folder: Path) -> dict:
-    return {f"{f.name}:{k}": v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +117,8 @@ def test_killed_run_resumes_with_its_layout(runs, case):
 
 def test_resumed_default_config_equals_an_uninterrupted_run(runs):
     """The shipped default config, killed and resumed: the same weights at step ``END`` as a run never stopped."""
-    got = weights(checkpoint.step_dir(runs["folder"] / "runs" / "demo_cpu" / "checkpoints", END))
-    want = weights(checkpoint.step_dir(runs["folder"] / "runs" / "reference" / "checkpoints", END))
+    got = checkpoint_weights(checkpoint.step_dir(runs["folder"] / "runs" / "demo_cpu" / "checkpoints", END))
+    want = checkpoint_weights(checkpoint.step_dir(runs["folder"] / "runs" / "reference" / "checkpoints", END))
     assert got.keys() == want.keys() and got
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
 

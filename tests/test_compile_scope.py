@@ -52,6 +52,7 @@ def test_a_compiling_run_says_why_its_first_step_waits_and_where_the_code_is_kep
     from ds_async.models import compile_line
 
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    monkeypatch.setattr(torch._dynamo.config, "disable", False)
     monkeypatch.setenv("CACHE_ROOT", "/scratch")
     assert compile_line(PerformanceConfig()) is None
     stage = compile_line(PerformanceConfig(compile=True, compile_scope="stage", compile_cache="$CACHE_ROOT/cc"))
@@ -60,4 +61,7 @@ def test_a_compiling_run_says_why_its_first_step_waits_and_where_the_code_is_kep
     layer = compile_line(PerformanceConfig(compile=True, compile_cache=None))
     assert "one decoder layer, which the others reuse" in layer and "TORCHINDUCTOR_CACHE_DIR" in layer
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    assert compile_line(PerformanceConfig(compile=True)) is None
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE")
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)  # what TORCH_COMPILE_DISABLE=1 sets
     assert compile_line(PerformanceConfig(compile=True)) is None

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from distributed import SHARED, free_port, job_env
+from distributed import SHARED, checkpoint_weights, job_env, torchrun_train_py
 
 from ds_async import checkpoint
 
@@ -59,18 +57,15 @@ def toy(file: str, folder: Path, name: str) -> Path:
 
 
 def train(config: Path, folder: Path, stages: int, *args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={stages}",
-                           "--master_port", str(free_port()), str(ROOT / "launch" / "train.py"), "--config",
-                           str(config), *args], env=job_env(), cwd=folder, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(torchrun_train_py(stages, config, *args), env=job_env(), cwd=folder, capture_output=True,
+                          text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     return out
 
 
 def weights(run: Path, step: int) -> dict:
-    folder = checkpoint.step_dir(run / "checkpoints", step)
-    return {f"{f.name}:{k}": v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+    return checkpoint_weights(checkpoint.step_dir(run / "checkpoints", step))
 
 
 @pytest.mark.parametrize("file", GPU_CONFIGS)

@@ -390,8 +390,12 @@ def compile_cache_folder(folder: str | None) -> str | None:
 def compile_line(perf) -> str | None:
     """The console line that says why a run's first step waits: it compiles the layers (``performance.compile``),
     and where the compiled code is kept for the next run. None when nothing compiles them (compile off, or Dynamo
-    disabled by ``TORCHDYNAMO_DISABLE=1``)."""
-    if not perf.compile or os.environ.get("TORCHDYNAMO_DISABLE") == "1":
+    off by either of ``torch.compile``'s switches: ``TORCHDYNAMO_DISABLE=1``, ``TORCH_COMPILE_DISABLE=1``)."""
+    if not perf.compile:
+        return None
+    import torch._dynamo  # slow, and already imported by a run that compiles
+
+    if torch._dynamo.config.disable or os.environ.get("TORCHDYNAMO_DISABLE") == "1":
         return None
     what = {"layer": "one decoder layer, which the others reuse, and the head",
             "stage": "each stage's layers as one region"}[perf.compile_scope]
