@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 from ds_async import checkpoint
 from ds_async.checkpoint import CheckpointError
 
-from distributed import free_port, job_env, run_job, train_py_error
+from distributed import checkpoint_weights, free_port, job_env, run_job, train_py_error
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -130,11 +130,9 @@ def kill_job(proc: subprocess.Popen, out: Path) -> None:
 
 def final_state(folder: Path) -> dict:
     """Everything a checkpoint holds that the math depends on, as flat name -> tensor."""
-    out = {}
+    out = checkpoint_weights(folder)
     for file in sorted(folder.iterdir()):
-        if file.suffix == ".safetensors":
-            out.update({f"{file.name}:{k}": v for k, v in load_file(file).items()})
-        elif file.name.startswith(("versions-", "state-")):
+        if file.name.startswith(("versions-", "state-")):
             def walk(prefix, obj):
                 if torch.is_tensor(obj):
                     out[prefix] = obj

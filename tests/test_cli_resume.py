@@ -52,8 +52,8 @@ def shipped(file: str, folder: Path, name: str, partition: dict | None) -> Path:
 
 
 def start(config: Path, folder: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(torchrun_train_py(2, config, *args), env=job_env(), cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    return subprocess.Popen(torchrun_train_py(2, config, *args), env=job_env(), cwd=folder, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def finish(proc: subprocess.Popen) -> str:
