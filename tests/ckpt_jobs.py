@@ -1,5 +1,7 @@
-"""Trainer runs for ``tests/test_checkpoint.py``: one torchrun job runs several ``ds_async.trainer.train`` calls in
-sequence (one process start for many runs), optionally with a poisoned or stalling loss.
+"""Trainer runs for ``tests/test_checkpoint.py``: several ``ds_async.trainer.train`` calls in sequence in the same
+processes (one process start for many runs), optionally with a poisoned or stalling loss; :func:`run` in the ranks
+of the tests' job server (``tests/jobs.py``'s ``trainer_runs``), or a torchrun job of its own, which a test can
+kill:
 
     python -m torch.distributed.run --nproc_per_node 2 tests/ckpt_jobs.py RUNS.json OUT_DIR
 
@@ -54,22 +56,30 @@ def _patch_loss(micro_batches: int, poison: dict | None, stall_at: int | None) -
         module.loss_fn = wrap(make)
 
 
-def main(runs_file: str, out_dir: str) -> None:
-    import torch.distributed as tdist
+def run(runs: list[dict], out: Path) -> None:
+    """Each of ``runs`` in turn, each rank writing ``out/<name>.rank<r>.json``; the families' loss functions are put
+    back afterwards."""
+    try:
+        for spec in runs:
+            config = json.loads(Path(spec["config"]).read_text())
+            _patch_loss(config["gradient_accumulation_steps"], spec.get("poison"), spec.get("stall_at"))
+            result = {"summary": None, "error": None}
+            try:
+                result["summary"] = trainer.train(spec["config"], resume=spec.get("resume"))
+            except EXPECTED as e:
+                result["error"] = f"{type(e).__name__}: {e}"
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            (out / f"{spec['name']}.rank{rank}.json").write_text(json.dumps(result, default=str))
+    finally:
+        for module, make in _ORIGINAL.items():
+            module.loss_fn = make
 
+
+def main(runs_file: str, out_dir: str) -> None:
     out = Path(out_dir)
     # torchrun starts each rank in a session of its own: a test that kills the job kills the ranks by these ids.
     (out / f"pid.rank{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
-    for run in json.loads(Path(runs_file).read_text()):
-        config = json.loads(Path(run["config"]).read_text())
-        _patch_loss(config["gradient_accumulation_steps"], run.get("poison"), run.get("stall_at"))
-        result = {"summary": None, "error": None}
-        try:
-            result["summary"] = trainer.train(run["config"], resume=run.get("resume"))
-        except EXPECTED as e:
-            result["error"] = f"{type(e).__name__}: {e}"
-        rank = tdist.get_rank() if tdist.is_initialized() else 0
-        (out / f"{run['name']}.rank{rank}.json").write_text(json.dumps(result, default=str))
+    run(json.loads(Path(runs_file).read_text()), out)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

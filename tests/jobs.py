@@ -4,9 +4,9 @@
     python -m torch.distributed.run --nproc_per_node N tests/jobs.py serve FOLDER  # the tests' job server
 
 Every job but ``checkpoint_groups`` (the checkpoint folder protocol over process groups) builds a real ds_async
-pipeline engine (DeepSpeed, gloo on CPU). The rank that holds the result
-writes ``OUT_DIR/result.pt``; the first data-parallel replica of each stage writes ``params_stage<s>.pt``
-(its tensors under Hugging Face names) so runs with different partitions compare by name.
+pipeline engine (DeepSpeed, gloo on CPU); ``trainer_runs`` runs whole jobs of ``launch/train.py``'s trainer. The
+rank that holds the result writes ``OUT_DIR/result.pt``; the first data-parallel replica of each stage writes
+``params_stage<s>.pt`` (its tensors under Hugging Face names) so runs with different partitions compare by name.
 """
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ from ds_async import config as cfgmod
 from ds_async import data
 from ds_async import initialize
 from ds_async.models import build_pipeline, export_hf, hf_state_dict, model_config
+
+import ckpt_jobs
 
 TINY_LLAMA = {"vocab_size": 8192, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
@@ -214,7 +216,18 @@ def job_checkpoint_groups(out: Path) -> None:
         torch.save({"gathered": everyone}, out / "result.pt")
 
 
-JOBS = {"logits": job_logits, "train": job_train, "moe": job_moe, "checkpoint_groups": job_checkpoint_groups}
+def job_trainer_runs(out: Path, runs: list[dict]) -> None:
+    """``tests/ckpt_jobs.py``'s trainer runs in turn (:func:`ckpt_jobs.run`); rank 0 saves each run's per-rank results
+    as ``{name: [rank 0's, rank 1's, ...]}``."""
+    ckpt_jobs.run(runs, out)
+    tdist.barrier()  # every rank's results are written
+    if tdist.get_rank() == 0:
+        torch.save({spec["name"]: [json.loads((out / f"{spec['name']}.rank{r}.json").read_text())
+                                   for r in range(tdist.get_world_size())] for spec in runs}, out / "result.pt")
+
+
+JOBS = {"logits": job_logits, "train": job_train, "moe": job_moe, "checkpoint_groups": job_checkpoint_groups,
+        "trainer_runs": job_trainer_runs}
 
 
 def serve(folder: Path) -> None:

@@ -12,7 +12,8 @@ LLaMA (attention dropout on, so the RNG state matters) and a warm-up/cosine LR s
 - NaN/inf loss: ``stop`` ends the run at that step with the last good checkpoint intact, ``skip`` drops the update;
 - the export of a checkpoint loads with ``AutoModelForCausalLM.from_pretrained`` (LLaMA and Mixtral).
 
-Process starts dominate the time, so one job runs several trainer runs in sequence (``tests/ckpt_jobs.py``).
+Process starts dominate the time, so one job runs several trainer runs in sequence (``tests/ckpt_jobs.py``), in the
+tests' job server unless it is to be killed.
 """
 from __future__ import annotations
 
@@ -98,22 +99,21 @@ def ckpt_root(work: Path, name: str) -> Path:
 
 
 def launch(work: Path, tag: str, runs: list[dict], wait: bool = True):
-    """Start ``tests/ckpt_jobs.py`` on 2 ranks; wait for it (returning each run's rank results) or return the
-    process (its own process group, to be killed as a whole)."""
-    (work / f"{tag}.runs.json").write_text(json.dumps(runs))
+    """``tests/ckpt_jobs.py``'s trainer runs on 2 ranks, their log in ``work/<tag>.log``: with ``wait``, in the tests'
+    job server (a failed job fails the test), returning each run's rank results; else as a torchrun job of its own,
+    returning its process (its own process group, to be killed as a whole)."""
     out = work / tag
     out.mkdir(exist_ok=True)
+    if wait:
+        results = run_job(2, "trainer_runs", out, runs=runs)
+        shutil.copyfile(out / "log.txt", work / f"{tag}.log")
+        return results
+    (work / f"{tag}.runs.json").write_text(json.dumps(runs))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
            str(ROOT / "tests" / "ckpt_jobs.py"), str(work / f"{tag}.runs.json"), str(out)]
     log = open(work / f"{tag}.log", "w")
-    proc = subprocess.Popen(cmd, env=job_env(), cwd=work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    if not wait:
-        return proc
-    rc = proc.wait(timeout=600)
-    text = (work / f"{tag}.log").read_text()
-    assert rc == 0, f"job {tag} failed (rc={rc}):\n{text[-6000:]}"
-    return {r["name"]: [json.loads((out / f"{r['name']}.rank{k}.json").read_text()) for k in range(2)]
-            for r in runs}
+    return subprocess.Popen(cmd, env=job_env(), cwd=work, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
 def kill_job(proc: subprocess.Popen, out: Path) -> None:
