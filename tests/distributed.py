@@ -79,6 +79,18 @@ class _JobServer:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def threads(self) -> int:
+        """The most threads one of the ranks runs. The ranks destroy each job's process groups after it
+        (``tests/jobs.py``), but the last stage's engine outlives its job (autograd hooks hold it in a cycle the
+        collector cannot see through), and with it its groups' gloo threads, which wake all the time."""
+        counts = []
+        for pid_file in self.folder.glob("pid.rank*"):
+            try:
+                counts.append(len(os.listdir(f"/proc/{int(pid_file.read_text())}/task")))
+            except (OSError, ValueError):
+                pass
+        return max(counts, default=0)
+
     def stop(self) -> None:
         """End the ranks (each leads a session of its own under torchrun) and the launcher."""
         (self.folder / "stop").write_text("")
@@ -103,6 +115,7 @@ _servers: dict[int, _JobServer] = {}
 # server (6 or 8 ranks: a job or two) ends after its job instead of displacing one of them.
 MAX_SERVERS = 3
 MAX_KEPT_RANKS = 4
+MAX_THREADS = 64  # a server one of whose ranks runs more after a job ends (see _JobServer.threads)
 
 
 @atexit.register
@@ -133,7 +146,7 @@ def run_job(nproc: int, job: str, out_dir: Path, timeout: int = 600, **kwargs) -
         server = _JobServer(nproc)
     _servers[nproc] = server  # most recently used last
     server.run(job, out_dir, kwargs, timeout)
-    if not kept:
+    if not kept or server.threads() > MAX_THREADS:
         server.stop()
     return torch.load(out_dir / "result.pt", weights_only=True)
 
