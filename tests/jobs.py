@@ -242,9 +242,9 @@ def _groups() -> list:
 
 def _destroy_job_groups() -> None:
     """Destroy every process group but the default one: those the last job made (the engine's, the trainer's). Left
-    alone, each keeps three gloo threads that wake all the time: a server that had run a few dozen jobs spent a
-    quarter of a core idling. DeepSpeed's destroy also drops the groups it cached; its pipeline's point-to-point
-    module keeps the last engine's grid and groups, dropped here, as a group's threads end with its last reference."""
+    alone, each keeps three gloo threads that wake all the time, so a server's idle cost grew with every job it ran.
+    A group's threads end with its last reference: DeepSpeed's destroy drops the groups it cached, and its pipeline's
+    point-to-point module and ``groups.mpu`` let go of the last engine's grid here."""
     for pg in reversed(_groups()):
         ds_dist.destroy_process_group(pg)
     p2p._groups = p2p._grid = None
