@@ -34,7 +34,7 @@ TINY = {"ds_async.pipeline_stages": 2, "bf16.enabled": False, "ds_async.performa
         "ds_async.model.config.num_hidden_layers": 2, "ds_async.model.config.num_attention_heads": 4,
         "ds_async.model.config.num_key_value_heads": 4, "ds_async.model.config.vocab_size": 8192,
         "ds_async.tokenizer": "../shared/corpus/tokenizers/bpe8192.json", "ds_async.eval.batches": 2,
-        "ds_async.data.shuffle_buffer": 10,  # the shipped 1000 documents: a second of every start on 2 cores
+        "ds_async.data.shuffle_buffer": 10,  # the shipped 1000 documents are read at every start, to no use here
         "scheduler.params.warmup_num_steps": 2,
         "scheduler.params.total_num_steps": 20000,  # a job config's own length: each run's replaces it
         "ds_async.correction": {"type": "ef", "lambda": 0.5}}  # a 2BW job config's correction: sync runs without
