@@ -234,18 +234,13 @@ JOBS = {"logits": job_logits, "train": job_train, "moe": job_moe, "checkpoint_gr
         "trainer_runs": job_trainer_runs}
 
 
-def _groups() -> list:
-    """This rank's process groups but the default one, oldest first."""
-    world = distributed_c10d._world
-    return [pg for pg in world.pg_names if pg is not world.default_pg]
-
-
 def _destroy_job_groups() -> None:
     """Destroy every process group but the default one: those the last job made (the engine's, the trainer's). Left
     alone, each keeps three gloo threads that wake all the time, so a server's idle cost grew with every job it ran.
     A group's threads end with its last reference: DeepSpeed's destroy drops the groups it cached, and its pipeline's
     point-to-point module and ``groups.mpu`` let go of the last engine's grid here."""
-    for pg in reversed(_groups()):
+    world = distributed_c10d._world
+    for pg in reversed([pg for pg in world.pg_names if pg is not world.default_pg]):  # newest first
         ds_dist.destroy_process_group(pg)
     p2p._groups = p2p._grid = None
     ds_groups.mpu = None
