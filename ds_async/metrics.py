@@ -17,13 +17,14 @@ from collections import deque
 from contextlib import nullcontext
 from pathlib import Path
 
-from . import console, jsonfile
+import torch
+import torch.distributed as tdist
+
+from . import __version__, console, jsonfile
 
 
 def card_name(device) -> str:
     """What ``device`` (a ``torch.device``) is, for the records: the GPU's name, or the CPU and its thread count."""
-    import torch
-
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu: {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
@@ -35,13 +36,10 @@ def code_version() -> dict:
     ``DS_ASYNC_COMMIT`` in the environment names the commit instead, for a copy of the tree whose ``.git`` is not
     that commit's (the GPU machine gets the working tree with a ``.git`` that may be older).
     """
-    import deepspeed
-    import torch
+    import deepspeed  # slow imports, which only the version strings need
     import transformers
 
-    import ds_async
-
-    root = Path(ds_async.__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[1]
 
     def git(*args):
         try:
@@ -51,7 +49,7 @@ def code_version() -> dict:
             return None
 
     named = os.environ.get("DS_ASYNC_COMMIT")
-    return {"ds_async": ds_async.__version__, "commit": named or git("rev-parse", "HEAD"),
+    return {"ds_async": __version__, "commit": named or git("rev-parse", "HEAD"),
             "dirty": None if named else bool(git("status", "--porcelain", "--untracked-files=no")),
             # torch's version is a str subclass (TorchVersion): recorded as the plain string it prints as
             "torch": str(torch.__version__), "deepspeed": str(deepspeed.__version__),
@@ -72,8 +70,6 @@ class HostValue:
         t = t.detach()
         self._event = None
         if t.device.type == "cuda":
-            import torch
-
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 host.copy_(t, non_blocking=True)
@@ -350,8 +346,6 @@ class DeepSpeedMonitor:
     """
 
     def __init__(self, engine, reporting_rank: int):
-        import torch.distributed as tdist
-
         self.monitor = engine.monitor
         self.enabled = bool(getattr(self.monitor, "enabled", False))
         self.rank, self.reporting_rank = tdist.get_rank(), reporting_rank
@@ -373,9 +367,6 @@ class DeepSpeedMonitor:
         """Every rank, at the same points of the run (see the class doc)."""
         if not self.enabled:
             return
-        import torch
-        import torch.distributed as tdist
-
         if self.group is None:  # rank 0 reports
             if self.outbox:
                 self.monitor.write_events(self.outbox)
@@ -394,9 +385,6 @@ class DeepSpeedMonitor:
                 self._receive()
 
     def _receive(self) -> None:
-        import torch
-        import torch.distributed as tdist
-
         size = torch.zeros(1, dtype=torch.int64)
         tdist.recv(size, self.reporting_rank, group=self.group)
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
