@@ -15,6 +15,8 @@ import logging
 import os
 import sys
 
+import torch
+
 PREFIX = "ds_async"
 
 
@@ -71,8 +73,6 @@ def quiet_imports() -> None:
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     if "DS_ACCELERATOR" in os.environ:
         return
-    import torch
-
     if not torch.cuda.is_available():
         os.environ["DS_ACCELERATOR"] = "cpu"
 
