@@ -14,6 +14,9 @@ import torch.distributed as tdist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.pipe import p2p
+from deepspeed.utils import groups as ds_groups
+from torch.distributed import distributed_c10d
 
 from .optim.client import client_optimizer
 from .pipe.engine import AsyncPipelineEngine
@@ -57,6 +60,25 @@ def init_distributed() -> None:
     if accelerator.device_name() != "cpu":
         accelerator.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
+
+
+def process_groups() -> set:
+    """The process groups this process holds now, the default one included (torch lists them only privately)."""
+    return set(distributed_c10d._world.pg_names)
+
+
+def destroy_groups(keep: set) -> None:
+    """Destroy every process group but those in ``keep`` (from :func:`process_groups`), newest first: the groups a
+    finished job made (its engine's grid, the trainer's own). Each gloo group keeps three threads that wake all the
+    time until its last reference goes, so a process that runs job after job (a notebook, a sweep, the tests' job
+    server) would idle at a cost that grows with every job. DeepSpeed's destroy also drops the groups it caches; its
+    pipeline's point-to-point module and ``groups.mpu`` hold the last engine's grid and let go of it here (the next
+    engine sets both again)."""
+    world = distributed_c10d._world
+    for pg in reversed([pg for pg in world.pg_names if pg not in keep]):
+        deepspeed.comm.destroy_process_group(pg)
+    p2p._groups = p2p._grid = None
+    ds_groups.mpu = None
 
 
 def without_throughput_sync(config: dict) -> dict:

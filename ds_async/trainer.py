@@ -19,7 +19,7 @@ from deepspeed.accelerator import get_accelerator
 from . import checkpoint
 from . import config as cfgmod
 from . import data, fp8, metrics, telemetry
-from .builder import init_distributed
+from .builder import destroy_groups, init_distributed, process_groups
 from .checkpoint import folder
 from .job import optimizer_type, start_run_log, steps_for
 from .nonfinite import NonFiniteLoss, NonFiniteWeights, SkipNonFinite, weights_nonfinite
@@ -37,14 +37,18 @@ def train(config_path: str, max_steps: int | None = None, run_name: str | None =
     starts afresh if there is none); a path names a checkpoint or a folder of them.
     """
     trainer = Trainer(config_path, max_steps=max_steps, run_name=run_name)
+    ended = False  # on every rank alike: the run's end, or its preemption, raised on every rank at one step
     try:
         trainer.setup(resume)
-        return trainer.run()
-    except BaseException:
+        summary = trainer.run()
+        ended = True
+        return summary
+    except BaseException as e:
+        ended = isinstance(e, Preempted)
         trainer.discard_unused_folders()
         raise
     finally:
-        trainer.release()
+        trainer.release(ended)
 
 
 class Trainer(TrainerSetup):
@@ -63,6 +67,7 @@ class Trainer(TrainerSetup):
         self.ckpt_root: Path | None = None
         self.preemption: Preemption | None = None  # SIGTERM handling, from setup on (a run that saves)
         init_distributed()
+        self.groups_before = process_groups()  # the caller's: release keeps them
         self.start_clock.mark("process group")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = device = torch.device(get_accelerator().current_device_name())  # the engine's
@@ -291,11 +296,16 @@ class Trainer(TrainerSetup):
             self.train_iter.close()
         raise Preempted(step, checkpoint.step_dir(self.ckpt_root, step))
 
-    def release(self) -> None:
-        """Put back what the job changed in its process (the SIGTERM handler), however it ended."""
+    def release(self, ended: bool) -> None:
+        """Put back what the job changed in its process (the SIGTERM handler), however it ended; after a run that
+        ended on every rank alike (``ended``: finished or preempted), also destroy the process groups it made. After a
+        failure they are left as they are: a rank that failed alone leaves its peers inside a collective, where a
+        destroy could wait for them."""
         if self.preemption is not None:
             self.preemption.close()
             self.preemption = None
+        if ended:
+            destroy_groups(keep=self.groups_before)
 
     def _checkpoints_named(self) -> dict:
         """The summary's ``checkpoint`` (the newest this run saved) and ``resumed_from``."""

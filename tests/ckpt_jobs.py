@@ -9,10 +9,12 @@ kill:
 "stall_at": step | null}``. ``poison`` makes the loss of every micro-batch of that step NaN or inf (on the last
 stage, which computes it); ``stall_at`` makes the last stage hang in that step's first loss, so that the job can
 be killed in the middle of training at a known point. Each rank writes ``OUT_DIR/<name>.rank<r>.json``:
-``{"summary": ..., "error": "ExceptionType: message" | null}``; expected errors (ds_async's) do not end the job.
+``{"summary": ..., "error": "ExceptionType: message" | null, "groups_left": process groups the run left,
+"threads": the process's threads after it and a collection}``; expected errors (ds_async's) do not end the job.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ds_async import trainer
+from ds_async.builder import process_groups
 from ds_async.checkpoint import CheckpointError
 from ds_async.config import ConfigError
 from ds_async.data import DataError
@@ -64,10 +67,15 @@ def run(runs: list[dict], out: Path) -> None:
             config = json.loads(Path(spec["config"]).read_text())
             _patch_loss(config["gradient_accumulation_steps"], spec.get("poison"), spec.get("stall_at"))
             result = {"summary": None, "error": None}
+            before = process_groups()
             try:
                 result["summary"] = trainer.train(spec["config"], resume=spec.get("resume"))
             except EXPECTED as e:
                 result["error"] = f"{type(e).__name__}: {e}"
+            # the default group, which a first run in this process may have created, stays for the process
+            result["groups_left"] = len(process_groups() - before - {torch.distributed.group.WORLD})
+            gc.collect()  # what the run left that nothing holds
+            result["threads"] = len(os.listdir("/proc/self/task"))
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             (out / f"{spec['name']}.rank{rank}.json").write_text(json.dumps(result, default=str))
     finally:

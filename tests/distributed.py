@@ -81,8 +81,8 @@ class _JobServer:
 
     def threads(self) -> int:
         """The most threads one of the ranks runs. The ranks destroy each job's process groups after it
-        (``tests/jobs.py``), but the last stage's engine outlives its job (autograd hooks hold it in a cycle the
-        collector cannot see through), and with it its groups' gloo threads, which wake all the time."""
+        (``tests/jobs.py``), but an object a job left behind can still hold a group, and with it the group's gloo
+        threads, which wake all the time."""
         counts = []
         for pid_file in self.folder.glob("pid.rank*"):
             try:

@@ -21,14 +21,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as tdist
-from deepspeed import comm as ds_dist
-from deepspeed.runtime.pipe import p2p
-from deepspeed.utils import groups as ds_groups
-from torch.distributed import distributed_c10d
 
 from ds_async import config as cfgmod
 from ds_async import data
 from ds_async import initialize
+from ds_async.builder import destroy_groups
 from ds_async.models import build_pipeline, export_hf, hf_state_dict, model_config
 
 import ckpt_jobs
@@ -235,15 +232,10 @@ JOBS = {"logits": job_logits, "train": job_train, "moe": job_moe, "checkpoint_gr
 
 
 def _destroy_job_groups() -> None:
-    """Destroy every process group but the default one: those the last job made (the engine's, the trainer's). Left
-    alone, each keeps three gloo threads that wake all the time, so a server's idle cost grew with every job it ran.
-    A group's threads end with its last reference: DeepSpeed's destroy drops the groups it cached, and its pipeline's
-    point-to-point module and ``groups.mpu`` let go of the last engine's grid here."""
-    world = distributed_c10d._world
-    for pg in reversed([pg for pg in world.pg_names if pg is not world.default_pg]):  # newest first
-        ds_dist.destroy_process_group(pg)
-    p2p._groups = p2p._grid = None
-    ds_groups.mpu = None
+    """Destroy every process group but the default one: those the last job made (the engine's, the trainer's; a
+    trainer run destroys its own). Left alone, each keeps three gloo threads that wake all the time, so a server's
+    idle cost grew with every job it ran."""
+    destroy_groups(keep={tdist.group.WORLD})
     gc.collect()
 
 

@@ -73,6 +73,17 @@ def summary(work: Path, schedule: str) -> dict:
     return json.loads((work / "runs" / f"metrics-{schedule}" / "summary.json").read_text())
 
 
+# ------------------------------------------------------------------------------------------- the process after
+def test_a_finished_run_leaves_its_process_as_it_found_it(work):
+    """``ds_async.trainer.train`` in a process that goes on (a notebook, a sweep; here the job server's ranks): each
+    run destroys the process groups it made (each gloo group keeps threads that wake all the time), so the second run
+    ends with the threads the first one ended with."""
+    for rank in range(2):
+        first, second = (json.loads((work / "out" / f"{s}.rank{rank}.json").read_text()) for s in SCHEDULES)
+        assert first["groups_left"] == second["groups_left"] == 0
+        assert second["threads"] <= first["threads"]
+
+
 # ------------------------------------------------------------------------------------------- the runs' logs
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_summary_and_tensorboard_hold_the_metrics(work, schedule):

@@ -287,6 +287,11 @@ class AsyncPipelineEngine(PipelineEngine):
             self._joint_backward(buffer_id, outputs)
         else:
             super()._exec_backward_pass(buffer_id)
+            if self.is_last_stage():
+                # DeepSpeed's last stage keeps its outputs (the logits) until the slot's next forward. They carry
+                # DeepSpeed's backward hooks, which hold this engine: a cycle through autograd's graph that the
+                # collector cannot see, which kept the whole stage (weights, versions, optimizer state) after its job.
+                self.pipe_buffers["outputs"][buffer_id] = None
         if self._pass_timer is not None:
             self._pass_timer.pass_end(token)
 
