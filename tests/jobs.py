@@ -231,14 +231,6 @@ JOBS = {"logits": job_logits, "train": job_train, "moe": job_moe, "checkpoint_gr
         "trainer_runs": job_trainer_runs}
 
 
-def _destroy_job_groups() -> None:
-    """Destroy every process group but the default one: those the last job made (the engine's, the trainer's; a
-    trainer run destroys its own). Left alone, each keeps three gloo threads that wake all the time, so a server's
-    idle cost grew with every job it ran."""
-    destroy_groups(keep={tdist.group.WORLD})
-    gc.collect()
-
-
 def serve(folder: Path) -> None:
     """Run the jobs requested in ``folder`` one after another (``tests/distributed.py``'s ``_JobServer``): each as
     in a fresh process, with torch's default generator at its start-up seed, the job's folder as working directory
@@ -264,7 +256,10 @@ def serve(folder: Path) -> None:
             os._exit(1)
         gc.collect()
         tdist.barrier()  # every rank has written its files and is done with the job's groups
-        _destroy_job_groups()
+        # Every group but the default one: those the job made (a trainer run destroys its own). Left alone, each
+        # keeps gloo threads that wake all the time, so a server's idle cost grew with every job it ran.
+        destroy_groups(keep={tdist.group.WORLD})
+        gc.collect()
         if rank == 0:
             (folder / f"done{n}").write_text("")
 
