@@ -15,17 +15,21 @@ import torch
 import torch.distributed as tdist
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from . import checkpoint
 from . import config as cfgmod
 from . import data, fp8, metrics, telemetry
 from .builder import destroy_groups, init_distributed, process_groups
+from .cadence import Cadence
 from .checkpoint import folder
+from .config import DsAsyncConfig
 from .job import optimizer_type, start_run_log, steps_for
-from .nonfinite import NonFiniteLoss, NonFiniteWeights, SkipNonFinite, weights_nonfinite
+from .nonfinite import LossMonitor, NonFiniteLoss, NonFiniteWeights, SkipNonFinite, weights_nonfinite
 from .optim.client import check_optimizer_block
-from .pipe.engine import StepReport
+from .pipe.engine import AsyncPipelineEngine, StepReport
 from .preempt import Preempted, Preemption
+from .prefetch import MicroBatchReader
 from .trainer_setup import TrainerSetup
 
 
@@ -55,6 +59,53 @@ class Trainer(TrainerSetup):
     """One training job. ``setup`` builds everything (every rank; :class:`~ds_async.trainer_setup.TrainerSetup`),
     ``run`` trains to the end and returns the summary on the reporting rank (``None`` elsewhere)."""
 
+    # The job's state, all of it. Set by __init__: what the config and the launcher fix.
+    config_path: str
+    cfg: DsAsyncConfig
+    ds_config: dict  # DeepSpeed's part, its schedule length this run's (a resume may set another)
+    max_steps: int | None  # --max-steps: stops the run early, changes nothing else
+    rank: int
+    world: int
+    device: torch.device
+    mbs: int  # micro-batch size
+    gas: int  # micro-batches a step
+    length: int  # the run's steps, from the config
+    groups_before: set  # the process groups the caller held: release keeps them
+    start_clock: telemetry.StartClock
+    # Set by setup (TrainerSetup), in this order: the run's folders and the checkpoint it resumes from ...
+    group: tdist.ProcessGroup  # gloo, for the host-side agreements (checkpoint files, loss flags)
+    preemption: Preemption | None  # SIGTERM handling (a run that saves, in the main thread)
+    run_dir: Path | None
+    ckpt_root: Path | None
+    resume_from: Path | None
+    # ... the model and engine ...
+    tok: PreTrainedTokenizerBase
+    fingerprint: dict  # the tokenizer's, checked on resume and saved with every checkpoint
+    hf_config: PretrainedConfig
+    engine: AsyncPipelineEngine
+    monitor: LossMonitor | None  # train.on_nonfinite = "stop"; "skip" wraps the engine's optimizer instead
+    tokens_per_step: int
+    total_steps: int  # the last step this job runs: length, or max_steps if sooner
+    cadence: Cadence
+    # ... the data ...
+    needs_data: bool  # this rank holds the first or the last stage
+    train_iter: MicroBatchReader | None  # the training stream, on the ranks that read data
+    held_out: list  # the validation micro-batches, read once at start, on this rank's device
+    # ... the restored position.
+    start: int  # the step the job starts after: 0, or the checkpoint's
+    last_saved: int | None
+    # Set by _start_logging: the logs and what they measure.
+    stage_of_rank: list[int]
+    clock: telemetry.StageClock
+    grad_norm: telemetry.GradNormTap | None  # on the reporting rank
+    ds_monitor: metrics.DeepSpeedMonitor
+    log: metrics.RunLogger
+    in_flight: list[tuple[int, object, float, object]]  # (step, loss on its way to the host, lr, norm): not reported
+    to_log: list[tuple[int, float | None, float, object]]  # reported, waiting for their norm to land to be logged
+    # Advanced by the loop's checks.
+    weights_ok_at: int | None  # the last step whose weights were checked finite
+    end_checked: bool  # the end's checks ran (skipped steps, weights)
+
     def __init__(self, config_path: str, max_steps: int | None = None, run_name: str | None = None):
         self.start_clock = telemetry.StartClock()  # marked along set-up and at the end of the first step
         self.config_path = config_path
@@ -63,9 +114,8 @@ class Trainer(TrainerSetup):
         check_optimizer_block(self.ds_config, cfg.correction)
         self.cfg = cfg if run_name is None else replace(cfg, logging=replace(cfg.logging, run_name=run_name))
         self.max_steps = max_steps
-        self.run_dir: Path | None = None  # set by setup, on every rank (rank 0 creates them)
-        self.ckpt_root: Path | None = None
-        self.preemption: Preemption | None = None  # SIGTERM handling, from setup on (a run that saves)
+        self.run_dir = self.ckpt_root = None  # set by setup, on every rank (rank 0 creates the folders)
+        self.preemption = None
         init_distributed()
         self.groups_before = process_groups()  # the caller's: release keeps them
         self.start_clock.mark("process group")
@@ -116,8 +166,8 @@ class Trainer(TrainerSetup):
         # read after the next step is queued (a drain reads at once), so the last stage's host never waits for its
         # GPU to empty. Its norm exists later on the GPU (once stage 0 has finished the batch): the step is logged
         # once the norm has landed (``ready``), at the latest when the next step's loss has, or at a drain.
-        self.in_flight: list[tuple[int, object, float, object]] = []
-        self.to_log: list[tuple[int, float | None, float, object]] = []
+        self.in_flight = []
+        self.to_log = []
 
     # ----------------------------------------------------------------------------------------------- the loop
     def run(self) -> dict | None:

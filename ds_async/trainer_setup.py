@@ -45,7 +45,7 @@ def _or_error(fn, *args):
 
 class TrainerSetup:
     """The set-up steps of a :class:`~ds_async.trainer.Trainer` (it sets the config, ranks and run length in its
-    ``__init__``); :meth:`setup` runs them in order."""
+    ``__init__``, and declares the state each step sets); :meth:`setup` runs them in order."""
 
     def setup(self, resume: str | None = None) -> None:
         seed_everything(self.cfg.seed)
