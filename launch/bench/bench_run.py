@@ -14,7 +14,9 @@ data, first step for the CLI; imports, model, data, first step for the emulation
 string; ``ds_async.`` keys inside its section). ``--py-spy-dump S`` dumps every thread's stack (``py-spy dump``,
 subprocesses too) S seconds after the summary line if the process is still alive, to show what holds it;
 ``--py-spy-record FILE`` samples the training process's stacks for a while from a given step (folded stacks;
-``--py-spy-idle``: waiting threads too, so that time spent waiting on the GPU or a compile worker shows).
+``--py-spy-idle``: waiting threads too, so that time spent waiting on the GPU or a compile worker shows;
+``--py-spy-format speedscope``: each thread's samples in time order; ``--py-spy-flags``: py-spy's own, such as
+``--threads --gil``).
 """
 from __future__ import annotations
 
@@ -58,6 +60,10 @@ def main() -> None:
     ap.add_argument("--py-spy-seconds", type=float, default=10)
     ap.add_argument("--py-spy-idle", action="store_true",
                     help="sample threads that wait too (on the GPU, a lock, a compile worker), not only running ones")
+    ap.add_argument("--py-spy-format", default="raw", choices=("raw", "speedscope"),
+                    help="raw: folded stacks; speedscope: every thread's samples in time order (a timeline)")
+    ap.add_argument("--py-spy-flags", default="", metavar="FLAGS",
+                    help="more py-spy record flags, e.g. \"--threads --gil\" (only the thread holding the GIL)")
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -93,8 +99,9 @@ def main() -> None:
 
     def record():
         subprocess.run(["py-spy", "record", "--nonblocking", "--rate", "500" if args.py_spy_at else "50", "--format",
-                        "raw", "--duration", str(int(args.py_spy_seconds)), "--output", args.py_spy_record, "--pid",
-                        str(proc.pid)] + (["--idle"] if args.py_spy_idle else []), capture_output=True)
+                        args.py_spy_format, "--duration", str(int(args.py_spy_seconds)), "--output",
+                        args.py_spy_record, "--pid", str(proc.pid)] + (["--idle"] if args.py_spy_idle else [])
+                       + args.py_spy_flags.split(), capture_output=True)
 
     if args.py_spy_record and args.py_spy_at == 0 and shutil.which("py-spy"):
         threading.Thread(target=record, daemon=True).start()
