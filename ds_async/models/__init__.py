@@ -10,7 +10,9 @@ loads. A family (:mod:`.llama`, :mod:`.mixtral`) provides ``layer_specs`` and ``
 from __future__ import annotations
 
 import difflib
+import importlib
 import os
+import threading
 
 import torch
 from deepspeed import comm as dist
@@ -334,6 +336,7 @@ def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineMod
     if boundaries is not None:
         boundaries = check_boundaries(boundaries, cfg.pipeline_stages, len(specs))
     perf = cfg.performance
+    compiler = import_compiler_early() if perf.compile else None
     module = StagedPipelineModule(specs, boundaries=boundaries, num_stages=cfg.pipeline_stages,
                                   loss_fn=family.loss_fn(hf_config, perf.loss_chunk),
                                   partition_method="uniform" if cfg.partition.method == "explicit"
@@ -349,6 +352,8 @@ def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineMod
         for layer in decoder_layers(module.forward_funcs):
             fp8.convert(layer, perf.fp8)
     cache_compiled_code(perf)
+    if compiler is not None:
+        compiler.join()
     if perf.compile:  # the loss too, so it fuses with the softmax
         if perf.compile_scope == "stage":
             module.compile_stage()
@@ -364,6 +369,24 @@ def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineMod
                               "random masks a replayed graph would repeat: set those to 0 or cuda_graphs to false")
         module.graph_stage()
     return module
+
+
+def import_compiler_early() -> threading.Thread:
+    """Import Inductor's compiler on a thread, started before the layers are built: ``torch.compile`` imports it at
+    its first call, over a second of Python (mostly torch.library's operator definitions) that would otherwise
+    follow the build. The build leaves the GIL free for it most of the time: its threads draw the weights and
+    DeepSpeed copies them to the device without holding it. Join it before the first ``torch.compile``. An import
+    error is left for that call to raise."""
+    def run():
+        try:
+            importlib.import_module("torch._inductor.compile_fx")
+        except Exception:  # torch.compile raises it again, with its own context
+            pass
+
+    off = os.environ.get("DS_ASYNC_EXPERIMENT_NO_EARLY_IMPORT") == "1"
+    thread = threading.Thread(target=(lambda: None) if off else run, name="ds_async-import-compiler", daemon=True)
+    thread.start()
+    return thread
 
 
 def compile_layers(layers) -> None:
