@@ -151,8 +151,10 @@ def plot_batch(gaps: pd.DataFrame):
         for ax, x in zip(axes, ("steps", "tokens/step")):
             ax.errorbar(part[x], part["gap"], yerr=part["gap half"].fillna(0), marker="o", capsize=3,
                         label=f"{opt} {variant} ({seeds})")
-    for ax, xlabel in zip(axes, ("optimizer steps (the same tokens)", "tokens a step")):
+    for ax, x, xlabel in zip(axes, ("steps", "tokens/step"), ("optimizer steps (the same tokens)", "tokens a step")):
         ax.set_xscale("log")
+        ax.minorticks_off()  # ticks at the points run only: a log axis' minor labels overprint each other
+        ax.set_xticks(sorted(set(gaps[x])), [f"{v:,.0f}" for v in sorted(set(gaps[x]))])
         ax.axhline(0, color="k", lw=0.8)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("final validation loss − sync's")
