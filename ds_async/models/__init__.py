@@ -373,18 +373,17 @@ def build_pipeline(cfg: DsAsyncConfig, hf_config, **kwargs) -> StagedPipelineMod
 
 def import_compiler_early() -> threading.Thread:
     """Import Inductor's compiler on a thread, started before the layers are built: ``torch.compile`` imports it at
-    its first call, over a second of Python (mostly torch.library's operator definitions) that would otherwise
-    follow the build. The build leaves the GIL free for it most of the time: its threads draw the weights and
-    DeepSpeed copies them to the device without holding it. Join it before the first ``torch.compile``. An import
-    error is left for that call to raise."""
+    its first call, a long stretch of pure Python (torch.library's operator definitions, mostly) that would
+    otherwise follow the build, and the build leaves the GIL free most of the time (its threads draw the weights,
+    DeepSpeed copies them to the device, both without holding it). Join it before the first ``torch.compile``. An
+    import error is left for that call to raise."""
     def run():
         try:
             importlib.import_module("torch._inductor.compile_fx")
         except Exception:  # torch.compile raises it again, with its own context
             pass
 
-    off = os.environ.get("DS_ASYNC_EXPERIMENT_NO_EARLY_IMPORT") == "1"
-    thread = threading.Thread(target=(lambda: None) if off else run, name="ds_async-import-compiler", daemon=True)
+    thread = threading.Thread(target=run, name="ds_async-import-compiler", daemon=True)
     thread.start()
     return thread
 

@@ -63,7 +63,8 @@ def main() -> None:
     ap.add_argument("--py-spy-format", default="raw", choices=("raw", "speedscope"),
                     help="raw: folded stacks; speedscope: every thread's samples in time order (a timeline)")
     ap.add_argument("--py-spy-flags", default="", metavar="FLAGS",
-                    help="more py-spy record flags, e.g. \"--threads --gil\" (only the thread holding the GIL)")
+                    help="more py-spy record flags, e.g. \"--threads --gil\" (only the thread holding the GIL); one "
+                         "flag alone as --py-spy-flags=--threads")
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
