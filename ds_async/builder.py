@@ -10,16 +10,20 @@ import random
 import socket
 
 import deepspeed
+import torch
 import torch.distributed as tdist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.pipe import p2p
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 from deepspeed.utils import groups as ds_groups
 from torch.distributed import distributed_c10d
 
+from .config import DsAsyncConfig
 from .optim.client import client_optimizer
 from .pipe.engine import AsyncPipelineEngine
+from .prefetch import ReaderProcess, reads_in_background
 from .pipe.version_rule import SYNC
 
 
@@ -40,6 +44,19 @@ def free_local_port() -> int:
     with socket.socket() as s:  # every try taken: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_reader(cfg: DsAsyncConfig, rank: int, world: int, device_type: str) -> ReaderProcess | None:
+    """On a rank that will read the training stream in a reader process (``performance.data_reader`` on a
+    ``device_type`` device, and a first or last stage): that process, started now so that its imports overlap
+    whatever the caller does next; else None. DeepSpeed's topology for the pipeline module (stages outermost) says
+    which stage ``rank`` holds before any process group or module exists. A world that ``pipeline_stages`` does not
+    divide gets None: the job's own checks refuse it."""
+    stages = cfg.pipeline_stages
+    if world % stages or not reads_in_background(cfg.performance.data_reader, torch.device(device_type)):
+        return None
+    stage = PipeDataParallelTopology(num_pp=stages, num_dp=world // stages).get_coord(rank).pipe
+    return ReaderProcess(imports=("ds_async.data",)) if stage in (0, stages - 1) else None
 
 
 def init_distributed() -> None:

@@ -1,6 +1,6 @@
 """The sections of the ``"ds_async"`` JSON section as dataclasses, each field's docstring its key's reference, and
 the errors a config raises (:class:`ConfigError`, whose message names the offending key; :func:`did_you_mean` for a
-misspelled key). ``ds_async.config`` parses the JSON into them (with the speed levers, ``PerformanceConfig``, and
+misspelled key) and the data it names (:class:`DataError`, which ``ds_async.data`` raises). ``ds_async.config`` parses the JSON into them (with the speed levers, ``PerformanceConfig``, and
 the whole section, ``DsAsyncConfig``, which live there) and checks what spans sections.
 """
 from __future__ import annotations
@@ -14,6 +14,11 @@ from .corpus import EMBEDDED_CORPUS
 
 class ConfigError(ValueError):
     """A problem in the user's config; the message names the offending key."""
+
+
+class DataError(ValueError):
+    """Training or validation data that cannot be read; the message names the file or source. Defined here, with
+    the config's errors, so that the command line catches it without importing the data path (datasets)."""
 
 
 class OptimizerSetupError(ConfigError):

@@ -177,10 +177,13 @@ class ReaderProcess:
 
     def close(self) -> None:
         """Stop it (at its next chunk, or while it waits for work) and wait for its end, terminating it after 5 s;
+        one still importing, never given work, is terminated at once (it would see the stop only after its imports);
         once."""
         if self.stop.is_set():
             return
         self.stop.set()
+        if not self.begun and not self.ready.is_set():
+            self.process.terminate()
         self.process.join(timeout=5)
         if self.process.is_alive():
             self.process.terminate()

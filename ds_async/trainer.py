@@ -29,21 +29,27 @@ from .nonfinite import LossMonitor, NonFiniteLoss, NonFiniteWeights, SkipNonFini
 from .optim.client import check_optimizer_block
 from .pipe.engine import AsyncPipelineEngine, StepReport
 from .preempt import Preempted, Preemption
-from .prefetch import MicroBatchReader
+from .prefetch import MicroBatchReader, ReaderProcess
 from .trainer_setup import TrainerSetup
 
 
 def train(config_path: str, max_steps: int | None = None, run_name: str | None = None,
-          resume: str | None = None) -> dict | None:
+          resume: str | None = None, reader: ReaderProcess | None = None) -> dict | None:
     """Run the job described by the DeepSpeed JSON at ``config_path``; returns the summary on the reporting rank.
 
     ``resume``: ``"latest"`` continues from the newest complete checkpoint in the run's checkpoint folder (or
-    starts afresh if there is none); a path names a checkpoint or a folder of them.
+    starts afresh if there is none); a path names a checkpoint or a folder of them. ``reader``: this rank's reader
+    process, started by the caller (:func:`~ds_async.builder.start_reader`), which the job then owns.
     """
-    trainer = Trainer(config_path, max_steps=max_steps, run_name=run_name)
+    try:
+        trainer = Trainer(config_path, max_steps=max_steps, run_name=run_name)
+    except BaseException:
+        if reader is not None:
+            reader.close()
+        raise
     ended = False  # on every rank alike: the run's end, or its preemption, raised on every rank at one step
     try:
-        trainer.setup(resume)
+        trainer.setup(resume, reader)
         summary = trainer.run()
         ended = True
         return summary

@@ -13,13 +13,12 @@ from pathlib import Path
 
 import torch.distributed as tdist
 from deepspeed import comm as dist
-from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from . import checkpoint
 from . import config as cfgmod
 from . import console, data, tokenizer
 from . import resume as policy
-from .builder import initialize
+from .builder import initialize, start_reader
 from .cadence import Cadence
 from .checkpoint import folder
 from .checkpoint.folder import agree
@@ -47,7 +46,9 @@ class TrainerSetup:
     """The set-up steps of a :class:`~ds_async.trainer.Trainer` (it sets the config, ranks and run length in its
     ``__init__``, and declares the state each step sets); :meth:`setup` runs them in order."""
 
-    def setup(self, resume: str | None = None) -> None:
+    def setup(self, resume: str | None = None, reader: ReaderProcess | None = None) -> None:
+        """``reader``: this rank's reader process if the caller started it (:func:`~ds_async.builder.start_reader`,
+        earlier than this could), which the trainer then owns; else it is started here where one is needed."""
         seed_everything(self.cfg.seed)
         use_deterministic(self.cfg.performance.deterministic)
         self.group = tdist.new_group(backend="gloo")  # host-side agreement: checkpoint files, loss flags
@@ -58,7 +59,8 @@ class TrainerSetup:
             self.preemption = Preemption(ckpt.preempt_grace_s, self.group, say=self.rank == 0)
         self.weights_ok_at, self.end_checked = None, False  # see _check_weights, _stop_if_nonfinite
         self.train_iter = None  # the training stream's reader (_build_data), which then owns the reader process
-        reader = self._early_reader()
+        if reader is None:  # started now, so that its imports overlap the model's build
+            reader = start_reader(self.cfg, self.rank, self.world, self.device.type)
         try:
             self._set_up(resume, reader)
         except BaseException:
@@ -225,16 +227,6 @@ class TrainerSetup:
         self.cadence = Cadence(self.total_steps, eval_every=cfg.eval.every, save_every=cfg.checkpoint.every,
                                evaluate=bool(cfg.data.validation), final_save=cfg.checkpoint.final)
 
-    def _early_reader(self) -> ReaderProcess | None:
-        """On a rank that will read the training stream in a reader process: that process, started now so that
-        its imports overlap the model's build. The first and last stages read; DeepSpeed's topology for the
-        pipeline module (stages outermost) says which stage this rank holds before the module exists."""
-        stages = self.cfg.pipeline_stages
-        stage = PipeDataParallelTopology(num_pp=stages, num_dp=self.world // stages).get_coord(self.rank).pipe
-        if not reads_in_background(self.cfg.performance.data_reader, self.device) or stage not in (0, stages - 1):
-            return None
-        return ReaderProcess(imports=("ds_async.data",))
-
     def _stream(self, role: str):
         """This rank's micro-batches of ``data.train`` (shuffled, repeating) or ``data.validation`` (one pass)."""
         cfg, engine = self.cfg, self.engine
@@ -242,7 +234,7 @@ class TrainerSetup:
                                  dp_world_size=engine.grid.data_parallel_size, seed=cfg.seed)
 
     def _build_data(self, reader: ReaderProcess | None) -> Exception | None:
-        """Open the training stream on the ranks that read data, to be read by ``reader`` (:meth:`_early_reader`),
+        """Open the training stream on the ranks that read data, to be read by ``reader`` (see :meth:`setup`),
         which the stream's reader then owns (it is closed here if unused); returns the error that stopped it, for
         :meth:`_check_sources` to raise on every rank."""
         self.needs_data = self.engine.is_first_stage() or self.engine.is_last_stage()

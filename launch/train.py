@@ -26,15 +26,17 @@ console.quiet_imports()  # before DeepSpeed and transformers are imported, which
 
 import deepspeed  # noqa: E402
 
+from deepspeed.accelerator import get_accelerator  # noqa: E402
+
 from ds_async import config as cfgmod  # noqa: E402
-from ds_async.builder import free_local_port  # noqa: E402
+from ds_async.builder import free_local_port, start_reader  # noqa: E402
 from ds_async.checkpoint import CheckpointError  # noqa: E402
 from ds_async.config import ConfigError  # noqa: E402
-from ds_async.data import DataError  # noqa: E402
+from ds_async.config_sections import DataError  # noqa: E402
 from ds_async.nonfinite import NonFiniteLoss  # noqa: E402
 from ds_async.optim.client import OptimizerSetupError  # noqa: E402
 from ds_async.preempt import PREEMPTED_EXIT, Preempted  # noqa: E402
-from ds_async.trainer import train  # noqa: E402
+from ds_async.prefetch import ReaderProcess  # noqa: E402
 
 EXPECTED = (ConfigError, DataError, CheckpointError, NonFiniteLoss, OptimizerSetupError, FileNotFoundError)
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
@@ -55,6 +57,17 @@ def without_launcher(config: str) -> None:
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_local_port())})
 
+
+
+def early_reader(config: str) -> ReaderProcess | None:
+    """This rank's reader process for the training stream, where it needs one (:func:`ds_async.builder.start_reader`),
+    started before the trainer is imported: a spawned interpreter spends seconds importing torch, datasets and
+    transformers, and started at the set-up it was still importing when the first step asked for data. None
+    without the launcher's RANK and WORLD_SIZE (an MPI launch sets them later): the trainer starts it then."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    _, cfg = cfgmod.load(config)
+    return start_reader(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), get_accelerator().device_name())
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -90,7 +103,11 @@ def main() -> None:
         if args.max_steps is not None and args.max_steps < 1:
             raise ConfigError(f"--max-steps: must be >= 1, got {args.max_steps}")
         without_launcher(args.config)
-        train(args.config, max_steps=args.max_steps, run_name=args.run_name, resume=args.resume)
+        reader = early_reader(args.config)
+        # Imported once the reader process imports too: transformers and datasets, most of a start's imports.
+        from ds_async.trainer import train
+
+        train(args.config, max_steps=args.max_steps, run_name=args.run_name, resume=args.resume, reader=reader)
     except EXPECTED as e:
         line = console.error_line(e)
         if line is not None:

@@ -136,6 +136,33 @@ def test_compile_cache_folder_is_the_configs(tmp_path, monkeypatch):
         parse({**model, "performance": {"data_reader": "thread"}})
 
 
+@pytest.mark.parametrize("world, stages", [(1, 1), (4, 2), (6, 3)])
+def test_reader_processes_start_on_the_first_and_last_stages(world, stages):
+    """``builder.start_reader``, which ``launch/train.py`` calls before the trainer's imports: with
+    ``performance.data_reader: process`` a rank of the first or last stage (DeepSpeed's layout: stages outermost)
+    gets a reader process and a middle stage none; ``auto`` on CPU reads in the training process (none); a world that
+    the stages do not divide gets none (the job's own checks refuse it)."""
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+    from ds_async.builder import start_reader
+
+    model = {"model": {"config": {"hidden_size": 32}}, "pipeline_stages": stages}
+    cfg = parse({**model, "performance": {"data_reader": "process"}})
+    topology = PipeDataParallelTopology(num_pp=stages, num_dp=world // stages)
+    readers = [start_reader(cfg, rank, world, "cpu") for rank in range(world)]
+    try:
+        reads = [topology.get_coord(rank).pipe in (0, stages - 1) for rank in range(world)]
+        assert [r is not None for r in readers] == reads
+        assert (stages > 2) == (not all(reads))
+    finally:
+        for reader in readers:
+            if reader is not None:
+                reader.close()
+    assert start_reader(parse(model), 0, world, "cpu") is None
+    if stages > 1:
+        assert start_reader(cfg, 0, world + 1, "cpu") is None
+
+
 def test_the_command_line_exits_at_once_after_its_summary(tmp_path):
     """``python launch/train.py`` with its training stream in a reader process ends within a second or two of its
     summary line: the reader stops at once, evaluations read no stream (their micro-batches are read at start), and

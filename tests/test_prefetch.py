@@ -2,6 +2,7 @@
 caller's thread or a background reader alike, and its position resumes mid-chunk."""
 import functools
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -138,6 +139,14 @@ def test_a_reader_process_started_before_its_streams_reads_the_same_steps():
     assert unused.ready.wait(timeout=300)  # past its imports (seconds on a loaded machine), as a real one would be
     unused.close()
     assert unused.process.exitcode == 0
+
+
+def test_a_reader_process_closed_while_it_imports_is_ended_at_once():
+    """A reader closed before its imports are done (its job failed at start, or its rank turned out not to read) is
+    terminated then, not waited for: it would see the stop only once its imports (seconds) are over."""
+    reader = ReaderProcess(imports=("ds_async.data",))
+    reader.close()
+    assert not reader.process.is_alive() and reader.process.exitcode == -signal.SIGTERM
 
 
 READER_FROM_A_SCRIPT = """

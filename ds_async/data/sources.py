@@ -19,7 +19,7 @@ from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
 
 from .. import corpus, hub
 from ..config import ConfigError, DataConfig, from_dict
-from ..config_sections import DataSource
+from ..config_sections import DataError, DataSource
 from ..corpus import EMBEDDED_CORPUS  # ships with Python itself: the default, nothing to install
 from ..hub import one_line
 
@@ -67,10 +67,6 @@ def read_rows(stream):
             rows.close()
         # arrow's threads wind down after the stream ends or is closed, as after a read: the exit waits for them too
         _last_read[0] = time.monotonic()
-
-
-class DataError(ValueError):
-    """Training or validation data that cannot be read; the message names the file or source."""
 
 
 def _builder_for(path: str) -> str | None:
