@@ -23,8 +23,8 @@ from torch.distributed import distributed_c10d
 from .config import DsAsyncConfig
 from .optim.client import client_optimizer
 from .pipe.engine import AsyncPipelineEngine
-from .prefetch import ReaderProcess, reads_in_background
 from .pipe.version_rule import SYNC
+from .prefetch import ReaderProcess, reads_in_background
 
 
 def free_local_port() -> int:

@@ -1,7 +1,8 @@
 """The sections of the ``"ds_async"`` JSON section as dataclasses, each field's docstring its key's reference, and
 the errors a config raises (:class:`ConfigError`, whose message names the offending key; :func:`did_you_mean` for a
-misspelled key) and the data it names (:class:`DataError`, which ``ds_async.data`` raises). ``ds_async.config`` parses the JSON into them (with the speed levers, ``PerformanceConfig``, and
-the whole section, ``DsAsyncConfig``, which live there) and checks what spans sections.
+misspelled key) and the one for data it names that cannot be read (:class:`DataError`, raised by ``ds_async.data``).
+``ds_async.config`` parses the JSON into them (with the speed levers, ``PerformanceConfig``, and the whole section,
+``DsAsyncConfig``, which live there) and checks what spans sections.
 """
 from __future__ import annotations
 

@@ -25,7 +25,6 @@ from ds_async import console
 console.quiet_imports()  # before DeepSpeed and transformers are imported, which the imports below do
 
 import deepspeed  # noqa: E402
-
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 from ds_async import config as cfgmod  # noqa: E402
@@ -58,11 +57,10 @@ def without_launcher(config: str) -> None:
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_local_port())})
 
 
-
 def early_reader(config: str) -> ReaderProcess | None:
     """This rank's reader process for the training stream, where it needs one (:func:`ds_async.builder.start_reader`),
     started before the trainer is imported: a spawned interpreter spends seconds importing torch, datasets and
-    transformers, and started at the set-up it was still importing when the first step asked for data. None
+    transformers, which then overlap this process's own imports rather than the first step's wait for data. None
     without the launcher's RANK and WORLD_SIZE (an MPI launch sets them later): the trainer starts it then."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None
