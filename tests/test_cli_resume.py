@@ -62,20 +62,27 @@ def finish(proc: subprocess.Popen) -> str:
     return out
 
 
-def kill_after_checkpoint(proc: subprocess.Popen, root: Path) -> None:
-    """SIGKILL the launcher and its ranks once step ``EVERY * 2``'s checkpoint is complete."""
+def kill_after_checkpoint(jobs: dict[str, tuple[subprocess.Popen, Path]]) -> None:
+    """SIGKILL each job's launcher and ranks once its step ``EVERY * 2`` checkpoint is complete, watching all of
+    them at once: a job left running while another is awaited could finish (and drop that checkpoint, ``keep: 2``)
+    before it is killed."""
     deadline = time.time() + 300
-    while not (checkpoint.step_dir(root, 2 * EVERY) / checkpoint.MANIFEST).exists():
-        assert proc.poll() is None, proc.stdout.read()[-5000:]
-        assert time.time() < deadline, "no checkpoint appeared"
+    waiting = dict(jobs)
+    while waiting:
+        for name, (proc, root) in list(waiting.items()):
+            if not (checkpoint.step_dir(root, 2 * EVERY) / checkpoint.MANIFEST).exists():
+                assert proc.poll() is None, proc.stdout.read()[-5000:]
+                continue
+            family = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+            for pid in family:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.communicate(timeout=60)
+            del waiting[name]
+        assert time.time() < deadline, f"no checkpoint appeared: {sorted(waiting)}"
         time.sleep(0.05)
-    family = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
-    for pid in family:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.communicate(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +98,7 @@ def runs(tmp_path_factory) -> dict:
     for first in range(0, len(names), 2):
         batch = names[first:first + 2]
         procs = {n: start(configs[n], folder) for n in batch}
-        for n, proc in procs.items():
-            kill_after_checkpoint(proc, folder / "runs" / n / "checkpoints")
+        kill_after_checkpoint({n: (proc, folder / "runs" / n / "checkpoints") for n, proc in procs.items()})
         procs = {n: start(configs[n], folder, "--resume", "--max-steps", str(END)) for n in batch}
         out.update({n: finish(proc) for n, proc in procs.items()})
     out["reference"] = finish(reference)
