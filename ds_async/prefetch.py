@@ -3,8 +3,7 @@
 :class:`Prefetcher` turns one or more micro-batch streams (``(inputs, labels)`` iterators with
 ``state_dict``/``load_state_dict``, such as :class:`ds_async.data.PackedBatches`) into steps: each step is the next
 ``per_step`` micro-batches of every stream, stream after stream (replica after replica, as the emulation and the
-engine order them). Steps are read ``chunk`` at a time, the first chunk ``first_chunk`` (smaller, so that the first
-step waits for its own reading only). On a GPU a reader process opens the streams and reads and
+engine order them). Steps are read ``chunk`` at a time. On a GPU a reader process opens the streams and reads and
 stacks the next chunks while the device trains; each chunk arrives through shared memory, is pinned and reaches
 the device in one asynchronous copy, so the training loop never waits on the host for data. Without
 ``background`` a chunk is read when it is needed, in the caller's thread: the same steps in the same order.
@@ -82,9 +81,9 @@ def _serve(imports: tuple[str, ...], work, out, stop, ready) -> None:
     _read(*args, out, stop)
 
 
-def _read(streams: Streams, states, per_step: int, chunks: tuple[int, int], left: int | None, out, stop) -> None:
-    """The reader process: opens the streams and puts chunks of steps into ``out``, ``chunks[0]`` steps in the first
-    and ``chunks[1]`` in each after it (``left`` in all; None: no end), until done or ``stop``; an exception instead of a chunk if reading fails. It then waits for
+def _read(streams: Streams, states, per_step: int, chunk: int, left: int | None, out, stop) -> None:
+    """The reader process: opens the streams and puts chunks of ``chunk`` steps (``left`` in all; None: no end)
+    into ``out`` until done or ``stop``; an exception instead of a chunk if reading fails. It then waits for
     ``stop``: a chunk's tensors travel as file descriptors this process hands over when they are unpickled, so it
     must outlive their reception. A consumer killed without a word (SIGKILL) counts as ``stop``: the reader ends
     instead of waiting for it forever."""
@@ -96,10 +95,8 @@ def _read(streams: Streams, states, per_step: int, chunks: tuple[int, int], left
     try:
         torch.set_num_threads(1)
         streams = open_streams(streams, states)
-        size = chunks[0]
         while not stopped() and (left is None or left > 0):
-            n = size if left is None else min(size, left)
-            size = chunks[1]
+            n = chunk if left is None else min(chunk, left)
             item = read_chunk(streams, per_step, n)
             if left is not None:
                 left -= n
@@ -169,13 +166,13 @@ class ReaderProcess:
         with _main_hidden():
             self.process.start()
 
-    def begin(self, streams: Streams, states: list[dict] | None, per_step: int, chunks: tuple[int, int],
+    def begin(self, streams: Streams, states: list[dict] | None, per_step: int, chunk: int,
               left: int | None) -> None:
-        """Read chunks of ``chunks[0]`` steps, then ``chunks[1]`` (``left`` in all) from ``streams`` restored to
-        ``states`` into :attr:`queue`: :func:`_read`'s arguments."""
+        """Read ``chunk`` steps at a time (``left`` in all) from ``streams`` restored to ``states`` into
+        :attr:`queue`: :func:`_read`'s arguments."""
         if self.begun:
             raise RuntimeError("ReaderProcess.begin: it reads one set of streams")
-        self._work.put((streams, states, per_step, chunks, left))
+        self._work.put((streams, states, per_step, chunk, left))
         self.begun = True
 
     def close(self) -> None:
@@ -199,17 +196,14 @@ class Prefetcher:
     """Steps of ``per_step`` micro-batches from each of ``streams``, on ``device``. ``streams``: the streams, or a
     function that opens them (a reader process calls it, so it must pickle; the streams themselves pickle into the
     reader otherwise); ``steps``: how many will be taken (None: no end), so that nothing past the run's last step is
-    read; ``chunk`` steps are read and copied at a time, ``first_chunk`` (default ``chunk``) the first time;
-    ``background``: read in a process (default: on a GPU);
+    read; ``chunk`` steps are read and copied at a time; ``background``: read in a process (default: on a GPU);
     ``depth``: chunks read ahead; ``reader``: a :class:`ReaderProcess` started earlier, to read with (its own
     depth then applies)."""
 
     def __init__(self, streams: Streams, per_step: int, device: torch.device, steps: int | None = None,
                  chunk: int = 16, background: bool | None = None, depth: int = 2,
-                 reader: ReaderProcess | None = None, first_chunk: int | None = None):
+                 reader: ReaderProcess | None = None):
         self.per_step, self.device, self.chunk = per_step, device, max(1, chunk)
-        self.first_chunk = self.chunk if first_chunk is None else max(1, first_chunk)
-        self._chunks_taken = 0
         self.background = device.type == "cuda" if background is None else background
         self.depth = depth
         self._source = streams
@@ -237,15 +231,13 @@ class Prefetcher:
     def _start(self) -> None:
         if self._reader is None:
             self._reader = ReaderProcess(depth=self.depth)
-        self._reader.begin(self._source, self._loaded, self.per_step, (self.first_chunk, self.chunk), self._left)
+        self._reader.begin(self._source, self._loaded, self.per_step, self.chunk, self._left)
 
     def _take(self):
         """The next chunk's item: read here, or the reader's next (it reads the same chunk sizes)."""
-        size = self.first_chunk if self._chunks_taken == 0 else self.chunk
-        n = size if self._left is None else min(size, self._left)
+        n = self.chunk if self._left is None else min(self.chunk, self._left)
         if n <= 0:
             raise RuntimeError("Prefetcher: every step it was built for has been taken")
-        self._chunks_taken += 1
         if self.background and not self._reading():
             self._start()  # before counting this chunk: the reader reads all that is left
         if self._left is not None:
@@ -341,8 +333,8 @@ class MicroBatchReader:
     trainer's start-up checks read from it (``peek``, ``documents``, ``skipped``) and a checkpoint's position is
     loaded into it. ``opener``: a picklable function that opens the same stream afresh, for a reader process.
     :meth:`start` hands the stream's exact position over: with ``background`` a reader process opens the stream,
-    restores that position and tokenizes and packs ``chunk`` micro-batches at a time (``first_chunk`` the first
-    time) while the device trains (the stream opened here is closed); without it the stream is read here, one micro-batch at a time, as before. On a
+    restores that position and tokenizes and packs ``chunk`` micro-batches at a time while the device trains (the
+    stream opened here is closed); without it the stream is read here, one micro-batch at a time, as before. On a
     GPU each chunk arrives pinned and is copied asynchronously, so taking a micro-batch never waits for the device.
 
     Position: :meth:`state_dict` is the stream's ``state_dict`` at the start of the chunk being consumed plus
@@ -351,10 +343,9 @@ class MicroBatchReader:
     the end of the chunk being consumed. ``reader``: a :class:`ReaderProcess` started earlier, for ``background``."""
 
     def __init__(self, stream, opener: Callable, device: torch.device, chunk: int = 1, background: bool = False,
-                 reader: ReaderProcess | None = None, first_chunk: int | None = None):
+                 reader: ReaderProcess | None = None):
         self._stream, self._opener, self.device = stream, opener, device
         self.chunk, self.background = max(1, chunk), background
-        self.first_chunk = first_chunk
         self._reader = reader  # handed to the Prefetcher at start
         self._loaded: dict | None = None  # a state given before start
         self._prefetcher: Prefetcher | None = None
@@ -384,11 +375,10 @@ class MicroBatchReader:
             if hasattr(self._stream, "close"):
                 self._stream.close()
             self._prefetcher = Prefetcher(functools.partial(_as_streams, self._opener), 1, self.device,
-                                          chunk=self.chunk, background=True, reader=self._reader,
-                                          first_chunk=self.first_chunk)
+                                          chunk=self.chunk, background=True, reader=self._reader)
         else:
             self._prefetcher = Prefetcher([self._stream], 1, self.device, chunk=self.chunk, background=False,
-                                          reader=self._reader, first_chunk=self.first_chunk)
+                                          reader=self._reader)
         self._reader = None
         if self.background or state["skip"]:  # a stream read here already stands at the state's chunk start
             self._prefetcher.load_state_dict(state)

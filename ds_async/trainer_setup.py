@@ -257,10 +257,9 @@ class TrainerSetup:
                                    dp_rank=engine.grid.data_parallel_id,
                                    dp_world_size=engine.grid.data_parallel_size, seed=cfg.seed)
         # A reader process hands over 16 steps at a time: per chunk the host pays a queue transfer, a pinned copy
-        # and the copy's launch, which at one step a chunk left the training loop waiting on the reader. Its first
-        # chunk is one step, which the first step would otherwise wait out 16 times over.
+        # and the copy's launch, which at one step a chunk left the training loop waiting on the reader.
         return MicroBatchReader(stream, opener, engine.device, chunk=16 * self.gas if background else 1,
-                                first_chunk=self.gas if background else None, background=background, reader=reader)
+                                background=background, reader=reader)
 
     def _plan_resume(self) -> tuple[dict[str, dict[str, tuple]], tuple[int, int, int] | None]:
         """Before the engine is built: what ``--resume`` does with each key changed since the checkpoint

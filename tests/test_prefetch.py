@@ -63,24 +63,6 @@ def test_resume_mid_chunk_reads_the_next_steps_and_nothing_past_the_last():
     assert [values(whole.next_step()) for _ in range(3)] == rest and stream.k == 7
 
 
-def test_a_smaller_first_chunk_reads_the_same_steps_and_resumes():
-    """``first_chunk``: the first chunk is that many steps and every later one ``chunk``, in the reader process as in
-    place (the position names the chunk's start); the steps are the same, and a position taken mid-chunk resumes
-    to the same rest."""
-    cpu = torch.device("cpu")
-    for background in (False, True):
-        p = Prefetcher([Counting(0)], per_step=1, device=cpu, steps=8, chunk=3, first_chunk=1, background=background)
-        first = [values(p.next_step()) for _ in range(3)]  # chunks [0] and [1, 2, 3]: two steps into the second
-        state = p.state_dict()
-        p.close()
-        assert state == {"streams": [{"k": 1}], "skip": 2}, background
-        q = Prefetcher([Counting(0)], per_step=1, device=cpu, steps=5, chunk=3, first_chunk=1, background=background)
-        q.load_state_dict(state)
-        rest = [values(q.next_step()) for _ in range(5)]
-        q.close()
-        assert first + rest == [[k] for k in range(8)], background
-
-
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus"
 
 
