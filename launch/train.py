@@ -41,13 +41,12 @@ EXPECTED = (ConfigError, DataError, CheckpointError, NonFiniteLoss, OptimizerSet
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
 
 
-def without_launcher(config: str) -> None:
+def without_launcher(config: str, cfg: cfgmod.DsAsyncConfig) -> None:
     """Started as ``python launch/train.py`` (no deepspeed/torchrun/MPI environment; DeepSpeed would look for MPI
     and fail on a missing mpi4py): a config with one pipeline stage runs as a world of one process; any other is
     refused with the launcher line that runs it."""
     if any(k in os.environ for k in LAUNCHER_ENV):
         return
-    _, cfg = cfgmod.load(config)
     p = cfg.pipeline_stages
     if p > 1:
         raise ConfigError(f"no launcher: ds_async.pipeline_stages is {p}, so the job needs {p} processes (or a "
@@ -57,14 +56,13 @@ def without_launcher(config: str) -> None:
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_local_port())})
 
 
-def early_reader(config: str) -> ReaderProcess | None:
+def early_reader(cfg: cfgmod.DsAsyncConfig) -> ReaderProcess | None:
     """This rank's reader process for the training stream, where it needs one (:func:`ds_async.builder.start_reader`),
     started before the trainer is imported: a spawned interpreter spends seconds importing torch, datasets and
     transformers, which then overlap this process's own imports rather than the first step's wait for data. None
     without the launcher's RANK and WORLD_SIZE (an MPI launch sets them later): the trainer starts it then."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None
-    _, cfg = cfgmod.load(config)
     return start_reader(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), get_accelerator().device_name())
 
 
@@ -100,8 +98,9 @@ def main() -> None:
     try:
         if args.max_steps is not None and args.max_steps < 1:
             raise ConfigError(f"--max-steps: must be >= 1, got {args.max_steps}")
-        without_launcher(args.config)
-        reader = early_reader(args.config)
+        _, cfg = cfgmod.load(args.config)  # checked here once; the trainer loads it itself
+        without_launcher(args.config, cfg)
+        reader = early_reader(cfg)
         # Imported once the reader process imports too: transformers and datasets, most of a start's imports.
         from ds_async.trainer import train
 
