@@ -55,8 +55,21 @@ def start_reader(cfg: DsAsyncConfig, rank: int, world: int, device_type: str) ->
     stages = cfg.pipeline_stages
     if world % stages or not reads_in_background(cfg.performance.data_reader, torch.device(device_type)):
         return None
-    stage = PipeDataParallelTopology(num_pp=stages, num_dp=world // stages).get_coord(rank).pipe
+    stage = _topology(stages, world).get_coord(rank).pipe
     return ReaderProcess(imports=("ds_async.data",)) if stage in (0, stages - 1) else None
+
+
+def data_parallel_of(cfg: DsAsyncConfig, rank: int, world: int) -> tuple[int, int]:
+    """``rank``'s data-parallel rank and the data-parallel degree, as the engine's grid will have them (the same
+    topology), for what must know them before the engine exists."""
+    stages = cfg.pipeline_stages
+    return _topology(stages, world).get_coord(rank).data, world // stages
+
+
+def _topology(stages: int, world: int) -> PipeDataParallelTopology:
+    """DeepSpeed's topology for a pipeline module of ``stages`` stages on ``world`` ranks (stages outermost): the one
+    its ``PipelineModule`` builds, so it says which stage and replica a rank holds before any module exists."""
+    return PipeDataParallelTopology(num_pp=stages, num_dp=world // stages)
 
 
 def init_distributed() -> None:

@@ -325,6 +325,11 @@ def _as_streams(opener: Callable) -> list:
     return [opener()]
 
 
+def _one_stream(opener: Callable) -> Callable[[], list]:
+    """What a :class:`MicroBatchReader`'s reader process opens: ``opener``'s stream alone (one micro-batch a step)."""
+    return functools.partial(_as_streams, opener)
+
+
 class MicroBatchReader:
     """One rank's training micro-batches for the engine (an iterator of ``(inputs, labels)`` on ``device``), read
     ahead by a :class:`Prefetcher` over one stream at micro-batch granularity.
@@ -340,7 +345,8 @@ class MicroBatchReader:
     Position: :meth:`state_dict` is the stream's ``state_dict`` at the start of the chunk being consumed plus
     ``skip``, the micro-batches of it consumed since; :meth:`load_state_dict` takes that or a plain stream state
     (``skip`` 0), so checkpoints of either kind resume exactly. :attr:`skipped` counts the documents skipped up to
-    the end of the chunk being consumed. ``reader``: a :class:`ReaderProcess` started earlier, for ``background``."""
+    the end of the chunk being consumed. ``reader``: a :class:`ReaderProcess` started earlier, for ``background``;
+    one that :meth:`begin_at_start` set reading already, for a stream that is then given no position."""
 
     def __init__(self, stream, opener: Callable, device: torch.device, chunk: int = 1, background: bool = False,
                  reader: ReaderProcess | None = None):
@@ -349,6 +355,14 @@ class MicroBatchReader:
         self._reader = reader  # handed to the Prefetcher at start
         self._loaded: dict | None = None  # a state given before start
         self._prefetcher: Prefetcher | None = None
+
+    @staticmethod
+    def begin_at_start(reader: ReaderProcess, opener: Callable, chunk: int) -> None:
+        """Have ``reader`` read ``opener``'s stream from where it opens, ``chunk`` micro-batches at a time, before the
+        MicroBatchReader over them exists: a run that starts afresh knows its position before anything is built, so
+        its first chunk is read while the model builds instead of after the set-up. The MicroBatchReader then given
+        ``reader`` (with the same ``opener`` and ``chunk``) reads on from it and takes no position."""
+        reader.begin(_one_stream(opener), None, 1, max(1, chunk), None)
 
     # -- before start: the stream opened here ------------------------------------------------------------------------
     def peek(self) -> None:
@@ -367,20 +381,25 @@ class MicroBatchReader:
         self._loaded = {"streams": [state], "skip": skip}
 
     def start(self) -> None:
-        """Hand the stream's position to the reader (a process with ``background``); idempotent."""
+        """Hand the stream's position to the reader (a process with ``background``) unless it reads from the stream's
+        start already (:meth:`begin_at_start`); idempotent."""
         if self._prefetcher is not None:
             return
         state = self._loaded or {"streams": [self._stream.state_dict()], "skip": 0}
+        reading = self._reader is not None and self._reader.begun
+        if reading and (self._loaded is not None or not self.background):
+            raise RuntimeError("MicroBatchReader: its reader process reads from the stream's start; it cannot be "
+                               "given a position, nor be read in place")
         if self.background:
             if hasattr(self._stream, "close"):
                 self._stream.close()
-            self._prefetcher = Prefetcher(functools.partial(_as_streams, self._opener), 1, self.device,
-                                          chunk=self.chunk, background=True, reader=self._reader)
+            self._prefetcher = Prefetcher(_one_stream(self._opener), 1, self.device, chunk=self.chunk,
+                                          background=True, reader=self._reader)
         else:
             self._prefetcher = Prefetcher([self._stream], 1, self.device, chunk=self.chunk, background=False,
                                           reader=self._reader)
         self._reader = None
-        if self.background or state["skip"]:  # a stream read here already stands at the state's chunk start
+        if (self.background and not reading) or state["skip"]:  # a stream read here stands at the chunk start
             self._prefetcher.load_state_dict(state)
         self._prefetcher.start()  # a reader process reads from now on, not from the first micro-batch
 
@@ -401,6 +420,8 @@ class MicroBatchReader:
             return self._stream.state_dict() if self._loaded is None else {**self._loaded["streams"][0],
                                                                            "skip": self._loaded["skip"]}
         state = self._prefetcher.state_dict()
+        if state["streams"] is None:  # read from the stream's start, nothing taken yet: the same data as from here
+            return {**self._stream.state_dict(), "skip": 0}
         return {**state["streams"][0], "skip": state["skip"]}
 
     def close(self) -> None:

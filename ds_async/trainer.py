@@ -84,7 +84,7 @@ class Trainer(TrainerSetup):
     run_dir: Path | None
     ckpt_root: Path | None
     resume_from: Path | None
-    # ... the model and engine ...
+    # ... the tokenizer, the model and the engine ...
     tok: PreTrainedTokenizerBase
     fingerprint: dict  # the tokenizer's, checked on resume and saved with every checkpoint
     hf_config: PretrainedConfig

@@ -18,7 +18,7 @@ from . import checkpoint
 from . import config as cfgmod
 from . import console, data, tokenizer
 from . import resume as policy
-from .builder import initialize, start_reader
+from .builder import data_parallel_of, initialize, start_reader
 from .cadence import Cadence
 from .checkpoint import folder
 from .checkpoint.folder import agree
@@ -75,7 +75,10 @@ class TrainerSetup:
         """:meth:`setup`'s steps from the run folder on: ``reader`` is the reader process started for this rank."""
         self._locate_run(resume)
         changed, lengths = self._plan_resume() if self.resume_from is not None else ({}, None)
-        self._build_engine(changed)
+        self._load_tokenizer(changed)
+        if reader is not None and self.resume_from is None:  # its position is the stream's start: read from now on
+            MicroBatchReader.begin_at_start(reader, self._train_opener(), self._chunk())
+        self._build_engine()
         self._check_sources(self._build_data(reader))
         carried = self._restore(changed, lengths) if self.resume_from is not None else {}
         self.start = self.engine.global_steps  # 0, or the step of the checkpoint it resumed from
@@ -188,9 +191,9 @@ class TrainerSetup:
                 if warning and self.rank == 0:
                     print(warning, flush=True)
 
-    def _build_engine(self, changed: dict[str, dict[str, tuple]]) -> None:
-        """The tokenizer, the model and the DeepSpeed engine. A resume first checks the model's config against the
-        checkpoint's, adding its applied changes to ``changed``."""
+    def _load_tokenizer(self, changed: dict[str, dict[str, tuple]]) -> None:
+        """The tokenizer and the model's config, checked against each other and the data's sequence length. A resume
+        first checks the model's config against the checkpoint's, adding its applied changes to ``changed``."""
         cfg = self.cfg
         if self.resume_from is not None and cfg.tokenizer.startswith("train:"):
             # The one the saved run trained, checked against the checkpoint's manifest.
@@ -204,6 +207,10 @@ class TrainerSetup:
                 changed.setdefault(what, {}).update(keys)
         check_vocab(self.tok, self.hf_config, cfg.tokenizer)
         check_seq_len(cfg, self.hf_config)
+
+    def _build_engine(self) -> None:
+        """The model and the DeepSpeed engine."""
+        cfg = self.cfg
         with console.deepspeed_quiet(cfg.logging.deepspeed_log):
             module = build_pipeline(cfg, self.hf_config)
             self.start_clock.mark("model")
@@ -251,15 +258,22 @@ class TrainerSetup:
     def _read_ahead(self, stream, reader: ReaderProcess | None):
         """``stream`` as the engine reads it (:class:`ds_async.prefetch.MicroBatchReader`): tokenized and packed in a
         reader process a step at a time (``performance.data_reader``), or here one micro-batch at a time."""
-        cfg, engine = self.cfg, self.engine
         background = reads_in_background(self.cfg.performance.data_reader, self.device)
-        opener = functools.partial(data.open_batches, cfg.data, "train", self.tok, self.mbs,
-                                   dp_rank=engine.grid.data_parallel_id,
-                                   dp_world_size=engine.grid.data_parallel_size, seed=cfg.seed)
-        # A reader process hands over 16 steps at a time: per chunk the host pays a queue transfer, a pinned copy
-        # and the copy's launch, which at one step a chunk left the training loop waiting on the reader.
-        return MicroBatchReader(stream, opener, engine.device, chunk=16 * self.gas if background else 1,
-                                background=background, reader=reader)
+        return MicroBatchReader(stream, self._train_opener(), self.engine.device,
+                                chunk=self._chunk() if background else 1, background=background, reader=reader)
+
+    def _train_opener(self) -> functools.partial:
+        """What opens this rank's training stream afresh, in a reader process: :meth:`_stream`'s, with the replica
+        the engine's grid gives this rank (the same topology, known before the engine is built)."""
+        cfg = self.cfg
+        dp_rank, dp_world_size = data_parallel_of(cfg, self.rank, self.world)
+        return functools.partial(data.open_batches, cfg.data, "train", self.tok, self.mbs, dp_rank=dp_rank,
+                                 dp_world_size=dp_world_size, seed=cfg.seed)
+
+    def _chunk(self) -> int:
+        """Micro-batches a reader process hands over at a time: 16 steps' worth. Per chunk the host pays a queue
+        transfer, a pinned copy and the copy's launch, which at one step a chunk left the training loop waiting."""
+        return 16 * self.gas
 
     def _plan_resume(self) -> tuple[dict[str, dict[str, tuple]], tuple[int, int, int] | None]:
         """Before the engine is built: what ``--resume`` does with each key changed since the checkpoint

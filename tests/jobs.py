@@ -24,8 +24,9 @@ import torch.distributed as tdist
 
 from ds_async import config as cfgmod
 from ds_async import data
-from ds_async import initialize
+from ds_async import init_distributed, initialize, prefetch, trainer, trainer_setup
 from ds_async.builder import destroy_groups
+from ds_async.checkpoint import folder
 from ds_async.models import build_pipeline, export_hf, hf_state_dict, model_config
 
 import ckpt_jobs
@@ -198,9 +199,6 @@ def job_moe(out: Path, hf_dir: str, stages: int, input_ids: list, labels: list, 
 def job_checkpoint_groups(out: Path) -> None:
     """Two process groups, ranks {0, 1} and {2, 3}, each write a checkpoint of its own at once (every rank one file
     holding what ``folder.gather`` gave it in its group); rank 0 saves what every rank's group gathered."""
-    from ds_async import init_distributed
-    from ds_async.checkpoint import folder
-
     init_distributed()
     rank = tdist.get_rank()
     groups = [tdist.new_group([0, 1], backend="gloo"), tdist.new_group([2, 3], backend="gloo")]
@@ -227,8 +225,36 @@ def job_trainer_runs(out: Path, runs: list[dict]) -> None:
                                    for r in range(tdist.get_world_size())] for spec in runs}, out / "result.pt")
 
 
+def job_reader_start(out: Path, config: str, steps: int) -> None:
+    """``config``'s trainer job (its training stream in a reader process) for ``steps`` steps, then resumed from its
+    last checkpoint for one more: what this rank's set-up did first, the reader process's ``begin`` (its stream and
+    position handed over) or the model's build. Rank 0 saves ``{"fresh": [...], "resumed": [...]}`` per rank."""
+    events: list[str] = []
+    begin, build = prefetch.ReaderProcess.begin, trainer_setup.build_pipeline
+
+    def begin_seen(self, *args, **kwargs):
+        events.append("begin")
+        return begin(self, *args, **kwargs)
+
+    def build_seen(*args, **kwargs):
+        events.append("build")
+        return build(*args, **kwargs)
+
+    prefetch.ReaderProcess.begin, trainer_setup.build_pipeline = begin_seen, build_seen
+    try:
+        trainer.train(config, max_steps=steps)
+        fresh = list(events)
+        events.clear()
+        trainer.train(config, max_steps=steps + 1, resume="latest")
+    finally:
+        prefetch.ReaderProcess.begin, trainer_setup.build_pipeline = begin, build
+    gathered = folder.gather({"fresh": fresh, "resumed": list(events)}, None)
+    if tdist.get_rank() == 0:
+        torch.save({"gathered": gathered}, out / "result.pt")
+
+
 JOBS = {"logits": job_logits, "train": job_train, "moe": job_moe, "checkpoint_groups": job_checkpoint_groups,
-        "trainer_runs": job_trainer_runs}
+        "trainer_runs": job_trainer_runs, "reader_start": job_reader_start}
 
 
 def serve(folder: Path) -> None:

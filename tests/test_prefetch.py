@@ -12,7 +12,7 @@ import torch
 
 from ds_async.config import DataConfig
 from ds_async.data import LEE_CORPUS, load_tokenizer, open_replica_streams
-from ds_async.prefetch import Prefetcher, ReaderProcess
+from ds_async.prefetch import MicroBatchReader, Prefetcher, ReaderProcess
 
 
 class Counting:
@@ -212,8 +212,6 @@ def test_a_reader_refuses_a_step_past_the_last_as_reading_in_place_does():
 def test_micro_batch_reader_resumes_exactly_in_either_reader():
     """The engine's reader (``MicroBatchReader``) hands out the stream's micro-batches in order, read here or in a
     reader process a chunk at a time, and a position saved by either, mid-chunk, resumes in either."""
-    from ds_async.prefetch import MicroBatchReader
-
     cpu = torch.device("cpu")
     opener = functools.partial(Counting, 0)
     for saved_by in (False, True):
@@ -229,3 +227,39 @@ def test_micro_batch_reader_resumes_exactly_in_either_reader():
             rest = [int(next(again)[0][0, 0]) for _ in range(3)]
             again.close()
             assert first + rest == list(range(7)), (saved_by, resumed_by)
+
+
+def test_a_reader_begun_at_the_streams_start_reads_and_resumes_as_one_handed_its_position():
+    """A fresh run's set-up sets its reader process reading at the stream's start before the model builds
+    (``MicroBatchReader.begin_at_start``), before the MicroBatchReader exists: that reader hands out the micro-batches
+    of one handed the position at its start, and its positions, before its first micro-batch and mid-chunk, resume
+    exactly. A reader reading from the start refuses a position given to the MicroBatchReader."""
+    cpu = torch.device("cpu")
+    opener = functools.partial(Counting, 0)
+    reader = ReaderProcess()
+    MicroBatchReader.begin_at_start(reader, opener, 3)
+    early = MicroBatchReader(Counting(0), opener, cpu, chunk=3, background=True, reader=reader)
+    try:
+        early.start()
+        at_start = early.state_dict()
+        first = [int(next(early)[0][0, 0]) for _ in range(4)]
+        mid = early.state_dict()
+    finally:
+        early.close()
+    assert first == [0, 1, 2, 3] and at_start == {"k": 0, "skip": 0} and mid == {"k": 3, "skip": 1}
+    for state, taken_before in ((at_start, 0), (mid, 4)):
+        again = MicroBatchReader(Counting(0), opener, cpu, chunk=3, background=False)
+        again.load_state_dict(state)
+        assert [int(next(again)[0][0, 0]) for _ in range(3)] == list(range(taken_before, taken_before + 3))
+        again.close()
+
+    begun = ReaderProcess()
+    MicroBatchReader.begin_at_start(begun, opener, 3)
+    refused = MicroBatchReader(Counting(0), opener, cpu, chunk=3, background=True, reader=begun)
+    refused.load_state_dict(mid)
+    try:
+        with pytest.raises(RuntimeError, match="reads from the stream's start"):
+            next(refused)
+    finally:
+        refused.close()
+    assert not begun.process.is_alive()
