@@ -259,6 +259,10 @@ class TrainerSetup:
         """``stream`` as the engine reads it (:class:`ds_async.prefetch.MicroBatchReader`): tokenized and packed in a
         reader process a step at a time (``performance.data_reader``), or here one micro-batch at a time."""
         background = reads_in_background(self.cfg.performance.data_reader, self.device)
+        grid = self.engine.grid
+        if data_parallel_of(self.cfg, self.rank, self.world) != (grid.data_parallel_id, grid.data_parallel_size):
+            raise RuntimeError("the engine's grid puts this rank on another replica than DeepSpeed's topology did "
+                               "before the engine was built: the reader process would read another replica's data")
         return MicroBatchReader(stream, self._train_opener(), self.engine.device,
                                 chunk=self._chunk() if background else 1, background=background, reader=reader)
 

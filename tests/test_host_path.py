@@ -163,12 +163,13 @@ def test_reader_processes_start_on_the_first_and_last_stages(world, stages):
         assert start_reader(cfg, 0, world + 1, "cpu") is None
 
 
-def test_a_fresh_runs_reader_begins_before_the_model_builds_and_a_resumed_ones_after(tmp_path):
+@pytest.mark.parametrize("stages", [2, 1])
+def test_a_fresh_runs_reader_begins_before_the_model_builds_and_a_resumed_ones_after(tmp_path, stages):
     """With its training stream in a reader process, a run that starts afresh hands the reader its stream before
     the model's build (the position is the stream's start, known at once), so the first chunk is read meanwhile; a
-    resumed run's position is the checkpoint's, so it hands it over once restored, after the build. On both stages'
-    ranks of a two-stage job; the resumed run ends where an uninterrupted one would (test_checkpoint's reader case
-    checks the data position bit-equal)."""
+    resumed run's position is the checkpoint's, so it hands it over once restored, after the build. On two ranks:
+    two stages, or two replicas of one (each reader opens its own replica's stream, named before the engine's grid
+    exists; the set-up checks the grid agrees). test_checkpoint's reader case checks a resume bit-equal."""
     from distributed import run_job
 
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 9,
@@ -176,7 +177,7 @@ def test_a_fresh_runs_reader_begins_before_the_model_builds_and_a_resumed_ones_a
               "ds_async": {"model": {"config": {"vocab_size": 320, "hidden_size": 32, "intermediate_size": 64,
                                                 "num_hidden_layers": 2, "num_attention_heads": 2,
                                                 "num_key_value_heads": 2, "max_position_embeddings": 32}},
-                           "tokenizer": "train:300", "pipeline_stages": 2,
+                           "tokenizer": "train:300", "pipeline_stages": stages,
                            "data": {"train": "gensim:lee", "seq_len": 32, "shuffle_buffer": 20},
                            "train": {"steps": 4}, "eval": {"every": 0},
                            "performance": {"data_reader": "process"},
