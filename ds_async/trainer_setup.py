@@ -257,7 +257,8 @@ class TrainerSetup:
 
     def _read_ahead(self, stream, reader: ReaderProcess | None):
         """``stream`` as the engine reads it (:class:`ds_async.prefetch.MicroBatchReader`): tokenized and packed in a
-        reader process a step at a time (``performance.data_reader``), or here one micro-batch at a time."""
+        reader process :meth:`_chunk` micro-batches at a time (``performance.data_reader``), or here one at a time.
+        The stream opened here serves the set-up's checks; a fresh run's reader opens its own (:meth:`_set_up`)."""
         background = reads_in_background(self.cfg.performance.data_reader, self.device)
         grid = self.engine.grid
         if data_parallel_of(self.cfg, self.rank, self.world) != (grid.data_parallel_id, grid.data_parallel_size):
