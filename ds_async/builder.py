@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+from typing import NamedTuple
 
 import deepspeed
 import torch
@@ -49,27 +50,43 @@ def free_local_port() -> int:
 def start_reader(cfg: DsAsyncConfig, rank: int, world: int, device_type: str) -> ReaderProcess | None:
     """On a rank that will read the training stream in a reader process (``performance.data_reader`` on a
     ``device_type`` device, and a first or last stage): that process, started now so that its imports overlap
-    whatever the caller does next; else None. DeepSpeed's topology for the pipeline module (stages outermost) says
-    which stage ``rank`` holds before any process group or module exists. A world that ``pipeline_stages`` does not
-    divide gets None: the job's own checks refuse it."""
-    stages = cfg.pipeline_stages
-    if world % stages or not reads_in_background(cfg.performance.data_reader, torch.device(device_type)):
+    whatever the caller does next; else None. A world that ``pipeline_stages`` does not divide gets None: the job's
+    own checks refuse it."""
+    if world % cfg.pipeline_stages or not reads_in_background(cfg.performance.data_reader, torch.device(device_type)):
         return None
-    stage = _topology(stages, world).get_coord(rank).pipe
-    return ReaderProcess(imports=("ds_async.data",)) if stage in (0, stages - 1) else None
+    return ReaderProcess(imports=("ds_async.data",)) if place_of(cfg, rank, world).reads_data else None
 
 
-def data_parallel_of(cfg: DsAsyncConfig, rank: int, world: int) -> tuple[int, int]:
-    """``rank``'s data-parallel rank and the data-parallel degree, as the engine's grid will have them (the same
-    topology), for what must know them before the engine exists."""
+class Place(NamedTuple):
+    """Where a rank sits in the pipeline-and-replica grid."""
+    stage: int
+    stages: int
+    replica: int  # its data-parallel rank
+    replicas: int  # the data-parallel degree
+
+    @property
+    def reads_data(self) -> bool:
+        """The first stage reads the inputs, the last the labels."""
+        return self.stage in (0, self.stages - 1)
+
+
+def place_of(cfg: DsAsyncConfig, rank: int, world: int) -> Place:
+    """``rank``'s place as the engine's grid will have it, for what must know it before any module exists: DeepSpeed's
+    topology for a pipeline module of ``pipeline_stages`` stages on ``world`` ranks (stages outermost), the one its
+    ``PipelineModule`` builds."""
     stages = cfg.pipeline_stages
-    return _topology(stages, world).get_coord(rank).data, world // stages
+    coord = PipeDataParallelTopology(num_pp=stages, num_dp=world // stages).get_coord(rank)
+    return Place(coord.pipe, stages, coord.data, world // stages)
 
 
-def _topology(stages: int, world: int) -> PipeDataParallelTopology:
-    """DeepSpeed's topology for a pipeline module of ``stages`` stages on ``world`` ranks (stages outermost): the one
-    its ``PipelineModule`` builds, so it says which stage and replica a rank holds before any module exists."""
-    return PipeDataParallelTopology(num_pp=stages, num_dp=world // stages)
+def check_place(engine: AsyncPipelineEngine, place: Place) -> None:
+    """Raise if the built engine put this rank elsewhere than :func:`place_of` said before it existed: what was
+    read or started for that place (the data stream of a replica, a reader process) would be another's."""
+    grid = engine.grid
+    built = Place(engine.stage_id, engine.num_stages, grid.data_parallel_id, grid.data_parallel_size)
+    if built != place:
+        raise RuntimeError(f"the engine's grid puts this rank at {built}, DeepSpeed's topology before the engine was "
+                           f"built at {place}: data read for one place would feed another")
 
 
 def init_distributed() -> None:

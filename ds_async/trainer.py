@@ -20,7 +20,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from . import checkpoint
 from . import config as cfgmod
 from . import data, fp8, metrics, telemetry
-from .builder import destroy_groups, init_distributed, process_groups
+from .builder import Place, destroy_groups, init_distributed, process_groups
 from .cadence import Cadence
 from .checkpoint import folder
 from .config import DsAsyncConfig
@@ -88,12 +88,13 @@ class Trainer(TrainerSetup):
     tok: PreTrainedTokenizerBase
     fingerprint: dict  # the tokenizer's, checked on resume and saved with every checkpoint
     hf_config: PretrainedConfig
+    place: Place  # this rank's stage and replica, known before the engine (which is checked to agree)
     engine: AsyncPipelineEngine
     monitor: LossMonitor | None  # train.on_nonfinite = "stop"; "skip" wraps the engine's optimizer instead
     tokens_per_step: int
     total_steps: int  # the last step this job runs: length, or max_steps if sooner
     cadence: Cadence
-    # ... the data ...
+    # ... the data (read on a thread while the engine builds) ...
     needs_data: bool  # this rank holds the first or the last stage
     train_iter: MicroBatchReader | None  # the training stream, on the ranks that read data
     held_out: list  # the validation micro-batches, read once at start, on this rank's device

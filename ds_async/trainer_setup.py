@@ -6,9 +6,11 @@ its logs, evaluation, saves, the end).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch.distributed as tdist
@@ -18,11 +20,10 @@ from . import checkpoint
 from . import config as cfgmod
 from . import console, data, tokenizer
 from . import resume as policy
-from .builder import data_parallel_of, initialize, start_reader
+from .builder import check_place, initialize, place_of, start_reader
 from .cadence import Cadence
 from .checkpoint import folder
 from .checkpoint.folder import agree
-from .checkpoint.state import rng_state, set_rng_state
 from .config import ConfigError
 from .data import DataError
 from .job import default_run_name, seed_everything, steps_for, use_deterministic
@@ -40,6 +41,36 @@ def _or_error(fn, *args):
         return fn(*args)
     except (ConfigError, checkpoint.CheckpointError) as e:
         return e
+
+
+@dataclasses.dataclass
+class SourceReads:
+    """What a rank's start-up reads of its data found (:meth:`TrainerSetup._read_sources`)."""
+    stream: data.PackedBatches | None = None  # the training stream, its first micro-batch buffered
+    held_out: list = dataclasses.field(default_factory=list)  # the validation micro-batches, on the host
+    counts: dict = dataclasses.field(default_factory=dict)  # key: (documents read, not UTF-8 of them, the source)
+    error: Exception | None = None  # what stopped the reads, for every rank to raise
+
+
+def _in_background(fn) -> Future:
+    """``fn()`` on a thread of its own; the future's ``result`` returns what it returned or raises what it raised."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="ds_async-sources")
+    try:
+        return pool.submit(fn)
+    finally:
+        pool.shutdown(wait=False)  # the submitted call still runs; the thread ends with it
+
+
+def _discard(reads: Future | None) -> None:
+    """After a failed set-up: wait for the source reads, then close the training stream they opened."""
+    if reads is None:
+        return
+    try:
+        stream = reads.result().stream
+    except BaseException:  # noqa: BLE001 - the set-up's own failure is the one raised
+        return
+    if stream is not None:
+        stream.close()
 
 
 class TrainerSetup:
@@ -76,10 +107,18 @@ class TrainerSetup:
         self._locate_run(resume)
         changed, lengths = self._plan_resume() if self.resume_from is not None else ({}, None)
         self._load_tokenizer(changed)
+        self.place = place_of(self.cfg, self.rank, self.world)
+        self.needs_data = self.place.reads_data
         if reader is not None and self.resume_from is None:  # its position is the stream's start: read from now on
-            MicroBatchReader.begin_at_start(reader, self._train_opener(), self._chunk())
-        self._build_engine()
-        self._check_sources(self._build_data(reader))
+            MicroBatchReader.begin_at_start(reader, self._opener("train"), self._chunk())
+        reads = _in_background(self._read_sources) if self.needs_data else None
+        try:
+            self._build_engine()
+            check_place(self.engine, self.place)
+        except BaseException:
+            _discard(reads)
+            raise
+        self._check_sources(self._build_data(reads.result() if reads else SourceReads(), reader))
         carried = self._restore(changed, lengths) if self.resume_from is not None else {}
         self.start = self.engine.global_steps  # 0, or the step of the checkpoint it resumed from
         if self.start >= self.total_steps:
@@ -136,50 +175,54 @@ class TrainerSetup:
                 "(--run-name) or ds_async.checkpoint.dir; to start over, move that folder away first")
         return found
 
-    def _check_sources(self, error: Exception | None) -> None:
-        """``error``: this rank's failure to open its training stream, if any. Without one, on the ranks that read
-        data, buffer the training stream's first micro-batch (kept for the first step) and read the ``eval.batches``
-        micro-batches an evaluation reads, so that data that cannot be opened or read, holds no usable text (an empty
-        source, a wrong ``data.text_field``, nothing but non-UTF-8 lines) or too little for an evaluation stops the
-        job at start rather than at the first evaluation or mid-run. Every rank raises the first failing rank's
-        error. Of the documents read, half or more not UTF-8 is refused, a tenth gets a warning line
-        (:func:`ds_async.data.check_encoding`). The RNG states are left as they were."""
-        counts = {}
-        self.held_out = []  # the validation micro-batches
-        if error is None and self.needs_data:
-            saved = rng_state()
-            for key, role in (("ds_async.data.train", "train"), ("ds_async.data.validation", "validation")):
-                source = getattr(self.cfg.data, role)
-                if not source:
-                    continue
-                read = 0
-                try:
-                    if role == "train":
-                        batches = self.train_iter
-                        batches.peek()
-                    else:  # everything an evaluation reads, kept for every evaluation (they read the same)
-                        batches = self._stream("validation")
-                        try:
-                            for read in range(self.cfg.eval.batches):
-                                x, y = next(batches)
-                                self.held_out.append((x.to(self.engine.device), y.to(self.engine.device)))
-                        finally:
-                            batches.close()
-                    counts[key] = (batches.documents, batches.skipped["non_utf8"], data.describe(source))
-                except StopIteration:
-                    error = data.DataError(
-                        f"{key}: {data.describe(source)}: too little text for ds_async.eval.batches = "
-                        f"{self.cfg.eval.batches} micro-batches of {self.mbs} x {self.cfg.data.seq_len} tokens per "
-                        f"replica (data-parallel rank {self.engine.grid.data_parallel_id} ran out after {read})")
-                except (ConfigError, data.DataError, FileNotFoundError) as e:
-                    error = e if str(e).startswith(key) else type(e)(f"{key}: {e}")
-                except Exception as e:  # noqa: BLE001 - whatever the reader raised, as a one-line DataError
-                    error = data.DataError(f"{key}: {data.describe(source)}: cannot be read ({type(e).__name__}: "
-                                           f"{e})")
-                if error is not None:
-                    break
-            set_rng_state(saved)
-        gathered = folder.gather((error, counts), self.group)
+    def _read_sources(self) -> SourceReads:
+        """This rank's start-up reads of its data, on a thread while the model builds: open the training stream and
+        buffer its first micro-batch (kept for the first step), and read the ``eval.batches`` micro-batches an
+        evaluation reads, so that data that cannot be opened or read, holds no usable text (an empty source, a wrong
+        ``data.text_field``, nothing but non-UTF-8 lines) or too little for an evaluation stops the job at start
+        (:meth:`_check_sources`) rather than at the first evaluation or mid-run. The streams shuffle with generators of
+        their own: the reads draw nothing from the global RNGs that the model's build and training use."""
+        reads, cfg = SourceReads(), self.cfg
+        try:
+            reads.stream = self._opener("train")()
+        except (ConfigError, DataError, FileNotFoundError) as e:
+            reads.error = e
+            return reads
+        for key, role in (("ds_async.data.train", "train"), ("ds_async.data.validation", "validation")):
+            source = getattr(cfg.data, role)
+            if not source:
+                continue
+            read = 0
+            try:
+                if role == "train":
+                    batches = reads.stream
+                    batches.peek()
+                else:  # everything an evaluation reads, kept for every evaluation (they read the same)
+                    batches = self._opener("validation")()
+                    try:
+                        for read in range(cfg.eval.batches):
+                            reads.held_out.append(next(batches))
+                    finally:
+                        batches.close()
+                reads.counts[key] = (batches.documents, batches.skipped["non_utf8"], data.describe(source))
+            except StopIteration:
+                reads.error = data.DataError(
+                    f"{key}: {data.describe(source)}: too little text for ds_async.eval.batches = {cfg.eval.batches} "
+                    f"micro-batches of {self.mbs} x {cfg.data.seq_len} tokens per replica (data-parallel rank "
+                    f"{self.place.replica} ran out after {read})")
+            except (ConfigError, data.DataError, FileNotFoundError) as e:
+                reads.error = e if str(e).startswith(key) else type(e)(f"{key}: {e}")
+            except Exception as e:  # noqa: BLE001 - whatever the reader raised, as a one-line DataError
+                reads.error = data.DataError(f"{key}: {data.describe(source)}: cannot be read ({type(e).__name__}: "
+                                             f"{e})")
+            if reads.error is not None:
+                break
+        return reads
+
+    def _check_sources(self, reads: SourceReads) -> None:
+        """Every rank raises the first failing rank's error of its :meth:`_read_sources`. Of the documents read, half
+        or more not UTF-8 is refused, a tenth gets a warning line (:func:`ds_async.data.check_encoding`)."""
+        gathered = folder.gather((reads.error, reads.counts), self.group)
         errors = [e for e, _ in gathered if e is not None]
         if errors:
             raise errors[0]
@@ -234,46 +277,30 @@ class TrainerSetup:
         self.cadence = Cadence(self.total_steps, eval_every=cfg.eval.every, save_every=cfg.checkpoint.every,
                                evaluate=bool(cfg.data.validation), final_save=cfg.checkpoint.final)
 
-    def _stream(self, role: str):
-        """This rank's micro-batches of ``data.train`` (shuffled, repeating) or ``data.validation`` (one pass)."""
-        cfg, engine = self.cfg, self.engine
-        return data.open_batches(cfg.data, role, self.tok, self.mbs, dp_rank=engine.grid.data_parallel_id,
-                                 dp_world_size=engine.grid.data_parallel_size, seed=cfg.seed)
-
-    def _build_data(self, reader: ReaderProcess | None) -> Exception | None:
-        """Open the training stream on the ranks that read data, to be read by ``reader`` (see :meth:`setup`),
-        which the stream's reader then owns (it is closed here if unused); returns the error that stopped it, for
-        :meth:`_check_sources` to raise on every rank."""
-        self.needs_data = self.engine.is_first_stage() or self.engine.is_last_stage()
-        error = None
-        if self.needs_data:
-            try:
-                self.train_iter = self._read_ahead(self._stream("train"), reader)
-            except (ConfigError, DataError, FileNotFoundError) as e:
-                error = e
-        if self.train_iter is None and reader is not None:
+    def _build_data(self, reads: SourceReads, reader: ReaderProcess | None) -> SourceReads:
+        """The training stream ``reads`` opened, to be read by ``reader`` (see :meth:`setup`), which the stream's
+        reader then owns (it is closed here if unused), and the validation micro-batches on this rank's device."""
+        if reads.stream is not None:
+            self.train_iter = self._read_ahead(reads.stream, reader)
+        elif reader is not None:
             reader.close()
-        return error
+        self.held_out = [(x.to(self.engine.device), y.to(self.engine.device)) for x, y in reads.held_out]
+        return reads
 
     def _read_ahead(self, stream, reader: ReaderProcess | None):
         """``stream`` as the engine reads it (:class:`ds_async.prefetch.MicroBatchReader`): tokenized and packed in a
         reader process :meth:`_chunk` micro-batches at a time (``performance.data_reader``), or here one at a time.
         The stream opened here serves the set-up's checks; a fresh run's reader opens its own (:meth:`_set_up`)."""
         background = reads_in_background(self.cfg.performance.data_reader, self.device)
-        grid = self.engine.grid
-        if data_parallel_of(self.cfg, self.rank, self.world) != (grid.data_parallel_id, grid.data_parallel_size):
-            raise RuntimeError("the engine's grid puts this rank on another replica than DeepSpeed's topology did "
-                               "before the engine was built: the reader process would read another replica's data")
-        return MicroBatchReader(stream, self._train_opener(), self.engine.device,
+        return MicroBatchReader(stream, self._opener("train"), self.engine.device,
                                 chunk=self._chunk() if background else 1, background=background, reader=reader)
 
-    def _train_opener(self) -> functools.partial:
-        """What opens this rank's training stream afresh, in a reader process: :meth:`_stream`'s, with the replica
-        the engine's grid gives this rank (the same topology, known before the engine is built)."""
+    def _opener(self, role: str) -> functools.partial:
+        """What opens this rank's micro-batches of ``data.train`` (shuffled, repeating) or ``data.validation`` (one
+        pass), here or in a reader process: with the replica :func:`~ds_async.builder.place_of` gives this rank."""
         cfg = self.cfg
-        dp_rank, dp_world_size = data_parallel_of(cfg, self.rank, self.world)
-        return functools.partial(data.open_batches, cfg.data, "train", self.tok, self.mbs, dp_rank=dp_rank,
-                                 dp_world_size=dp_world_size, seed=cfg.seed)
+        return functools.partial(data.open_batches, cfg.data, role, self.tok, self.mbs, dp_rank=self.place.replica,
+                                 dp_world_size=self.place.replicas, seed=cfg.seed)
 
     def _chunk(self) -> int:
         """Micro-batches a reader process hands over at a time: 16 steps' worth. Per chunk the host pays a queue

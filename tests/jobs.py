@@ -15,6 +15,7 @@ import itertools
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -228,9 +229,15 @@ def job_trainer_runs(out: Path, runs: list[dict]) -> None:
 def job_reader_start(out: Path, config: str, steps: int) -> None:
     """``config``'s trainer job (its training stream in a reader process) for ``steps`` steps, then resumed from its
     last checkpoint for one more: what this rank's set-up did first, the reader process's ``begin`` (its stream and
-    position handed over) or the model's build. Rank 0 saves ``{"fresh": [...], "resumed": [...]}`` per rank."""
+    position handed over) or the model's build; and where the start-up reads of the data ran (the build waits, up to
+    a minute, for them to have begun: it sees them only if they run beside it). Rank 0 saves ``{"fresh": [...],
+    "resumed": [...], "reads": [...]}`` per rank, ``reads`` one entry per run."""
     events: list[str] = []
+    reads_seen: list[str] = []  # per run: the thread the reads ran on, as the build saw them
+    reading: list[str] = []  # the thread of the reads under way
+    began = threading.Event()
     begin, build = prefetch.ReaderProcess.begin, trainer_setup.build_pipeline
+    read_sources = trainer_setup.TrainerSetup._read_sources
 
     def begin_seen(self, *args, **kwargs):
         events.append("begin")
@@ -238,17 +245,26 @@ def job_reader_start(out: Path, config: str, steps: int) -> None:
 
     def build_seen(*args, **kwargs):
         events.append("build")
+        reads_seen.append(f"{reading[-1]} beside the build" if began.wait(60) else "not beside the build")
         return build(*args, **kwargs)
 
+    def read_sources_seen(self):
+        reading.append(threading.current_thread().name.rsplit("_", 1)[0])
+        began.set()
+        return read_sources(self)
+
     prefetch.ReaderProcess.begin, trainer_setup.build_pipeline = begin_seen, build_seen
+    trainer_setup.TrainerSetup._read_sources = read_sources_seen
     try:
         trainer.train(config, max_steps=steps)
         fresh = list(events)
         events.clear()
+        began.clear()
         trainer.train(config, max_steps=steps + 1, resume="latest")
     finally:
         prefetch.ReaderProcess.begin, trainer_setup.build_pipeline = begin, build
-    gathered = folder.gather({"fresh": fresh, "resumed": list(events)}, None)
+        trainer_setup.TrainerSetup._read_sources = read_sources
+    gathered = folder.gather({"fresh": fresh, "resumed": list(events), "reads": reads_seen}, None)
     if tdist.get_rank() == 0:
         torch.save({"gathered": gathered}, out / "result.pt")
 

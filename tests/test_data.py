@@ -1,8 +1,10 @@
 """ds_async.data and ds_async.tokenizer on real text: the shared corpus and the Lee corpus embedded in gensim."""
 
 import json
+import random
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -629,3 +631,31 @@ def test_the_exit_waits_for_arrow_threads_from_the_close_not_the_last_read(corpu
     closing = time.monotonic()
     batches.close()
     assert data._last_read[0] >= closing
+
+
+@pytest.mark.parametrize("train", ["enwiki", "parquet-from-train"])
+def test_reading_streams_draws_nothing_from_the_global_rngs(tmp_path, corpus, tokenizer, lee_texts, train):
+    """The trainer reads its data at start on a thread while the model builds (``TrainerSetup._read_sources``: the
+    training stream opened and its first micro-batch buffered, the evaluation's micro-batches read), so the reads
+    must leave Python's, NumPy's and torch's global generators alone: the model's build and training draw from
+    them. Shuffled training streams (several epochs) and a validation set held out of the training files."""
+    if train == "enwiki":
+        cfg = DataConfig(train=str(corpus / "enwiki-train-00000-of-00006.parquet"),
+                         validation=str(corpus / "enwiki-validation.parquet"), shuffle_buffer=50, seq_len=64)
+    else:
+        pq.write_table(pa.table({"text": lee_texts[:30]}), tmp_path / "lee.parquet")
+        cfg = DataConfig(train=str(tmp_path / "lee.parquet"), validation=DataSource(from_train=5), shuffle_buffer=8,
+                         seq_len=64)
+    random.seed(3), np.random.seed(3), torch.manual_seed(3)
+    before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    train_stream = open_batches(cfg, "train", tokenizer, 2, seed=5)
+    train_stream.peek()
+    take(train_stream, 40 if train == "enwiki" else 60)
+    validation = open_batches(cfg, "validation", tokenizer, 2)
+    take(validation, 2)
+    train_stream.close(), validation.close()
+    if train != "enwiki":
+        assert train_stream.state_dict()["epoch"] >= 1
+    assert random.getstate() == before[0]
+    assert np.array_equal(np.random.get_state()[1], before[1])
+    assert torch.equal(torch.get_rng_state(), before[2])

@@ -169,7 +169,8 @@ def test_a_fresh_runs_reader_begins_before_the_model_builds_and_a_resumed_ones_a
     the model's build (the position is the stream's start, known at once), so the first chunk is read meanwhile; a
     resumed run's position is the checkpoint's, so it hands it over once restored, after the build. On two ranks:
     two stages, or two replicas of one (each reader opens its own replica's stream, named before the engine's grid
-    exists; the set-up checks the grid agrees). test_checkpoint's reader case checks a resume bit-equal."""
+    exists; the set-up checks the grid agrees). test_checkpoint's reader case checks a resume bit-equal. Fresh or
+    resumed, the start-up reads of the data run on a thread of their own while the model builds."""
     from distributed import run_job
 
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 9,
@@ -189,6 +190,7 @@ def test_a_fresh_runs_reader_begins_before_the_model_builds_and_a_resumed_ones_a
     gathered = run_job(2, "reader_start", tmp_path / "job", config=str(path), steps=2)["gathered"]
     assert [g["fresh"] for g in gathered] == [["begin", "build"]] * 2
     assert [g["resumed"] for g in gathered] == [["build", "begin"]] * 2
+    assert [g["reads"] for g in gathered] == [["ds_async-sources beside the build"] * 2] * 2
 
 
 def test_the_command_line_exits_at_once_after_its_summary(tmp_path):
