@@ -54,7 +54,7 @@ def start_reader(cfg: DsAsyncConfig, rank: int, world: int, device_type: str) ->
     own checks refuse it."""
     if world % cfg.pipeline_stages or not reads_in_background(cfg.performance.data_reader, torch.device(device_type)):
         return None
-    return ReaderProcess(imports=("ds_async.data",)) if place_of(cfg, rank, world).reads_data else None
+    return ReaderProcess(imports=("ds_async.data", "datasets")) if place_of(cfg, rank, world).reads_data else None
 
 
 class Place(NamedTuple):

@@ -169,7 +169,7 @@ class Emulation:
         self._place(device)
         # Where the training stream is read in a process, it is started now: its imports overlap the model's build.
         reads = reads_in_background(cfg.performance.data_reader, self.device)
-        reader = ReaderProcess(imports=("ds_async.data",)) if reads else None
+        reader = ReaderProcess(imports=("ds_async.data", "datasets")) if reads else None
         try:
             self._build()
         except BaseException:

@@ -13,17 +13,19 @@ import itertools
 import json
 import logging
 import warnings
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 import torch
-from datasets.distributed import split_dataset_by_node
 
 from ..config import DataConfig
 from ..hub import one_line
-from .sources import DataError, describe, load_text_stream, read_rows, resolve_source
+from .sources import DataError, datasets_library, describe, load_text_stream, read_rows, resolve_source
 from .text import (COUNTED_REASONS, HELD_OUT, PIECE_CHARS, SKIP_REASONS, document_encoder, eos_id, next_piece,
                    text_digest, usable_text)
+
+if TYPE_CHECKING:
+    import datasets
 
 class _QuietRefill(logging.Filter):
     """datasets warns that a loaded shuffle-buffer state has no buffer content. Our streams use datasets' shuffle
@@ -60,8 +62,8 @@ class _Documents:
         self._step, self._offset = (1, 0) if by_shard else (dp_world_size, dp_rank)
         source = dataset.shuffle(seed=seed, buffer_size=1) if shuffle_buffer else dataset
         # Always a new IterableDataset: set_epoch and load_state_dict change the object.
-        self._source = split_dataset_by_node(source, rank=dp_rank if by_shard else 0,
-                                             world_size=dp_world_size if by_shard else 1)
+        split = datasets_library().distributed.split_dataset_by_node
+        self._source = split(source, rank=dp_rank if by_shard else 0, world_size=dp_world_size if by_shard else 1)
         self._classify, self._seed, self._size = classify, seed, shuffle_buffer
         self.columns: list[str] | None = None  # of the first row read, for messages
         self.open(0)
@@ -414,7 +416,7 @@ def open_batches(data: DataConfig, role: str, tokenizer, micro_batch_size: int, 
         texts = [text for text, _ in (usable_text(t, 0) for t in _first_texts(stream, held_out, data.text_field, key))
                  if text is not None]
         if role == "validation":
-            stream = datasets.Dataset.from_dict({data.text_field: texts}).to_iterable_dataset()
+            stream = datasets_library().Dataset.from_dict({data.text_field: texts}).to_iterable_dataset()
         else:
             exclude = frozenset(text_digest(t) for t in texts)
     train = role == "train"

@@ -8,20 +8,23 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import glob
+import importlib
 import importlib.util
 import os
 import time
 from collections.abc import Sequence
-
-import datasets
-from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+from typing import TYPE_CHECKING
 
 from .. import corpus, hub
 from ..config import ConfigError, DataConfig, from_dict
 from ..config_sections import DataError, DataSource
 from ..corpus import EMBEDDED_CORPUS  # ships with Python itself: the default, nothing to install
 from ..hub import one_line
+
+if TYPE_CHECKING:
+    import datasets
 
 LEE_CORPUS = "gensim:lee"  # the Lee news corpus inside gensim's wheel (pip install gensim)
 EMBEDDED_PREFIXES = ("gensim:", "python:")  # a source so named is an embedded corpus, known or not
@@ -42,8 +45,20 @@ _DEFAULT_SPLIT = {"train": "train", "validation": "validation"}
 # (tiny matrix, 2 cores and 3 busy processes) aborted at exit ("terminate called without an active exception") in
 # 2 of 8 runs at 1 s and 0 of 10 at 3 s.
 _EXIT_WAIT = 3.0
-datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0
 _last_read = [None]  # time.monotonic() of the last row read through this module
+
+
+@functools.cache
+def datasets_library():
+    """The ``datasets`` library (with its ``distributed`` and ``packaged_modules``), imported at its first use rather
+    than with this package: a training process imports this package among its first imports, and ``datasets``,
+    pandas with it, is a slow import that the process's first reads of data pay instead, on a thread beside the
+    model's build (``ds_async.trainer_setup``). Set up as above."""
+    lib = importlib.import_module("datasets")
+    for module in ("datasets.distributed", "datasets.packaged_modules"):
+        importlib.import_module(module)
+    lib.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0
+    return lib
 
 
 def _wait_for_reader_threads() -> None:
@@ -252,7 +267,7 @@ def load_text_stream(source: str | Sequence[str] | DataSource, split: str, text_
         raise DataError(f"{label}{e}") from None
     # A dataset name that is neither a local folder nor one of datasets' own builders (parquet, json, ...), or files
     # by hf:// URL: read from the hub.
-    on_hub = (files is None and not os.path.exists(builder) and builder not in _PACKAGED_DATASETS_MODULES) or any(
+    on_hub = (files is None and not os.path.exists(builder) and builder not in datasets_library().packaged_modules._PACKAGED_DATASETS_MODULES) or any(
         str(f).startswith("hf://") for f in ([files] if isinstance(files, str) else files or []))
     why = hub.unreachable() if on_hub else None
     if why is not None:
@@ -278,7 +293,7 @@ def load_text_stream(source: str | Sequence[str] | DataSource, split: str, text_
         kwargs["encoding_errors"] = "replace"
     column = "text" if builder == "text" else src.text_field if src is not None and src.text_field else text_field
     try:
-        ds = datasets.load_dataset(builder, split=split, streaming=True, **kwargs)
+        ds = datasets_library().load_dataset(builder, split=split, streaming=True, **kwargs)
         if column != text_field:
             ds = ds.rename_column(column, text_field)
     except Exception as e:  # noqa: BLE001 - datasets/pyarrow/hub errors rarely name the source
