@@ -161,6 +161,7 @@ class ReaderProcess:
         self._work = ctx.Queue(maxsize=1)
         self.ready = ctx.Event()  # set once its imports are done: it waits for its streams from then on
         self.begun = False
+        self.states: list[dict] | None = None  # the streams' states it was begun at (None: where they open)
         self.process = ctx.Process(target=_serve, name="ds_async-prefetch", daemon=True,
                                    args=(tuple(imports), self._work, self.queue, self.stop, self.ready))
         with _main_hidden():
@@ -173,7 +174,7 @@ class ReaderProcess:
         if self.begun:
             raise RuntimeError("ReaderProcess.begin: it reads one set of streams")
         self._work.put((streams, states, per_step, chunk, left))
-        self.begun = True
+        self.begun, self.states = True, states
 
     def close(self) -> None:
         """Stop it (at its next chunk, or while it waits for work) and wait for its end, terminating it after 5 s;
@@ -298,8 +299,11 @@ class Prefetcher:
 
     def load_state_dict(self, state: dict, steps: int | None = None) -> None:
         """Continue from ``state``; ``steps``: how many will be taken from there (None: the constructor's)."""
-        if self._states is not None or self._reading():
+        if self._states is not None:
             raise RuntimeError("Prefetcher.load_state_dict: load before the first step")
+        if self._reading() and self._reader.states != state["streams"]:  # a reader begun at this position is kept
+            raise RuntimeError("Prefetcher.load_state_dict: its reader process reads from "
+                               + ("the stream's start" if self._reader.states is None else "another position"))
         if self._streams is not None:  # read in this process: restore them now
             self._streams = open_streams(self._streams, state["streams"])
         else:
@@ -346,7 +350,7 @@ class MicroBatchReader:
     ``skip``, the micro-batches of it consumed since; :meth:`load_state_dict` takes that or a plain stream state
     (``skip`` 0), so checkpoints of either kind resume exactly. :attr:`skipped` counts the documents skipped up to
     the end of the chunk being consumed. ``reader``: a :class:`ReaderProcess` started earlier, for ``background``;
-    one that :meth:`begin_at_start` set reading already, for a stream that is then given no position."""
+    one that :meth:`begin_at` set reading already, for a stream then given the same position or none."""
 
     def __init__(self, stream, opener: Callable, device: torch.device, chunk: int = 1, background: bool = False,
                  reader: ReaderProcess | None = None):
@@ -357,12 +361,18 @@ class MicroBatchReader:
         self._prefetcher: Prefetcher | None = None
 
     @staticmethod
-    def begin_at_start(reader: ReaderProcess, opener: Callable, chunk: int) -> None:
-        """Have ``reader`` read ``opener``'s stream from where it opens, ``chunk`` micro-batches at a time, before the
-        MicroBatchReader over them exists: a run that starts afresh knows its position before anything is built, so
-        its first chunk is read while the model builds instead of after the set-up. The MicroBatchReader then given
-        ``reader`` (with the same ``opener`` and ``chunk``) reads on from it and takes no position."""
-        reader.begin(_one_stream(opener), None, 1, max(1, chunk), None)
+    def begin_at(reader: ReaderProcess, opener: Callable, chunk: int, position: dict | None = None) -> None:
+        """Have ``reader`` read ``opener``'s stream from ``position`` (a :meth:`state_dict`; None: where the stream
+        opens), ``chunk`` micro-batches at a time, before the MicroBatchReader over them exists: a run knows its
+        position before anything is built (a fresh run's is the start, a resumed one's is in its checkpoint), so its
+        first chunk is read while the model builds instead of after the set-up. The MicroBatchReader then given
+        ``reader`` (with the same ``opener`` and ``chunk``) reads on from it, given the same position or none."""
+        streams = None
+        if position is not None:
+            position = dict(position)
+            position.pop("skip", None)  # the micro-batches of the chunk to pass over: the MicroBatchReader's count
+            streams = [position]
+        reader.begin(_one_stream(opener), streams, 1, max(1, chunk), None)
 
     # -- before start: the stream opened here ------------------------------------------------------------------------
     def peek(self) -> None:
@@ -381,15 +391,16 @@ class MicroBatchReader:
         self._loaded = {"streams": [state], "skip": skip}
 
     def start(self) -> None:
-        """Hand the stream's position to the reader (a process with ``background``) unless it reads from the stream's
-        start already (:meth:`begin_at_start`); idempotent."""
+        """Hand the stream's position to the reader (a process with ``background``) unless it reads from there already
+        (:meth:`begin_at`); idempotent."""
         if self._prefetcher is not None:
             return
         state = self._loaded or {"streams": [self._stream.state_dict()], "skip": 0}
         reading = self._reader is not None and self._reader.begun
-        if reading and (self._loaded is not None or not self.background):
-            raise RuntimeError("MicroBatchReader: its reader process reads from the stream's start; it cannot be "
-                               "given a position, nor be read in place")
+        if reading and not self.background:
+            raise RuntimeError("MicroBatchReader: its reader process reads already; it cannot be read in place")
+        if reading and self._loaded is None and self._reader.states is not None:
+            raise RuntimeError("MicroBatchReader: its reader process reads from a position this reader was not given")
         if self.background:
             if hasattr(self._stream, "close"):
                 self._stream.close()
@@ -399,7 +410,8 @@ class MicroBatchReader:
             self._prefetcher = Prefetcher([self._stream], 1, self.device, chunk=self.chunk, background=False,
                                           reader=self._reader)
         self._reader = None
-        if (self.background and not reading) or state["skip"]:  # a stream read here stands at the chunk start
+        # A stream read here stands at the chunk's start; a reader begun already checks it reads from this position.
+        if (self.background and not reading) or state["skip"] or self._loaded is not None:
             self._prefetcher.load_state_dict(state)
         self._prefetcher.start()  # a reader process reads from now on, not from the first micro-batch
 

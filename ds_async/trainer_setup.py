@@ -109,8 +109,10 @@ class TrainerSetup:
         self._load_tokenizer(changed)
         self.place = place_of(self.cfg, self.rank, self.world)
         self.needs_data = self.place.reads_data
-        if reader is not None and self.resume_from is None:  # its position is the stream's start: read from now on
-            MicroBatchReader.begin_at_start(reader, self._opener("train"), self._chunk())
+        if reader is not None:  # reads from the run's position from now on, the start or the checkpoint's
+            position = self._saved_position() if self.resume_from is not None else None
+            if self.resume_from is None or position is not None:
+                MicroBatchReader.begin_at(reader, self._opener("train"), self._chunk(), position)
         reads = _in_background(self._read_sources) if self.needs_data else None
         try:
             self._build_engine()
@@ -324,6 +326,15 @@ class TrainerSetup:
         self.ds_config = cfgmod.with_schedule_length(self.ds_config, self.length, schedule)
         moved = saved_run is not None and (saved_run != self.length or saved_schedule != schedule)
         return changed, (saved_run, self.length, schedule) if moved else None
+
+    def _saved_position(self) -> dict | None:
+        """This rank's training-stream position in the checkpoint it resumes from, read before the build; None where
+        it cannot be read now: the restore then verifies the checkpoint, names what is wrong, and hands the reader
+        its position itself."""
+        try:
+            return checkpoint.data_position(self.resume_from, self.place.stage, self.place.replica)
+        except Exception:  # noqa: BLE001 - reported by the restore, which reads the same file
+            return None
 
     def _check_model_unchanged(self) -> dict[str, dict[str, tuple]]:
         """A resume refuses a model whose architecture differs from the checkpoint's (its ``config.json``), naming

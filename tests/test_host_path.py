@@ -164,10 +164,10 @@ def test_reader_processes_start_on_the_first_and_last_stages(world, stages):
 
 
 @pytest.mark.parametrize("stages", [2, 1])
-def test_a_fresh_runs_reader_begins_before_the_model_builds_and_a_resumed_ones_after(tmp_path, stages):
-    """With its training stream in a reader process, a run that starts afresh hands the reader its stream before
-    the model's build (the position is the stream's start, known at once), so the first chunk is read meanwhile; a
-    resumed run's position is the checkpoint's, so it hands it over once restored, after the build. On two ranks:
+def test_a_fresh_or_resumed_runs_reader_begins_before_the_model_builds(tmp_path, stages):
+    """With its training stream in a reader process, a run hands the reader its stream and position before the
+    model's build, so the first chunk is read meanwhile: a fresh run's position is the stream's start, a resumed run's
+    the checkpoint's, read from this rank's state file before anything is built. On two ranks:
     two stages, or two replicas of one (each reader opens its own replica's stream, named before the engine's grid
     exists; the set-up checks the grid agrees). test_checkpoint's reader case checks a resume bit-equal. Fresh or
     resumed, the start-up reads of the data run on a thread of their own while the model builds."""
@@ -189,7 +189,7 @@ def test_a_fresh_runs_reader_begins_before_the_model_builds_and_a_resumed_ones_a
     path.write_text(json.dumps(config))
     gathered = run_job(2, "reader_start", tmp_path / "job", config=str(path), steps=2)["gathered"]
     assert [g["fresh"] for g in gathered] == [["begin", "build"]] * 2
-    assert [g["resumed"] for g in gathered] == [["build", "begin"]] * 2
+    assert [g["resumed"] for g in gathered] == [["begin", "build"]] * 2
     assert [g["reads"] for g in gathered] == [["ds_async-sources beside the build"] * 2] * 2
 
 

@@ -231,13 +231,13 @@ def test_micro_batch_reader_resumes_exactly_in_either_reader():
 
 def test_a_reader_begun_at_the_streams_start_reads_and_resumes_as_one_handed_its_position():
     """A fresh run's set-up sets its reader process reading at the stream's start before the model builds
-    (``MicroBatchReader.begin_at_start``), before the MicroBatchReader exists: that reader hands out the micro-batches
+    (``MicroBatchReader.begin_at``), before the MicroBatchReader exists: that reader hands out the micro-batches
     of one handed the position at its start, and its positions, before its first micro-batch and mid-chunk, resume
     exactly. A reader reading from the start refuses a position given to the MicroBatchReader."""
     cpu = torch.device("cpu")
     opener = functools.partial(Counting, 0)
     reader = ReaderProcess()
-    MicroBatchReader.begin_at_start(reader, opener, 3)
+    MicroBatchReader.begin_at(reader, opener, 3)
     early = MicroBatchReader(Counting(0), opener, cpu, chunk=3, background=True, reader=reader)
     try:
         early.start()
@@ -254,7 +254,7 @@ def test_a_reader_begun_at_the_streams_start_reads_and_resumes_as_one_handed_its
         again.close()
 
     begun = ReaderProcess()
-    MicroBatchReader.begin_at_start(begun, opener, 3)
+    MicroBatchReader.begin_at(begun, opener, 3)
     refused = MicroBatchReader(Counting(0), opener, cpu, chunk=3, background=True, reader=begun)
     refused.load_state_dict(mid)
     try:
@@ -263,3 +263,47 @@ def test_a_reader_begun_at_the_streams_start_reads_and_resumes_as_one_handed_its
     finally:
         refused.close()
     assert not begun.process.is_alive()
+
+
+def test_a_reader_begun_at_a_saved_position_reads_as_one_handed_it_and_refuses_another():
+    """A resumed run's set-up reads its checkpoint's position first and sets its reader process reading there before
+    the model builds (``MicroBatchReader.begin_at`` with the position); the restore then gives the MicroBatchReader
+    that same position. Mid-chunk (the chunk's start plus the micro-batches used of it) and at a chunk's start, it
+    hands out what a reader handed the position at start does, and its positions resume exactly. Given another
+    position, or none, it refuses to read: it would hand out the wrong micro-batches."""
+    cpu = torch.device("cpu")
+    opener = functools.partial(Counting, 0)
+    for position, taken_before in (({"k": 3, "skip": 1}, 4), ({"k": 6, "skip": 0}, 6)):
+        reader = ReaderProcess()
+        MicroBatchReader.begin_at(reader, opener, 3, position)
+        early = MicroBatchReader(Counting(0), opener, cpu, chunk=3, background=True, reader=reader)
+        early.load_state_dict(position)
+        try:
+            early.start()
+            assert early.state_dict() == position
+            got = [int(next(early)[0][0, 0]) for _ in range(4)]
+            mid = early.state_dict()
+        finally:
+            early.close()
+        assert got == list(range(taken_before, taken_before + 4))
+        again = MicroBatchReader(Counting(0), opener, cpu, chunk=3, background=False)
+        again.load_state_dict(mid)
+        assert [int(next(again)[0][0, 0]) for _ in range(2)] == [taken_before + 4, taken_before + 5]
+        again.close()
+
+    for given, refusal in (({"k": 3, "skip": 2}, None), ({"k": 0, "skip": 0}, "another position"),
+                           (None, "a position this reader was not given")):
+        begun = ReaderProcess()
+        MicroBatchReader.begin_at(begun, opener, 3, {"k": 3, "skip": 1})
+        reader = MicroBatchReader(Counting(0), opener, cpu, chunk=3, background=True, reader=begun)
+        if given is not None:
+            reader.load_state_dict(given)
+        try:
+            if refusal is None:  # the same chunk, another count used of it: what the restore may hand over
+                assert int(next(reader)[0][0, 0]) == 5
+            else:
+                with pytest.raises(RuntimeError, match=refusal):
+                    next(reader)
+        finally:
+            reader.close()
+        assert not begun.process.is_alive()

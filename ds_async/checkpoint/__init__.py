@@ -5,7 +5,7 @@ what a pipeline job puts in it and how an engine is restored from it.
 """
 from .folder import (FORMAT, MANIFEST, CheckpointError, complete_checkpoints, latest, load_file, read_manifest, resolve,
                      sha256, step_dir, verify, write)
-from .state import load, save
+from .state import data_position, load, save
 
 __all__ = ["FORMAT", "MANIFEST", "CheckpointError", "complete_checkpoints", "latest", "load_file", "read_manifest",
-           "resolve", "sha256", "step_dir", "verify", "write", "load", "save"]
+           "resolve", "sha256", "step_dir", "verify", "write", "data_position", "load", "save"]

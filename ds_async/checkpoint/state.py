@@ -258,6 +258,15 @@ def tensor_bytes(obj) -> int:
     return 0
 
 
+def data_position(folder: str | os.PathLike, stage: int, dp: int) -> dict | None:
+    """The training stream's position that the rank at ``stage`` and data-parallel rank ``dp`` saved in checkpoint
+    ``folder``, read before anything is built (the state file's tensors are mapped, not read): a resumed run hands it
+    to its reader process while the model builds. Not verified here: :func:`load` verifies the file and returns the
+    same position, which the caller compares."""
+    state = torch.load(Path(folder) / _state_name(stage, dp), map_location="cpu", weights_only=True, mmap=True)
+    return data_state_from_file(state["data"])
+
+
 def load(engine, folder: str | os.PathLike, group=None, check: dict | None = None) -> dict:
     """Restore ``engine`` (freshly built, same layout) from checkpoint ``folder``; collective.
 
