@@ -27,6 +27,7 @@ from .text import (COUNTED_REASONS, HELD_OUT, PIECE_CHARS, SKIP_REASONS, documen
 if TYPE_CHECKING:
     import datasets
 
+
 class _QuietRefill(logging.Filter):
     """datasets warns that a loaded shuffle-buffer state has no buffer content. Our streams use datasets' shuffle
     only with buffer_size=1 (a pass-through that keeps its shard shuffle) and save the buffer themselves."""

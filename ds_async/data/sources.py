@@ -267,7 +267,8 @@ def load_text_stream(source: str | Sequence[str] | DataSource, split: str, text_
         raise DataError(f"{label}{e}") from None
     # A dataset name that is neither a local folder nor one of datasets' own builders (parquet, json, ...), or files
     # by hf:// URL: read from the hub.
-    on_hub = (files is None and not os.path.exists(builder) and builder not in datasets_library().packaged_modules._PACKAGED_DATASETS_MODULES) or any(
+    own_builders = datasets_library().packaged_modules._PACKAGED_DATASETS_MODULES
+    on_hub = (files is None and not os.path.exists(builder) and builder not in own_builders) or any(
         str(f).startswith("hf://") for f in ([files] if isinstance(files, str) else files or []))
     why = hub.unreachable() if on_hub else None
     if why is not None:
