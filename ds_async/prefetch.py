@@ -410,8 +410,8 @@ class MicroBatchReader:
             self._prefetcher = Prefetcher([self._stream], 1, self.device, chunk=self.chunk, background=False,
                                           reader=self._reader)
         self._reader = None
-        # A stream read here stands at the chunk's start; a reader begun already checks it reads from this position.
-        if (self.background and not reading) or state["skip"] or self._loaded is not None:
+        # A stream read here stands at the chunk's start already; a reader begun already checks it reads from there.
+        if (self.background and (self._loaded is not None or not reading)) or state["skip"]:
             self._prefetcher.load_state_dict(state)
         self._prefetcher.start()  # a reader process reads from now on, not from the first micro-batch
 

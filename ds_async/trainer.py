@@ -95,7 +95,6 @@ class Trainer(TrainerSetup):
     total_steps: int  # the last step this job runs: length, or max_steps if sooner
     cadence: Cadence
     # ... the data (read on a thread while the engine builds) ...
-    needs_data: bool  # this rank holds the first or the last stage
     train_iter: MicroBatchReader | None  # the training stream, on the ranks that read data
     held_out: list  # the validation micro-batches, read once at start, on this rank's device
     # ... the restored position.
@@ -326,7 +325,7 @@ class Trainer(TrainerSetup):
         """Mean validation loss over ``eval.batches`` micro-batches per replica (the pipeline must be drained): the
         first ones of the validation source, read once at start. No evaluation reads a stream, so none delays the
         process's exit (``ds_async.data`` waits at exit until its last stream read is a grace period old)."""
-        it = iter(self.held_out) if self.needs_data else None
+        it = iter(self.held_out) if self.place.reads_data else None
         return self.engine.eval_batch(it, num_micro_batches=self.cfg.eval.batches).item()
 
     def save(self, step: int) -> None:

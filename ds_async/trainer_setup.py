@@ -108,12 +108,11 @@ class TrainerSetup:
         changed, lengths = self._plan_resume() if self.resume_from is not None else ({}, None)
         self._load_tokenizer(changed)
         self.place = place_of(self.cfg, self.rank, self.world)
-        self.needs_data = self.place.reads_data
         if reader is not None:  # reads from the run's position from now on, the start or the checkpoint's
             position = self._saved_position() if self.resume_from is not None else None
             if self.resume_from is None or position is not None:
                 MicroBatchReader.begin_at(reader, self._opener("train"), self._chunk(), position)
-        reads = _in_background(self._read_sources) if self.needs_data else None
+        reads = _in_background(self._read_sources) if self.place.reads_data else None
         try:
             self._build_engine()
             check_place(self.engine, self.place)
