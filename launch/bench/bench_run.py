@@ -4,19 +4,20 @@
         --set ds_async.train.steps=300 --cache cold --out rows.jsonl
 
 Appends one JSON row: ``runner`` (``cli``/``emulation``), the summary's ``tokens_per_s`` (steady steps after the
-warm-up: ``train_tokens_per_s``), the whole run's rate, each stage's ``idle_fraction`` and ``optimizer_fraction`` (the CLI's), and the times
-seen from outside the process, in seconds after launch: ``time_to_first_step_s`` (step 1's console line, printed
-once its loss and norm reached the host), ``final_eval_s`` (from the last step's line to the final validation
-line: the drain and the evaluation), ``exit_after_summary_s`` (from the summary line to the process's end), with
-``start_s`` (the summary's phases from launch to the end of step 1: imports, process group, model, engine,
-data, first step for the CLI; imports, model, data, first step for the emulation), the card, commit and command. ``performance.compile_cache`` is ``--cache-dir``: ``--cache cold`` empties it first,
-``warm`` uses what an earlier run left there. ``--set KEY=VALUE`` sets a key of the config (a JSON value, else a
-string; ``ds_async.`` keys inside its section). ``--py-spy-dump S`` dumps every thread's stack (``py-spy dump``,
-subprocesses too) S seconds after the summary line if the process is still alive, to show what holds it;
-``--py-spy-record FILE`` samples the training process's stacks for a while from a given step (folded stacks;
-``--py-spy-idle``: waiting threads too, so that time spent waiting on the GPU or a compile worker shows;
-``--py-spy-format speedscope``: each thread's samples in time order; ``--py-spy-flags``: py-spy's own, such as
-``--threads --gil``).
+warm-up: ``train_tokens_per_s``), the whole run's rate, each stage's ``idle_fraction`` and ``optimizer_fraction`` (the
+CLI's), and the times seen from outside the process, in seconds after launch: ``time_to_first_step_s`` (step 1's
+console line, printed once its loss and norm reached the host), ``final_eval_s`` (from the last step's line to the
+final validation line: the drain and the evaluation), ``exit_after_summary_s`` (from the summary line to the process's
+end), with ``start_s`` (the summary's phases from launch to the end of step 1: imports, process group, model, engine,
+data, first step for the CLI; imports, model, data, first step for the emulation), the card, commit and command.
+``performance.compile_cache`` is ``--cache-dir``: ``--cache cold`` empties it first, ``warm`` uses what an earlier run
+left there. ``--resume PATH`` times a resumed run's start (``resume`` in the row: its first step is the first after
+the checkpoint's). ``--set KEY=VALUE`` sets a key of the config (a JSON value, else a string; ``ds_async.`` keys
+inside its section). ``--py-spy-dump S`` dumps every thread's stack (``py-spy dump``, subprocesses too) S seconds
+after the summary line if the process is still alive, to show what holds it; ``--py-spy-record FILE`` samples the
+training process's stacks for a while from a given step (folded stacks; ``--py-spy-idle``: waiting threads too, so
+that time spent waiting on the GPU or a compile worker shows; ``--py-spy-format speedscope``: each thread's samples in
+time order; ``--py-spy-flags``: py-spy's own, such as ``--threads --gil``).
 """
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ def main() -> None:
     ap.add_argument("--cache", choices=("cold", "warm"), default="warm")
     ap.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/ds_async/compile"))
     ap.add_argument("--label", default="")
+    ap.add_argument("--resume", default=None, metavar="PATH",
+                    help="the command line's --resume PATH: a resumed run's start (a checkpoint an earlier run saved)")
     ap.add_argument("--py-spy-dump", type=float, default=None, metavar="S")
     ap.add_argument("--py-spy-record", default=None, metavar="FILE",
                     help="sample the run's stacks (py-spy record, folded, without pausing it) into FILE")
@@ -80,7 +83,10 @@ def main() -> None:
     derived = work / "config.json"
     derived.write_text(json.dumps(config))
     run_name = f"bench-{args.runner}-{os.getpid()}"
+    if args.resume and args.runner != "cli":
+        ap.error("--resume: the command line's (--runner cli)")
     cmd = ([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(derived), "--run-name", run_name]
+           + (["--resume", args.resume] if args.resume else [])
            if args.runner == "cli" else
            [sys.executable, "-m", "ds_async.emulate", "--config", str(derived), "--run-name", run_name])
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -136,7 +142,7 @@ def main() -> None:
     row = {"runner": args.runner, "label": args.label, "rc": rc, "card": card(),
            "commit": os.environ.get("DS_ASYNC_COMMIT") or subprocess.run(
                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip(),
-           "command": " ".join(sys.argv), "cache": args.cache,
+           "command": " ".join(sys.argv), "cache": args.cache, "resume": args.resume,
            "tokens_per_s": summary.get("train_tokens_per_s"), "run_tokens_per_s": summary.get("tokens_per_s"),
            "step_time_s": summary.get("step_time_s"), "steps": summary.get("steps"),
            "idle_fraction": {s: f.get("idle_fraction") for s, f in stages.items()} or None,
