@@ -2,8 +2,9 @@
 # Issue 44's one-GPU rows in one command (launch/bench/RESULTS.md, "The command line's host path"): the 31M model
 # through the command line against its emulation (long.json, p = 1, Muon's fused step; the CLI with CUDA graphs),
 # then the 0.9B config at p = 1 under compile_scope layer: one start with an empty compile cache, then WARM starts
-# with it filled. Every row is appended to OUT and summarised on one line.
-# Usage: [CORPUS=../shared/corpus] [WARM=4] bash launch/bench/bench_start.sh OUT.jsonl [LABEL]
+# with it filled, then RESUMED starts from the checkpoint a run of 8 steps saves at step 4. Every row is
+# appended to OUT and summarised on one line.
+# Usage: [CORPUS=../shared/corpus] [WARM=4] [RESUMED=2] bash launch/bench/bench_start.sh OUT.jsonl [LABEL]
 set -uo pipefail
 out=${1:?output JSON-lines file}; label=${2:-}
 corpus=${CORPUS:-../shared/corpus}
@@ -21,6 +22,7 @@ big=(--config ds_configs/llama_0.9b_4gpu_2bw_muon_ef.json --set ds_async.pipelin
      --set scheduler.params.total_num_steps=24 --set scheduler.params.warmup_num_steps=2
      --set 'ds_async.checkpoint={"every":0,"final":false}' --set ds_async.performance.compile_scope=layer
      --cache-dir "${TMPDIR:-/tmp}/ds_async_bench_start_cache")
+saved="${TMPDIR:-/tmp}/ds_async_bench_start_checkpoints"
 summary='import json, sys
 for line in sys.stdin:
     if line.startswith("{"):
@@ -35,3 +37,13 @@ run --runner cli "${big[@]}" --cache cold --label "0.9b-p1 layer $label"
 for _ in $(seq "${WARM:-4}"); do
   run --runner cli "${big[@]}" --cache warm --label "0.9b-p1 layer $label"
 done
+if [ "${RESUMED:-2}" -gt 0 ]; then  # 8 steps saved at step 4 (and 8); each resumed start runs steps 5-8 again
+  eight=(--set ds_async.train.steps=8 --set scheduler.params.total_num_steps=8)
+  rm -rf "$saved"
+  run --runner cli "${big[@]}" "${eight[@]}" --set "ds_async.checkpoint={\"every\":4,\"final\":false,\"dir\":\"$saved\"}" \
+      --label "0.9b-p1 layer, saves at steps 4 and 8 $label"
+  for _ in $(seq "${RESUMED:-2}"); do
+    run --runner cli "${big[@]}" "${eight[@]}" --resume "$saved/step_00000004" --label "0.9b-p1 layer, resumed at step 4 $label"
+  done
+  rm -rf "$saved"
+fi
