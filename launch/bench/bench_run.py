@@ -71,6 +71,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.resume and args.runner != "cli":
+        ap.error("--resume: the command line's (--runner cli)")
 
     cache = args.cache_dir
     if args.cache == "cold":  # emptied: this run compiles everything and fills it for the next
@@ -83,8 +85,6 @@ def main() -> None:
     derived = work / "config.json"
     derived.write_text(json.dumps(config))
     run_name = f"bench-{args.runner}-{os.getpid()}"
-    if args.resume and args.runner != "cli":
-        ap.error("--resume: the command line's (--runner cli)")
     cmd = ([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(derived), "--run-name", run_name]
            + (["--resume", args.resume] if args.resume else [])
            if args.runner == "cli" else
