@@ -41,7 +41,8 @@ if [ "${RESUMED:-2}" -gt 0 ]; then  # 8 steps saved at step 4 (and 8); each resu
   eight=(--set ds_async.train.steps=8 --set scheduler.params.total_num_steps=8)
   rm -rf "$saved"
   run --runner cli "${big[@]}" "${eight[@]}" \
-      --set "ds_async.checkpoint={\"every\":4,\"final\":false,\"dir\":\"$saved\"}" --label "0.9b-p1 layer, saves at steps 4 and 8 $label"
+      --set "ds_async.checkpoint={\"every\":4,\"final\":false,\"dir\":\"$saved\"}" \
+      --label "0.9b-p1 layer, saves at steps 4 and 8 $label"
   for _ in $(seq "${RESUMED:-2}"); do
     run --runner cli "${big[@]}" "${eight[@]}" --resume "$saved/step_00000004" \
         --label "0.9b-p1 layer, resumed at step 4 $label"
