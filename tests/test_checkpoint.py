@@ -17,6 +17,7 @@ tests' job server unless it is to be killed.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -396,6 +397,64 @@ def test_corrupt_or_truncated_checkpoint_is_refused_with_its_path(tmp_path):
     (folder / checkpoint.MANIFEST).write_text("{ truncated")
     with pytest.raises(CheckpointError, match=f"{folder / checkpoint.MANIFEST}: unreadable"):
         checkpoint.read_manifest(folder)
+
+
+def test_each_block_of_a_large_file_is_hashed_and_checked(tmp_path):
+    """A file of several blocks: the manifest holds the sha256 of each block (checked here against hashlib on the
+    file's slices), and a flipped bit in any block, the last one included, is refused."""
+    block = checkpoint.folder.BLOCK
+    data = os.urandom(2 * block + 1000)
+
+    def files(tmp):
+        (tmp / "big.bin").write_bytes(data)
+        (tmp / "empty.bin").write_bytes(b"")
+        return ["big.bin", "empty.bin"]
+
+    folder = checkpoint.write(tmp_path, 1, files, {})
+    entries = checkpoint.read_manifest(folder)["files"]
+    assert checkpoint.read_manifest(folder)["format"] == 2
+    assert entries["big.bin"] == {"size": len(data), "block_size": block,
+                                  "block_sha256": [hashlib.sha256(data[at:at + block]).hexdigest()
+                                                   for at in (0, block, 2 * block)]}
+    assert entries["empty.bin"] == {"size": 0, "block_size": block, "block_sha256": []}
+    checkpoint.verify(folder, ["big.bin", "empty.bin"])
+    for at in (0, block + 5, len(data) - 1):
+        flipped = bytearray(data)
+        flipped[at] ^= 1
+        (folder / "big.bin").write_bytes(bytes(flipped))
+        with pytest.raises(CheckpointError, match=f"{folder / 'big.bin'}: contents do not match"):
+            checkpoint.verify(folder, ["big.bin"])
+
+
+def test_format_1_checkpoints_are_still_verified(tmp_path):
+    """A checkpoint whose manifest (format 1) holds one sha256 per file is read and checked as before."""
+    folder = tmp_path / "step_00000001"
+    folder.mkdir()
+    data = os.urandom(3000)
+    (folder / "state.pt").write_bytes(data)
+    (folder / checkpoint.MANIFEST).write_text(json.dumps(
+        {"format": 1, "step": 1, "files": {"state.pt": {"size": 3000, "sha256": hashlib.sha256(data).hexdigest()}}}))
+    checkpoint.verify(folder, ["state.pt"])
+    (folder / "state.pt").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(CheckpointError, match=f"{folder / 'state.pt'}: contents do not match"):
+        checkpoint.verify(folder, ["state.pt"])
+    (folder / checkpoint.MANIFEST).write_text(json.dumps({"format": 3, "files": {}}))
+    with pytest.raises(CheckpointError, match="not a ds_async checkpoint manifest of a format this version reads"):
+        checkpoint.read_manifest(folder)
+
+
+def test_a_load_that_fails_on_a_corrupt_file_reports_the_corruption(tmp_path):
+    """``verifying`` hashes while its block loads; a file whose bytes were overwritten fails to load, and what is
+    raised is the manifest's verdict on the file, not the loader's error."""
+    _write(tmp_path, 1)
+    folder = checkpoint.step_dir(tmp_path, 1)
+    file = folder / "state.pt"
+    file.write_bytes(b"x" * file.stat().st_size)
+    with pytest.raises(CheckpointError, match=f"{file}: contents do not match"):
+        with checkpoint.verifying(folder, ["state.pt"]):
+            checkpoint.load_file(file)
+    with pytest.raises(CheckpointError, match=f"{file}: cannot be loaded"):
+        checkpoint.load_file(file)
 
 
 def test_weights_only_refuses_pickled_code(tmp_path):

@@ -1,11 +1,12 @@
 """The checkpoint folder protocol: atomic, verified, pruned. Knows nothing about engines or models.
 
 A checkpoint is one folder ``<root>/step_00000123`` (after 123 optimizer steps) whose ``checkpoint.json``, written
-last, lists every file with its size and sha256. Its presence in a folder without the ``.tmp`` suffix is what makes
-a checkpoint complete.
+last, lists every file with its size and the sha256 of each of its 16 MiB blocks (blocks, so that many threads hash
+one large file; format 1, still read, had one sha256 a file). Its presence in a folder without the ``.tmp`` suffix is
+what makes a checkpoint complete.
 
-Writing (:func:`write`): every rank writes its files into ``step_N.tmp/``; rank 0 gathers the files' sizes and
-hashes, writes the manifest, and renames the folder to ``step_N/`` (``os.replace``, atomic on a POSIX filesystem),
+Writing (:func:`write`): every rank writes its files into ``step_N.tmp/`` and hashes them; rank 0 gathers the files'
+sizes and hashes, writes the manifest, and renames the folder to ``step_N/`` (``os.replace``, atomic on a POSIX filesystem),
 then prunes all but the newest ``keep``. A save killed at any point leaves at most a ``.tmp`` folder that nothing
 reads (the next save removes it), so the previous checkpoint stays the newest complete one.
 
@@ -21,9 +22,10 @@ Disk space: a save that finds less free space than its files need (estimated fro
 or that fails writing for want of space, stops with one line naming the folder, the free space and the need; the
 previous checkpoints stay intact and the half-written folder is removed.
 
-Reading: :func:`verify` checks the sizes and sha256 of the files a rank reads against the manifest, and
+Reading: :func:`verify` checks the sizes and hashes of the files a rank reads against the manifest, and
 :func:`load_file` loads ``.pt`` files with ``torch.load(weights_only=True)``; a missing, truncated or corrupt file
-is refused with its path.
+is refused with its path. :func:`verifying` does the hashing on threads while its block loads the files, and refuses
+them at its end, before the caller applies anything it loaded.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ import shutil
 import socket
 import stat
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -44,7 +48,9 @@ import torch.distributed as tdist
 
 from .. import jsonfile
 
-FORMAT = 1
+FORMAT = 2
+READABLE = (1, 2)  # manifest formats this version reads: 1 hashed each file whole
+BLOCK = 16 << 20  # bytes a block hash covers
 MANIFEST = "checkpoint.json"
 LOCK = ".lock"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -231,13 +237,15 @@ def read_manifest(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"{path}: not a complete checkpoint (no {MANIFEST})") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{file}: unreadable checkpoint manifest ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(
+    if not isinstance(manifest, dict) or manifest.get("format") not in READABLE or not isinstance(
             manifest.get("files"), dict):
-        raise CheckpointError(f"{file}: not a ds_async checkpoint manifest of format {FORMAT}")
+        raise CheckpointError(f"{file}: not a ds_async checkpoint manifest of a format this version reads "
+                              f"({', '.join(map(str, READABLE))})")
     return manifest
 
 
 def sha256(path: str | os.PathLike) -> str:
+    """The sha256 of the whole file (format 1's hash)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -245,26 +253,88 @@ def sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def _block_sha256(path: Path, offset: int, length: int) -> str:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = os.pread(fd, length, offset)
+    finally:
+        os.close(fd)
+    if len(data) != length:
+        raise CheckpointError(f"{path}: shorter than its size while being read (changed by another process?)")
+    return hashlib.sha256(data).hexdigest()
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    """Threads for hashing: hashlib and file reads release the GIL, so they run in parallel with each other and with
+    the caller's loading. Up to 8, within this process's CPUs (the ranks of a node share them)."""
+    return ThreadPoolExecutor(max(1, min(8, len(os.sched_getaffinity(0)))), thread_name_prefix="ds_async-hash")
+
+
+def _block_hashes(pool: ThreadPoolExecutor, path: Path, size: int, block: int = BLOCK) -> list[Future]:
+    return [pool.submit(_block_sha256, path, at, min(block, size - at)) for at in range(0, size, block)]
+
+
+def describe(folder: Path, names) -> dict:
+    """The manifest entries of files ``names`` in ``folder``: size, block size and each block's sha256."""
+    sizes = {n: (folder / n).stat().st_size for n in names}
+    with _hash_pool() as pool:
+        hashes = {n: _block_hashes(pool, folder / n, sizes[n]) for n in names}
+        return {n: {"size": sizes[n], "block_size": BLOCK, "block_sha256": [f.result() for f in hashes[n]]}
+                for n in names}
+
+
+@contextmanager
+def verifying(path: str | os.PathLike, names, manifest: dict | None = None):
+    """Check files of checkpoint ``path`` against its manifest while the ``with`` block runs (it loads them): sizes
+    at once, hashes on threads, waited for at the block's end. CheckpointError naming the first bad file, raised at
+    the start (missing, wrong size) or the end (contents), also in place of an error the block raised on a corrupt
+    file, so that nothing loaded is used before its file is known to be intact."""
+    path = Path(path)
+    manifest = manifest or read_manifest(path)
+    checks = [(path / name, _expected(path / name, manifest["files"].get(name))) for name in names]
+    pool = _hash_pool()
+    try:
+        pending = [(file, want["block_sha256"], _block_hashes(pool, file, want["size"], want["block_size"]))
+                   if "block_sha256" in want else (file, [want["sha256"]], [pool.submit(sha256, file)])
+                   for file, want in checks]
+        try:
+            yield
+        finally:
+            for file, want, hashes in pending:
+                try:
+                    got = [f.result() for f in hashes]
+                except OSError as e:
+                    raise CheckpointError(f"{file}: cannot be read ({e.strerror or e})") from None
+                if got != want:
+                    raise CheckpointError(f"{file}: contents do not match the manifest's sha256 (corrupt); "
+                                          "refusing this checkpoint")
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def _expected(file: Path, want) -> dict:
+    """The manifest entry ``want`` of ``file``, once the file is there with the size it gives."""
+    if want is None:
+        raise CheckpointError(f"{file}: not listed in the checkpoint's manifest")
+    if not isinstance(want, dict) or not isinstance(want.get("size"), int) or not (
+            "sha256" in want or isinstance(want.get("block_size"), int) and want["block_size"] > 0
+            and isinstance(want.get("block_sha256"), list)):
+        raise CheckpointError(f"{file}: its manifest entry has no size and hash")
+    try:
+        size = file.stat().st_size
+    except OSError as e:
+        raise CheckpointError(f"{file}: missing from the checkpoint ({e.strerror})") from None
+    if size != want["size"]:
+        raise CheckpointError(f"{file}: {size} bytes, the manifest says {want['size']} (truncated or "
+                              "overwritten); refusing this checkpoint")
+    return want
+
+
 def verify(path: str | os.PathLike, names, manifest: dict | None = None) -> None:
     """Check files of checkpoint ``path`` against its manifest (size, then sha256); CheckpointError naming the
     first bad file."""
-    path = Path(path)
-    manifest = manifest or read_manifest(path)
-    for name in names:
-        file = path / name
-        want = manifest["files"].get(name)
-        if want is None:
-            raise CheckpointError(f"{file}: not listed in the checkpoint's manifest")
-        try:
-            size = file.stat().st_size
-        except OSError as e:
-            raise CheckpointError(f"{file}: missing from the checkpoint ({e.strerror})") from None
-        if size != want["size"]:
-            raise CheckpointError(f"{file}: {size} bytes, the manifest says {want['size']} (truncated or "
-                                  "overwritten); refusing this checkpoint")
-        if sha256(file) != want["sha256"]:
-            raise CheckpointError(f"{file}: contents do not match the manifest's sha256 (corrupt); refusing this "
-                                  "checkpoint")
+    with verifying(path, names, manifest):
+        pass
 
 
 def load_file(file: str | os.PathLike, map_location="cpu"):
@@ -286,10 +356,6 @@ def fsync(path: Path) -> None:
 def save_torch(obj, file: Path) -> None:
     torch.save(obj, file)
     fsync(file)
-
-
-def _describe(folder: Path, names) -> dict:
-    return {n: {"size": (folder / n).stat().st_size, "sha256": sha256(folder / n)} for n in names}
 
 
 def write(root: str | os.PathLike, step: int, write_files, manifest: dict, keep: int = 0, group=None,
@@ -355,7 +421,7 @@ class _Space:
         """``fn(tmp)``'s files described, or its error line (on every rank: the caller gathers them)."""
         try:
             names = fn(tmp)
-            return _describe(tmp, names), None
+            return describe(tmp, names), None
         except Exception as e:  # noqa: BLE001 - reported on every rank by the caller
             free = free_bytes(self.root)
             if _no_space(e) or free is not None and free < max(need, 1 << 20):

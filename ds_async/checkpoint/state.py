@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..nonfinite import SkipNonFinite
-from .folder import (FORMAT, CheckpointError, fsync, load_file, raise_if_any, read_manifest, save_torch, verify,
+from .folder import (FORMAT, CheckpointError, fsync, load_file, raise_if_any, read_manifest, save_torch, verifying,
                      world_rank_size, write)
 
 
@@ -292,12 +292,12 @@ def load(engine, folder: str | os.PathLike, group=None, check: dict | None = Non
         state_file = _state_name(stage, dp)
         shard = hf_io.shard_name(stage, engine.num_stages)
         versions_file = _versions_name(stage) if engine.versions is not None else None
-        verify(folder, [state_file, shard] + ([versions_file] if versions_file else []), manifest)
-        state = load_file(folder / state_file)
+        with verifying(folder, [state_file, shard] + ([versions_file] if versions_file else []), manifest):
+            state = load_file(folder / state_file)
+            versions = None if versions_file is None else load_file(folder / versions_file)
         if state.get("step") != manifest["step"] or state.get("stage") != stage or state.get("dp_rank") != dp:
             raise CheckpointError(f"{folder / state_file}: belongs to another step or rank")
         _load_stage_weights(engine, folder, shard)
-        versions = None if versions_file is None else load_file(folder / versions_file)
         try:
             engine.load_state_dict({"counters": state["engine"], "versions": versions})
         except (KeyError, ValueError) as e:
