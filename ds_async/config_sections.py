@@ -141,6 +141,12 @@ class CheckpointConfig:
     """Save when training ends."""
     keep: int = 3
     """Keep the newest this many checkpoints, deleting older ones after each save (0: keep all)."""
+    async_save: bool = False
+    """Write checkpoints in the background: the step that saves drains the pipeline as always and copies the
+    checkpoint's tensors to host memory (one more copy of this rank's part of a checkpoint in host memory), then
+    training goes on while a thread writes, hashes and completes it. One save at a time: the next save, the end of
+    training and a preemption wait for the one in flight; a failed write stops the run there. (The command line's
+    engine; the emulation writes its small state file as it goes.)"""
     preempt_grace_s: float = 25.0
     """On SIGTERM (what SLURM and Kubernetes send before killing a job, and what torchrun and the deepspeed launcher
     pass on to the ranks): seconds within which every rank finishes its step, the pipeline drains, a checkpoint is

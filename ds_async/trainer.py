@@ -81,6 +81,7 @@ class Trainer(TrainerSetup):
     # Set by setup (TrainerSetup), in this order: the run's folders and the checkpoint it resumes from ...
     group: tdist.ProcessGroup  # gloo, for the host-side agreements (checkpoint files, loss flags)
     preemption: Preemption | None  # SIGTERM handling (a run that saves, in the main thread)
+    writer: folder.BackgroundWriter | None  # checkpoint.async_save: the saves' own thread and process group
     run_dir: Path | None
     ckpt_root: Path | None
     resume_from: Path | None
@@ -121,7 +122,7 @@ class Trainer(TrainerSetup):
         self.cfg = cfg if run_name is None else replace(cfg, logging=replace(cfg.logging, run_name=run_name))
         self.max_steps = max_steps
         self.run_dir = self.ckpt_root = None  # set by setup, on every rank (rank 0 creates the folders)
-        self.preemption = None
+        self.preemption = self.writer = None
         init_distributed()
         self.groups_before = process_groups()  # the caller's: release keeps them
         self.start_clock.mark("process group")
@@ -332,7 +333,7 @@ class Trainer(TrainerSetup):
         self._stop_if_nonfinite(upto=step)
         self._check_weights(step)  # a checkpoint holds finite weights, or is not written
         checkpoint.save(self.engine, self.ckpt_root, hf_config=self.hf_config, tokenizer=self.tok,
-                        keep=self.cfg.checkpoint.keep, group=self.group,
+                        keep=self.cfg.checkpoint.keep, group=self.group, writer=self.writer,
                         data_state=self.train_iter.state_dict() if self.train_iter is not None else None,
                         extra={"seconds": self.log.elapsed(), "history": self.log.history},
                         meta={"tokenizer": self.fingerprint, "ds_async": cfgmod.resolved(self.cfg),
@@ -345,12 +346,19 @@ class Trainer(TrainerSetup):
         after ``--resume``) and raise Preempted on every rank."""
         if self.last_saved != step:
             self.save(step)
+        self._wait_saved()
         self.preemption.saved()
         self.log.suspend()
         self.ds_monitor.close()
         if self.train_iter is not None:
             self.train_iter.close()
         raise Preempted(step, checkpoint.step_dir(self.ckpt_root, step))
+
+    def _wait_saved(self) -> None:
+        """Until the checkpoint being written in the background (``checkpoint.async_save``) is complete; its error if
+        its write failed (on every rank alike)."""
+        if self.writer is not None:
+            self.writer.wait()
 
     def release(self, ended: bool) -> None:
         """Put back what the job changed in its process (the SIGTERM handler), however it ended; after a run that
@@ -373,6 +381,7 @@ class Trainer(TrainerSetup):
         """A run stopped by a non-finite loss or weights: ``summary.json`` of the steps logged, ``stopped`` saying
         why (a diverged run is a result, as the emulation records it), without the final evaluation, save or the
         collectives of :meth:`close`."""
+        self._wait_saved()  # the newest checkpoint, the last good one, is complete before the run stops
         train = self.log.history["train"]
         self.log.close(train[-1][0] if train else self.start, plot=self.cfg.logging.plot,
                        extra={**self._checkpoints_named(), "stopped": reason})
@@ -388,6 +397,7 @@ class Trainer(TrainerSetup):
             self.log.validation(total, self.validate())
         if self.cadence.saves(total) and self.last_saved != total:
             self.save(total)
+        self._wait_saved()
         # Documents skipped by the training stream, over the replicas (the last stage's copies of the stream).
         counts = [None] * dist.get_world_size()
         tdist.all_gather_object(counts, self.train_iter.skipped if self.train_iter is not None

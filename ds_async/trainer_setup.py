@@ -88,6 +88,8 @@ class TrainerSetup:
         if (ckpt.every > 0 or ckpt.final) and ckpt.preempt_grace_s > 0 and \
                 threading.current_thread() is threading.main_thread():
             self.preemption = Preemption(ckpt.preempt_grace_s, self.group, say=self.rank == 0)
+        self.writer = folder.BackgroundWriter(tdist.new_group(backend="gloo")) \
+            if ckpt.async_save and (ckpt.every > 0 or ckpt.final) else None
         self.weights_ok_at, self.end_checked = None, False  # see _check_weights, _stop_if_nonfinite
         self.train_iter = None  # the training stream's reader (_build_data), which then owns the reader process
         if reader is None:  # started now, so that its imports overlap the model's build

@@ -6,9 +6,11 @@ kill:
     python -m torch.distributed.run --nproc_per_node 2 tests/ckpt_jobs.py RUNS.json OUT_DIR
 
 ``RUNS.json`` lists runs: ``{"name", "config", "resume": null | "latest" | path, "poison": {"step", "kind"} | null,
-"stall_at": step | null}``. ``poison`` makes the loss of every micro-batch of that step NaN or inf (on the last
-stage, which computes it); ``stall_at`` makes the last stage hang in that step's first loss, so that the job can
-be killed in the middle of training at a known point. Each rank writes ``OUT_DIR/<name>.rank<r>.json``:
+"stall_at": step | null, "defer_writes": bool}``. ``poison`` makes the loss of every micro-batch of that step NaN or
+inf (on the last stage, which computes it); ``stall_at`` makes the last stage hang in that step's first loss, so that
+the job can be killed in the middle of training at a known point; ``defer_writes`` makes a background save
+(``checkpoint.async_save``) write its files only when the next save or the run's end waits for it, the latest a
+background write can run. Each rank writes ``OUT_DIR/<name>.rank<r>.json``:
 ``{"summary": ..., "error": "ExceptionType: message" | null, "groups_left": process groups the run left,
 "threads": the process's threads after it and a collection}``; expected errors (ds_async's) do not end the job.
 """
@@ -25,7 +27,7 @@ import torch
 
 from ds_async import trainer
 from ds_async.builder import process_groups
-from ds_async.checkpoint import CheckpointError
+from ds_async.checkpoint import CheckpointError, folder
 from ds_async.config import ConfigError
 from ds_async.data import DataError
 from ds_async.models import llama, mixtral
@@ -33,6 +35,7 @@ from ds_async.nonfinite import NonFiniteLoss
 
 EXPECTED = (ConfigError, DataError, CheckpointError, NonFiniteLoss, FileNotFoundError)  # launch/train.py's
 _ORIGINAL = {llama: llama.loss_fn, mixtral: mixtral.loss_fn}
+_WRITER = folder.BackgroundWriter
 
 
 def _patch_loss(micro_batches: int, poison: dict | None, stall_at: int | None) -> None:
@@ -59,6 +62,19 @@ def _patch_loss(micro_batches: int, poison: dict | None, stall_at: int | None) -
         module.loss_fn = wrap(make)
 
 
+class _DeferredWriter(folder.BackgroundWriter):
+    """A background writer whose write runs when it is waited for (the next save, the run's end), in the waiting
+    thread: by then training has moved on, so the files show whether the save wrote its own copy of the state."""
+
+    def submit(self, write_with) -> None:
+        self.wait()
+        self._deferred = write_with
+
+    def wait(self):
+        write_with, self._deferred = getattr(self, "_deferred", None), None
+        return None if write_with is None else write_with(self.group)
+
+
 def run(runs: list[dict], out: Path) -> None:
     """Each of ``runs`` in turn, each rank writing ``out/<name>.rank<r>.json``; the families' loss functions are put
     back afterwards."""
@@ -66,6 +82,7 @@ def run(runs: list[dict], out: Path) -> None:
         for spec in runs:
             config = json.loads(Path(spec["config"]).read_text())
             _patch_loss(config["gradient_accumulation_steps"], spec.get("poison"), spec.get("stall_at"))
+            folder.BackgroundWriter = _DeferredWriter if spec.get("defer_writes") else _WRITER
             result = {"summary": None, "error": None}
             before = process_groups()
             try:
@@ -81,6 +98,7 @@ def run(runs: list[dict], out: Path) -> None:
     finally:
         for module, make in _ORIGINAL.items():
             module.loss_fn = make
+        folder.BackgroundWriter = _WRITER
 
 
 def main(runs_file: str, out_dir: str) -> None:

@@ -49,7 +49,7 @@ STEPS, EVERY, STALL = 10, 2, 6  # killed inside step 6: checkpoints 2 and 4 exis
 # bf16 weights with DeepSpeed's bf16 optimizer, whose AdamW step runs in one pass per tensor (its step count and
 # moments live in torch's AdamW state all the same, and a resume must pick them up).
 BF16_FUSED = {"bf16": {"enabled": True}, "performance": {"fused_optimizer_step": True}}
-CASES = {  # name: (schedule, optimizer, correction, extra keys: DeepSpeed's, and "performance" for ds_async's)
+CASES = {  # name: (schedule, optimizer, correction, extra keys: DeepSpeed's; "performance" and "checkpoint" ds_async's)
     "1f1b-adamw": ("1f1b", ADAMW, None, {}),
     "2bw-adamw": ("2bw", ADAMW, None, {}),
     "1f1b-muon-ef": ("1f1b", MUON, EF, {}),
@@ -59,6 +59,8 @@ CASES = {  # name: (schedule, optimizer, correction, extra keys: DeepSpeed's, an
     "2bw-muon-ef-bf16-fused": ("2bw", MUON, EF, BF16_FUSED),
     # The training stream tokenized and packed in a reader process per rank, a step at a time (the GPU default).
     "2bw-adamw-reader": ("2bw", ADAMW, None, {"performance": {"data_reader": "process"}}),
+    # Checkpoints written on a thread while training goes on, from a copy taken at the save's drain.
+    "2bw-muon-ef-async": ("2bw", MUON, EF, {"checkpoint": {"async_save": True}}),
 }
 
 
@@ -89,7 +91,10 @@ def write_config(work: Path, name: str, schedule="1f1b", optimizer=ADAMW, correc
                        "checkpoint": {"every": every, "keep": 2, "final": final},
                        "correction": correction or {"type": "none"}, **section}}
     for key, value in (extra or {}).items():
-        (ds["ds_async"] if key == "performance" else ds)[key] = value
+        if key == "checkpoint":
+            ds["ds_async"]["checkpoint"].update(value)
+        else:
+            (ds["ds_async"] if key == "performance" else ds)[key] = value
     path = work / f"{name}.json"
     path.write_text(json.dumps(ds))
     return path
@@ -165,11 +170,16 @@ def references(work) -> dict:
             for case, (s, o, c, x) in CASES.items()]
     runs.append({"name": "ref-mixtral", "config": str(write_config(work, "ref-mixtral", "2bw", steps=3,
                                                                    family="mixtral"))})
+    # Saves at steps 2 and 4, in the foreground, and in the background written as late as can be (step 2's files
+    # once step 4 has trained).
+    for name, writes in (("saves-foreground", {}), ("saves-deferred", {"async_save": True})):
+        config = write_config(work, name, "2bw", MUON, EF, {"checkpoint": {"keep": 0, **writes}}, steps=4, every=2)
+        runs.append({"name": name, "config": str(config), "defer_writes": bool(writes)})
     results = launch(work, "references", runs)
     for name, ranks in results.items():
         assert all(r["error"] is None for r in ranks), (name, ranks)
     return {r["name"]: checkpoint.step_dir(ckpt_root(work, r["name"]), 3 if "mixtral" in r["name"] else STEPS)
-            for r in runs}
+            for r in runs if r["name"].startswith("ref-")}
 
 
 def test_sigkill_and_resume_equals_uninterrupted(work, references):
@@ -232,6 +242,23 @@ def test_reader_process_trains_on_the_same_micro_batches(references):
         return {k: v for k, v in final_state(references[f"ref-{case}"]).items() if "/data/" not in k}
 
     assert_bit_equal(trained("2bw-adamw-reader"), trained("2bw-adamw"), "reader process vs in-process reading")
+
+
+def test_a_checkpoint_written_in_the_background_holds_what_a_foreground_save_holds(references):
+    """``checkpoint.async_save``: the final checkpoint, written on the writer's thread from the host copy, holds
+    the same tensors (weights, older version, optimizer, RNG, stream position) as the same run saved in the
+    foreground, and it is complete and verified when the run's summary is written."""
+    folder = references["ref-2bw-muon-ef-async"]
+    checkpoint.verify(folder, checkpoint.read_manifest(folder)["files"])
+    assert_bit_equal(final_state(folder), final_state(references["ref-2bw-muon-ef"]), "background vs foreground save")
+
+
+def test_a_background_save_writes_the_state_of_its_step_however_late(work, references):
+    """A background save copies what it writes at its step: written only after two more steps have trained, the
+    step-2 checkpoint equals the one a foreground save wrote at step 2 (and so does step 4's)."""
+    for step in (2, 4):
+        late, now = (checkpoint.step_dir(ckpt_root(work, name), step) for name in ("saves-deferred", "saves-foreground"))
+        assert_bit_equal(final_state(late), final_state(now), f"step {step}: deferred background vs foreground save")
 
 
 # -------------------------------------------------------------------------------------------------- export

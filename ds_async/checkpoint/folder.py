@@ -13,6 +13,9 @@ reads (the next save removes it), so the previous checkpoint stays the newest co
 A step folder without a manifest (not written by this protocol) is never read, and a save
 of that step moves it aside as ``step_N.incomplete-<time>`` with a warning instead of failing on it.
 
+In the background (:class:`BackgroundWriter`): the same write on a thread of its own, one at a time, with its
+collectives over a process group only it uses, while the caller goes on.
+
 One job at a time: :func:`lock` takes an advisory lock (``fcntl.flock`` on ``<root>/.lock``, which records the
 holder's pid and host) for the life of the process; the OS drops it when the process ends, however it ends. The
 lock file and the start's probe file are opened without following symbolic links: a ``.lock`` that is a link (or
@@ -38,6 +41,7 @@ import re
 import shutil
 import socket
 import stat
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -389,6 +393,39 @@ def write(root: str | os.PathLike, step: int, write_files, manifest: dict, keep:
         shutil.rmtree(tmp, ignore_errors=True)  # frees what the failed save took; nothing reads a .tmp folder
     raise_if_any(errors[0] if errors else None, group)
     return final
+
+
+class BackgroundWriter:
+    """Checkpoint writes (:func:`write`) on a thread of their own, one at a time, while the caller goes on.
+
+    ``group``: a process group of all the writing ranks that only this writer uses (the caller's collectives on its
+    own groups would otherwise interleave with the write's). :meth:`submit` first waits for the write in flight;
+    :meth:`wait` returns its folder or raises its error, which :func:`write` agrees on over the group, so every rank
+    raises alike. The thread is a daemon: a process that fails without waiting leaves at most a ``.tmp`` folder,
+    which nothing reads and the next save removes."""
+
+    def __init__(self, group):
+        self.group = group
+        self._pending: Future | None = None
+
+    def submit(self, write_with) -> None:
+        """Run ``write_with(group) -> Path`` on the writer's thread, once the write before it has ended."""
+        self.wait()
+        future = Future()
+
+        def run():
+            try:
+                future.set_result(write_with(self.group))
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread by wait()
+                future.set_exception(e)
+
+        threading.Thread(target=run, name="ds_async-checkpoint-writer", daemon=True).start()
+        self._pending = future
+
+    def wait(self) -> Path | None:
+        """The folder of the write in flight once it is complete (None if none is); its error if it failed."""
+        future, self._pending = self._pending, None
+        return None if future is None else future.result()
 
 
 def _prepare(root: Path, tmp: Path, final: Path, total: int) -> str | None:

@@ -22,6 +22,7 @@ requires the same pipeline layout (``engine.layout()``) the checkpoint was writt
 """
 from __future__ import annotations
 
+import copy
 import os
 import random
 from pathlib import Path
@@ -30,8 +31,8 @@ import numpy as np
 import torch
 
 from ..nonfinite import SkipNonFinite
-from .folder import (FORMAT, CheckpointError, fsync, load_file, raise_if_any, read_manifest, save_torch, verifying,
-                     world_rank_size, write)
+from .folder import (FORMAT, BackgroundWriter, CheckpointError, fsync, load_file, raise_if_any, read_manifest, save_torch,
+                     step_dir, verifying, world_rank_size, write)
 
 
 # ------------------------------------------------------------------------------------- RNG and data states
@@ -195,14 +196,19 @@ def _load_stage_weights(engine, folder: Path, file_name: str) -> None:
 
 
 def save(engine, root: str | os.PathLike, *, hf_config, data_state: dict | None = None, tokenizer=None,
-         meta: dict | None = None, extra: dict | None = None, keep: int = 0, group=None) -> Path:
-    """Save the (drained) ``engine`` as checkpoint ``engine.global_steps`` under ``root``; collective.
+         meta: dict | None = None, extra: dict | None = None, keep: int = 0, group=None,
+         writer: BackgroundWriter | None = None) -> Path:
+    """Save the (drained) ``engine`` as checkpoint ``engine.global_steps`` under ``root``; collective. Returns its
+    folder.
 
     ``data_state``: this rank's training stream position (``PackedBatches.state_dict()``) or None;
     ``tokenizer``: saved into the folder by rank 0 as :func:`ds_async.tokenizer.for_generation` sets it up, its
     BOS/EOS ids written into ``config.json`` (:func:`~ds_async.models.hf_io.write_model_files`); ``meta``: more
     manifest entries;
     ``extra``: per-rank trainer state returned by :func:`load`.
+    ``writer``: write in the background (``group`` is then unused: the writer has its own). What the files hold is
+    copied to host memory first, so training may change the engine as soon as this returns; ``writer.wait()``
+    returns the folder once it is complete, or raises the write's error.
     """
     from .. import models  # imports DeepSpeed: only when a checkpoint is written
     from ..models import hf_io
@@ -213,24 +219,27 @@ def save(engine, root: str | os.PathLike, *, hf_config, data_state: dict | None 
         raise CheckpointError(str(e)) from None
     step, stage, dp = engine.global_steps, engine.stage_id, engine.grid.data_parallel_id
     stages = engine.num_stages
-    opt_state = optimizer_state(engine.optimizer)
+    state = {"format": FORMAT, "step": step, "stage": stage, "dp_rank": dp, "engine": engine_state["counters"],
+             "optimizer": optimizer_state(engine.optimizer),
+             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+             "rng": rng_state(), "data": data_state_to_file(data_state), "extra": extra or {}}
+    weights = models.hf_state_dict(engine.module) if dp == 0 else None  # the first replica writes the stage's
+    versions = engine_state["versions"] if dp == 0 else None
+    need = tensor_bytes([state, weights, versions])
+    if writer is not None:
+        state, weights, versions = host_copy((state, weights, versions))
 
     def write_files(tmp: Path) -> list[str]:
         names = [_state_name(stage, dp)]
-        state = {"format": FORMAT, "step": step, "stage": stage, "dp_rank": dp, "engine": engine_state["counters"],
-                 "optimizer": opt_state,
-                 "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-                 "rng": rng_state(), "data": data_state_to_file(data_state), "extra": extra or {}}
         save_torch(state, tmp / names[0])
-        if dp == 0:
+        if weights is not None:
             shard = hf_io.shard_name(stage, stages)
-            hf_io.save_shard(models.hf_state_dict(engine.module), tmp, shard)
+            hf_io.save_shard(weights, tmp, shard)
             fsync(tmp / shard)
             names.append(shard)
-            versions = engine_state["versions"]
-            if versions is not None:
-                save_torch(versions, tmp / _versions_name(stage))
-                names.append(_versions_name(stage))
+        if versions is not None:
+            save_torch(versions, tmp / _versions_name(stage))
+            names.append(_versions_name(stage))
         return names
 
     def write_index(tmp: Path) -> list[str]:
@@ -241,10 +250,26 @@ def save(engine, root: str | os.PathLike, *, hf_config, data_state: dict | None 
         return sorted(set(names))
 
     manifest = {**engine.layout(), "family": hf_config.model_type, **(meta or {})}
-    need = tensor_bytes([engine_state, opt_state, data_state_to_file(data_state)])
-    if dp == 0:
-        need += tensor_bytes(list(engine.module.parameters()))
-    return write(root, step, write_files, manifest, keep=keep, group=group, write_index=write_index, need=need)
+
+    def write_with(group) -> Path:
+        return write(root, step, write_files, manifest, keep=keep, group=group, write_index=write_index, need=need)
+
+    if writer is None:
+        return write_with(group)
+    writer.submit(write_with)
+    return step_dir(root, step)
+
+
+def host_copy(obj):
+    """A deep copy of ``obj`` (nested dicts, lists and tuples) with every tensor copied to host memory: what a
+    background write reads while training changes the originals."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_copy(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 def tensor_bytes(obj) -> int:
