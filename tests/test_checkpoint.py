@@ -257,7 +257,8 @@ def test_a_background_save_writes_the_state_of_its_step_however_late(work, refer
     """A background save copies what it writes at its step: written only after two more steps have trained, the
     step-2 checkpoint equals the one a foreground save wrote at step 2 (and so does step 4's)."""
     for step in (2, 4):
-        late, now = (checkpoint.step_dir(ckpt_root(work, name), step) for name in ("saves-deferred", "saves-foreground"))
+        late, now = (checkpoint.step_dir(ckpt_root(work, name), step)
+                     for name in ("saves-deferred", "saves-foreground"))
         assert_bit_equal(final_state(late), final_state(now), f"step {step}: deferred background vs foreground save")
 
 

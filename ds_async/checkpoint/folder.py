@@ -6,9 +6,9 @@ one large file; format 1, still read, had one sha256 a file). Its presence in a 
 what makes a checkpoint complete.
 
 Writing (:func:`write`): every rank writes its files into ``step_N.tmp/`` and hashes them; rank 0 gathers the files'
-sizes and hashes, writes the manifest, and renames the folder to ``step_N/`` (``os.replace``, atomic on a POSIX filesystem),
-then prunes all but the newest ``keep``. A save killed at any point leaves at most a ``.tmp`` folder that nothing
-reads (the next save removes it), so the previous checkpoint stays the newest complete one.
+sizes and hashes, writes the manifest, and renames the folder to ``step_N/`` (``os.replace``, atomic on a POSIX
+filesystem), then prunes all but the newest ``keep``. A save killed at any point leaves at most a ``.tmp`` folder
+that nothing reads (the next save removes it), so the previous checkpoint stays the newest complete one.
 
 A step folder without a manifest (not written by this protocol) is never read, and a save
 of that step moves it aside as ``step_N.incomplete-<time>`` with a warning instead of failing on it.

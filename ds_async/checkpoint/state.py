@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from ..nonfinite import SkipNonFinite
-from .folder import (FORMAT, BackgroundWriter, CheckpointError, fsync, load_file, raise_if_any, read_manifest, save_torch,
-                     step_dir, verifying, world_rank_size, write)
+from .folder import (FORMAT, BackgroundWriter, CheckpointError, fsync, load_file, raise_if_any, read_manifest,
+                     save_torch, step_dir, verifying, world_rank_size, write)
 
 
 # ------------------------------------------------------------------------------------- RNG and data states
