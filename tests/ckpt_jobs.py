@@ -7,12 +7,13 @@ kill:
 
 ``RUNS.json`` lists runs: ``{"name", "config", "resume": null | "latest" | path, "poison": {"step", "kind"} | null,
 "stall_at": step | null, "defer_writes": bool}``. ``poison`` makes the loss of every micro-batch of that step NaN or
-inf (on the last stage, which computes it); ``stall_at`` makes the last stage hang in that step's first loss, so that
-the job can be killed in the middle of training at a known point; ``defer_writes`` makes a background save
+inf (on the last stage, which computes it); ``stall_at`` makes the last stage hang in that step's first loss, so
+that the job can be killed in the middle of training at a known point; ``defer_writes`` makes a background save
 (``checkpoint.async_save``) write its files only when the next save or the run's end waits for it, the latest a
-background write can run. Each rank writes ``OUT_DIR/<name>.rank<r>.json``:
-``{"summary": ..., "error": "ExceptionType: message" | null, "groups_left": process groups the run left,
-"threads": the process's threads after it and a collection}``; expected errors (ds_async's) do not end the job.
+background write can run. Each rank writes ``OUT_DIR/<name>.rank<r>.json``: ``{"summary": ..., "error":
+"ExceptionType: message" | null, "deferred_writes": saves ``defer_writes`` held back, "groups_left": process groups
+the run left, "threads": the process's threads after it and a collection}``; expected errors (ds_async's) do not end
+the job.
 """
 from __future__ import annotations
 
@@ -66,9 +67,12 @@ class _DeferredWriter(folder.BackgroundWriter):
     """A background writer whose write runs when it is waited for (the next save, the run's end), in the waiting
     thread: by then training has moved on, so the files show whether the save wrote its own copy of the state."""
 
+    submitted = 0  # the saves handed to a writer of this kind in this process
+
     def submit(self, write_with) -> None:
         self.wait()
         self._deferred = write_with
+        _DeferredWriter.submitted += 1
 
     def wait(self):
         write_with, self._deferred = getattr(self, "_deferred", None), None
@@ -84,12 +88,13 @@ def run(runs: list[dict], out: Path) -> None:
             _patch_loss(config["gradient_accumulation_steps"], spec.get("poison"), spec.get("stall_at"))
             folder.BackgroundWriter = _DeferredWriter if spec.get("defer_writes") else _WRITER
             result = {"summary": None, "error": None}
-            before = process_groups()
+            before, deferred_before = process_groups(), _DeferredWriter.submitted
             try:
                 result["summary"] = trainer.train(spec["config"], resume=spec.get("resume"))
             except EXPECTED as e:
                 result["error"] = f"{type(e).__name__}: {e}"
             # the default group, which a first run in this process may have created, stays for the process
+            result["deferred_writes"] = _DeferredWriter.submitted - deferred_before
             result["groups_left"] = len(process_groups() - before - {torch.distributed.group.WORLD})
             gc.collect()  # what the run left that nothing holds
             result["threads"] = len(os.listdir("/proc/self/task"))

@@ -59,8 +59,6 @@ CASES = {  # name: (schedule, optimizer, correction, extra keys: DeepSpeed's; "p
     "2bw-muon-ef-bf16-fused": ("2bw", MUON, EF, BF16_FUSED),
     # The training stream tokenized and packed in a reader process per rank, a step at a time (the GPU default).
     "2bw-adamw-reader": ("2bw", ADAMW, None, {"performance": {"data_reader": "process"}}),
-    # Checkpoints written on a thread while training goes on, from a copy taken at the save's drain.
-    "2bw-muon-ef-async": ("2bw", MUON, EF, {"checkpoint": {"async_save": True}}),
 }
 
 
@@ -170,14 +168,17 @@ def references(work) -> dict:
             for case, (s, o, c, x) in CASES.items()]
     runs.append({"name": "ref-mixtral", "config": str(write_config(work, "ref-mixtral", "2bw", steps=3,
                                                                    family="mixtral"))})
-    # Saves at steps 2 and 4, in the foreground, and in the background written as late as can be (step 2's files
-    # once step 4 has trained).
-    for name, writes in (("saves-foreground", {}), ("saves-deferred", {"async_save": True})):
-        config = write_config(work, name, "2bw", MUON, EF, {"checkpoint": {"keep": 0, **writes}}, steps=4, every=2)
-        runs.append({"name": name, "config": str(config), "defer_writes": bool(writes)})
+    # Saves at steps 2 and 4: in the foreground, in the background (checkpoint.async_save), and in the background
+    # written as late as can be (step 2's files once step 4 has trained).
+    for name, background, defer in (("saves-foreground", False, False), ("saves-background", True, False),
+                                    ("saves-deferred", True, True)):
+        config = write_config(work, name, "2bw", MUON, EF, {"checkpoint": {"keep": 0, "async_save": background}},
+                              steps=4, every=2)
+        runs.append({"name": name, "config": str(config), "defer_writes": defer})
     results = launch(work, "references", runs)
     for name, ranks in results.items():
         assert all(r["error"] is None for r in ranks), (name, ranks)
+    assert [r["deferred_writes"] for r in results["saves-deferred"]] == [2, 2]  # both saves went to the writer
     return {r["name"]: checkpoint.step_dir(ckpt_root(work, r["name"]), 3 if "mixtral" in r["name"] else STEPS)
             for r in runs if r["name"].startswith("ref-")}
 
@@ -244,22 +245,16 @@ def test_reader_process_trains_on_the_same_micro_batches(references):
     assert_bit_equal(trained("2bw-adamw-reader"), trained("2bw-adamw"), "reader process vs in-process reading")
 
 
-def test_a_checkpoint_written_in_the_background_holds_what_a_foreground_save_holds(references):
-    """``checkpoint.async_save``: the final checkpoint, written on the writer's thread from the host copy, holds
-    the same tensors (weights, older version, optimizer, RNG, stream position) as the same run saved in the
-    foreground, and it is complete and verified when the run's summary is written."""
-    folder = references["ref-2bw-muon-ef-async"]
-    checkpoint.verify(folder, checkpoint.read_manifest(folder)["files"])
-    assert_bit_equal(final_state(folder), final_state(references["ref-2bw-muon-ef"]), "background vs foreground save")
-
-
-def test_a_background_save_writes_the_state_of_its_step_however_late(work, references):
-    """A background save copies what it writes at its step: written only after two more steps have trained, the
-    step-2 checkpoint equals the one a foreground save wrote at step 2 (and so does step 4's)."""
-    for step in (2, 4):
-        late, now = (checkpoint.step_dir(ckpt_root(work, name), step)
-                     for name in ("saves-deferred", "saves-foreground"))
-        assert_bit_equal(final_state(late), final_state(now), f"step {step}: deferred background vs foreground save")
+def test_a_checkpoint_written_in_the_background_holds_what_a_foreground_save_holds(work, references):
+    """``checkpoint.async_save``: each checkpoint, written on the writer's thread from the host copy taken at its
+    step, holds the same tensors (weights, older version, optimizer, RNG, stream position) as the same run's
+    foreground save, and the last one is complete and verified when the run's summary is written. Written as late as
+    a background write can run (step 2's files once step 4 has trained), the same: the save wrote its own copy."""
+    for name in ("saves-background", "saves-deferred"):
+        for step in (2, 4):
+            late, now = (checkpoint.step_dir(ckpt_root(work, run), step) for run in (name, "saves-foreground"))
+            checkpoint.verify(late, checkpoint.read_manifest(late)["files"])
+            assert_bit_equal(final_state(late), final_state(now), f"{name}, step {step}: against a foreground save")
 
 
 # -------------------------------------------------------------------------------------------------- export

@@ -2,9 +2,10 @@
 # Issue 44's one-GPU rows in one command (launch/bench/RESULTS.md, "The command line's host path"): the 31M model
 # through the command line against its emulation (long.json, p = 1, Muon's fused step; the CLI with CUDA graphs),
 # then the 0.9B config at p = 1 under compile_scope layer: one start with an empty compile cache, then WARM starts
-# with it filled, then RESUMED starts from the checkpoint a run of 8 steps saves at step 4. Every row is
-# appended to OUT and summarised on one line.
-# Usage: [CORPUS=../shared/corpus] [WARM=4] [RESUMED=2] bash launch/bench/bench_start.sh OUT.jsonl [LABEL]
+# with it filled, then RESUMED starts from the checkpoint a run of 8 steps saves at step 4, then SAVES pairs of
+# 72-step runs saving at steps 36 and 72 in the foreground and with checkpoint.async_save. Every row is appended to
+# OUT and summarised on one line.
+# Usage: [CORPUS=../shared/corpus] [WARM=4] [RESUMED=2] [SAVES=0] bash launch/bench/bench_start.sh OUT.jsonl [LABEL]
 set -uo pipefail
 out=${1:?output JSON-lines file}; label=${2:-}
 corpus=${CORPUS:-../shared/corpus}
@@ -46,6 +47,18 @@ if [ "${RESUMED:-2}" -gt 0 ]; then  # 8 steps saved at step 4 (and 8); each resu
   for _ in $(seq "${RESUMED:-2}"); do
     run --runner cli "${big[@]}" "${eight[@]}" --resume "$saved/step_00000004" \
         --label "0.9b-p1 layer, resumed at step 4 $label"
+  done
+  rm -rf "$saved"
+fi
+if [ "${SAVES:-0}" -gt 0 ]; then  # 72 steps saving at 36 and 72 (keep 1), foreground then background, SAVES times
+  long=(--set ds_async.train.steps=72 --set scheduler.params.total_num_steps=72)
+  for _ in $(seq "${SAVES}"); do
+    for background in false true; do
+      rm -rf "$saved"
+      run --runner cli "${big[@]}" "${long[@]}" \
+          --set "ds_async.checkpoint={\"every\":36,\"final\":false,\"keep\":1,\"dir\":\"$saved\",\"async_save\":$background}" \
+          --label "0.9b-p1 layer, 72 steps saving at 36 and 72, async_save $background $label"
+    done
   done
   rm -rf "$saved"
 fi
