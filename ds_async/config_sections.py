@@ -153,7 +153,8 @@ class CheckpointConfig:
     saved and the job exits with status 75 (EX_TEMPFAIL: preempted, resume with ``--resume``). Past it, or on a
     second SIGTERM, the job exits at once (status 143) without one. Keep it under the time the scheduler waits
     before SIGKILL (Kubernetes' default 30 s, the launchers' 30 s). 0: SIGTERM ends the job at once. Only for runs
-    that save checkpoints (``every`` or ``final``)."""
+    that save checkpoints (``every`` or ``final``). The first foreground save that takes 80% of it or more is said in
+    one warning line: a preempted job's save takes about as long."""
 
     def __post_init__(self):
         if self.preempt_grace_s < 0:

@@ -29,6 +29,8 @@ KILLED_EXIT = 128 + signal.SIGTERM
 """Exit status of a rank ended by a second SIGTERM or the grace period's end, without a checkpoint."""
 DUPLICATE_S = 2.0
 """A SIGTERM this soon after the first is the same preemption delivered twice (scheduler and launcher)."""
+TIGHT = 0.8
+"""A save that takes this share of the grace period or more is warned about once (:meth:`Preemption.timed_save`)."""
 
 
 class Preempted(Exception):
@@ -45,6 +47,7 @@ class Preemption:
 
     def __init__(self, grace_s: float, group, say: bool):
         self.grace_s, self.group, self.say = grace_s, group, say
+        self.warned = False  # timed_save has said that a save takes most of the grace period
         self.since: float | None = None  # time.monotonic() of this rank's first SIGTERM
         self._timer: threading.Timer | None = None
         self._flag: torch.Tensor | None = None
@@ -84,6 +87,18 @@ class Preemption:
         if tdist.is_initialized() and tdist.get_world_size(self.group) > 1:
             self._work = tdist.all_reduce(self._flag, op=tdist.ReduceOp.MAX, group=self.group, async_op=True)
         return stop
+
+    def timed_save(self, step: int, seconds: float) -> None:
+        """A save took ``seconds``: the first one to take more than :data:`TIGHT` of the grace period is said (a
+        preempted job drains and saves within it, and a save takes about as long then)."""
+        if seconds < TIGHT * self.grace_s or self.warned:
+            return
+        self.warned = True
+        if self.say:
+            print(f"ds_async: warning: saving step {step} took {seconds:.3g} s, "
+                  f"{'more than' if seconds > self.grace_s else 'close to'} ds_async.checkpoint.preempt_grace_s = "
+                  f"{self.grace_s:g} s, within which a SIGTERM'd job must drain and save: raise it (and the time "
+                  "the scheduler waits before SIGKILL), or the job may end without a checkpoint", flush=True)
 
     def saved(self) -> None:
         """The preempted job's checkpoint is saved and it is exiting: the grace period is over, and a later SIGTERM

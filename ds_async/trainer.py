@@ -8,6 +8,7 @@ pipelines, like evaluations, and ``resume`` continues a run exactly where one st
 """
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -332,6 +333,7 @@ class Trainer(TrainerSetup):
     def save(self, step: int) -> None:
         self._stop_if_nonfinite(upto=step)
         self._check_weights(step)  # a checkpoint holds finite weights, or is not written
+        began = time.monotonic()
         checkpoint.save(self.engine, self.ckpt_root, hf_config=self.hf_config, tokenizer=self.tok,
                         keep=self.cfg.checkpoint.keep, group=self.group, writer=self.writer,
                         data_state=self.train_iter.state_dict() if self.train_iter is not None else None,
@@ -339,6 +341,8 @@ class Trainer(TrainerSetup):
                         meta={"tokenizer": self.fingerprint, "ds_async": cfgmod.resolved(self.cfg),
                               "optimizer": {"type": optimizer_type(self.ds_config)}, "deepspeed": self.ds_config,
                               "run_steps": self.length})
+        if self.preemption is not None and self.writer is None:  # a background write's time is not seen here
+            self.preemption.timed_save(step, time.monotonic() - began)
         self.last_saved = step
 
     def _stop_preempted(self, step: int) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -170,10 +171,12 @@ def references(work) -> dict:
                                                                    family="mixtral"))})
     # Saves at steps 2 and 4: in the foreground, in the background (checkpoint.async_save), and in the background
     # written as late as can be (step 2's files once step 4 has trained).
+    # The foreground run's preemption grace is shorter than any save, which it says once.
     for name, background, defer in (("saves-foreground", False, False), ("saves-background", True, False),
                                     ("saves-deferred", True, True)):
-        config = write_config(work, name, "2bw", MUON, EF, {"checkpoint": {"keep": 0, "async_save": background}},
-                              steps=4, every=2)
+        grace = {} if background else {"preempt_grace_s": 0.001}
+        config = write_config(work, name, "2bw", MUON, EF,
+                              {"checkpoint": {"keep": 0, "async_save": background, **grace}}, steps=4, every=2)
         runs.append({"name": name, "config": str(config), "defer_writes": defer})
     results = launch(work, "references", runs)
     for name, ranks in results.items():
@@ -255,6 +258,15 @@ def test_a_checkpoint_written_in_the_background_holds_what_a_foreground_save_hol
             late, now = (checkpoint.step_dir(ckpt_root(work, run), step) for run in (name, "saves-foreground"))
             checkpoint.verify(late, checkpoint.read_manifest(late)["files"])
             assert_bit_equal(final_state(late), final_state(now), f"{name}, step {step}: against a foreground save")
+
+
+def test_a_save_that_takes_most_of_the_preemption_grace_is_said_once(work, references):
+    """A save longer than 80% of ``checkpoint.preempt_grace_s`` (a preempted job's drain and save must fit in it):
+    one warning line, from one rank, at the first such save, naming the step, the time and the key."""
+    log = (work / "references.log").read_text()
+    lines = [line for line in log.splitlines() if "ds_async: warning: saving step" in line]
+    assert len(lines) == 1 and re.search(r"ds_async: warning: saving step 2 took [\d.e-]+ s, more than "
+                                         r"ds_async\.checkpoint\.preempt_grace_s = 0\.001 s, ", lines[0]), lines
 
 
 # -------------------------------------------------------------------------------------------------- export
