@@ -69,13 +69,17 @@ class _DeferredWriter(folder.BackgroundWriter):
 
     submitted = 0  # the saves handed to a writer of this kind in this process
 
+    def __init__(self, group):
+        super().__init__(group)
+        self._deferred = None  # the write held back until the next wait
+
     def submit(self, write_with) -> None:
         self.wait()
         self._deferred = write_with
         _DeferredWriter.submitted += 1
 
     def wait(self):
-        write_with, self._deferred = getattr(self, "_deferred", None), None
+        write_with, self._deferred = self._deferred, None
         return None if write_with is None else write_with(self.group)
 
 
