@@ -3,9 +3,11 @@
 # through the command line against its emulation (long.json, p = 1, Muon's fused step; the CLI with CUDA graphs),
 # then the 0.9B config at p = 1 under compile_scope layer: one start with an empty compile cache, then WARM starts
 # with it filled, then RESUMED starts from the checkpoint a run of 8 steps saves at step 4, then SAVES pairs of
-# 72-step runs saving at steps 36 and 72 in the foreground and with checkpoint.async_save. Every row is appended to
-# OUT and summarised on one line.
-# Usage: [CORPUS=../shared/corpus] [WARM=4] [RESUMED=2] [SAVES=0] bash launch/bench/bench_start.sh OUT.jsonl [LABEL]
+# 72-step runs saving at steps 36 and 72 in the foreground and with checkpoint.async_save. PAIR=0 and COLD=0 leave
+# out the 31M pair and the cold start (to split the blocks across device calls on one warm machine). Every row is
+# appended to OUT and summarised on one line.
+# Usage: [CORPUS=../shared/corpus] [PAIR=1] [COLD=1] [WARM=4] [RESUMED=2] [SAVES=0]
+#        bash launch/bench/bench_start.sh OUT.jsonl [LABEL]
 set -uo pipefail
 out=${1:?output JSON-lines file}; label=${2:-}
 corpus=${CORPUS:-../shared/corpus}
@@ -32,9 +34,13 @@ for line in sys.stdin:
               "first step", r["time_to_first_step_s"], r["start_s"], "eval", r["final_eval_s"], "exit",
               r["exit_after_summary_s"], "rc", r["rc"], flush=True)'
 run() { python3 launch/bench/bench_run.py "$@" --out "$out" 2>&1 | python3 -c "$summary"; }
-run --runner cli "${small[@]}" --set ds_async.performance.cuda_graphs=true --label "31m-p1-muon-fused-graphs $label"
-run --runner emulation "${small[@]}" --label "31m-p1-muon-fused $label"
-run --runner cli "${big[@]}" --cache cold --label "0.9b-p1 layer $label"
+if [ "${PAIR:-1}" -gt 0 ]; then
+  run --runner cli "${small[@]}" --set ds_async.performance.cuda_graphs=true --label "31m-p1-muon-fused-graphs $label"
+  run --runner emulation "${small[@]}" --label "31m-p1-muon-fused $label"
+fi
+if [ "${COLD:-1}" -gt 0 ]; then
+  run --runner cli "${big[@]}" --cache cold --label "0.9b-p1 layer $label"
+fi
 for _ in $(seq "${WARM:-4}"); do
   run --runner cli "${big[@]}" --cache warm --label "0.9b-p1 layer $label"
 done
