@@ -156,6 +156,11 @@ class CheckpointConfig:
     that save checkpoints (``every`` or ``final``). The first foreground save that takes 80% of it or more is said in
     one warning line: a preempted job's save takes about as long."""
 
+    @property
+    def saves(self) -> bool:
+        """Whether the run saves any checkpoint (periodic or final)."""
+        return self.every > 0 or self.final
+
     def __post_init__(self):
         if self.preempt_grace_s < 0:
             raise ConfigError(f"ds_async.checkpoint.preempt_grace_s: must be >= 0, got {self.preempt_grace_s}")

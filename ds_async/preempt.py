@@ -47,7 +47,7 @@ class Preemption:
 
     def __init__(self, grace_s: float, group, say: bool):
         self.grace_s, self.group, self.say = grace_s, group, say
-        self.warned = False  # timed_save has said that a save takes most of the grace period
+        self._warned = False  # timed_save has said that a save takes most of the grace period
         self.since: float | None = None  # time.monotonic() of this rank's first SIGTERM
         self._timer: threading.Timer | None = None
         self._flag: torch.Tensor | None = None
@@ -91,9 +91,9 @@ class Preemption:
     def timed_save(self, step: int, seconds: float) -> None:
         """A save took ``seconds``: the first one to take more than :data:`TIGHT` of the grace period is said (a
         preempted job drains and saves within it, and a save takes about as long then)."""
-        if seconds < TIGHT * self.grace_s or self.warned:
+        if seconds < TIGHT * self.grace_s or self._warned:
             return
-        self.warned = True
+        self._warned = True
         if self.say:
             print(f"ds_async: warning: saving step {step} took {seconds:.3g} s, "
                   f"{'more than' if seconds > self.grace_s else 'close to'} ds_async.checkpoint.preempt_grace_s = "

@@ -85,11 +85,11 @@ class TrainerSetup:
         self.group = tdist.new_group(backend="gloo")  # host-side agreement: checkpoint files, loss flags
         ckpt = self.cfg.checkpoint
         # Python runs signal handlers in the main thread only; a trainer run elsewhere leaves SIGTERM as it is.
-        if (ckpt.every > 0 or ckpt.final) and ckpt.preempt_grace_s > 0 and \
+        if ckpt.saves and ckpt.preempt_grace_s > 0 and \
                 threading.current_thread() is threading.main_thread():
             self.preemption = Preemption(ckpt.preempt_grace_s, self.group, say=self.rank == 0)
         self.writer = folder.BackgroundWriter(tdist.new_group(backend="gloo")) \
-            if ckpt.async_save and (ckpt.every > 0 or ckpt.final) else None
+            if ckpt.async_save and ckpt.saves else None
         self.weights_ok_at, self.end_checked = None, False  # see _check_weights, _stop_if_nonfinite
         self.train_iter = None  # the training stream's reader (_build_data), which then owns the reader process
         if reader is None:  # started now, so that its imports overlap the model's build
@@ -161,7 +161,7 @@ class TrainerSetup:
         refused); then finds the checkpoint to resume from, and refuses to start afresh over an earlier run's
         checkpoints (its first save would move them aside). Returns the checkpoint to resume from or None."""
         cfg, root = self.cfg, self.ckpt_root
-        saves = cfg.checkpoint.every > 0 or cfg.checkpoint.final
+        saves = cfg.checkpoint.saves
         if saves:
             try:
                 folder.prepare(root)
