@@ -376,6 +376,38 @@ def test_steps_against_tokens_by_hand():
     assert len(fig.axes[0].get_lines()) >= 2  # a line per variant (and the zero line)
 
 
+def test_full_length_lambda_by_hand():
+    """long-adamw-lambda's runs at sync's tuned LR pair by seed with that point's sync, 2bw and lambda-1 runs: each
+    lambda's loss with its n, its gap to sync and EF's share over the seeds it has; the page's block waits for them."""
+    def at(group, lr, x=1.0, lam=None):
+        return {"group": group, "parameters": 1000, "lr_scale": x, "lr": lr,
+                **({"ef_lambda": lam} if lam is not None else {})}
+
+    own = [("adamw", v, k, loss + k / 100, at("long", 0.003, lam=lam))
+           for v, loss, lam in (("sync", 3.0, None), ("2bw", 3.6, None), ("2bw+ef", 3.3, 1.0)) for k in (0, 1)]
+    sweep = [("adamw", "sync", 0, loss, at("long-lr", 0.003 * x, x)) for x, loss in ((0.5, 3.02), (2.0, 3.04))]
+    lam = [("adamw", "2bw+ef λ=2", 0, 3.15, at("long-adamw-lambda", 0.003, lam=2.0)),
+           ("adamw", "2bw+ef λ=3", 0, 3.2, at("long-adamw-lambda", 0.003, lam=3.0)),
+           ("adamw", "2bw+ef λ=3", 1, 3.25, at("long-adamw-lambda", 0.003, lam=3.0)),
+           ("adamw", "2bw+ef λ=2", 0, 9.0, at("long-adamw-lambda", 0.0015, 0.5, lam=2.0))]  # off sync's LR: left out
+    runs = _runs(own + sweep + lam)
+    table = study.full_lambda_table(runs).set_index("λ")
+    assert table.index.tolist() == ["1", "2", "3"] and table["lr"].eq("0.003").all()
+    assert table["sync"].eq("3.005 (2)").all() and table["2bw"].eq("3.605 (2)").all()
+    assert table.loc["1", "2bw+ef − sync"] == "+0.300 ± 0.000 (n=2)" and table.loc["1", "recovered by ef"] == (
+        "50% ± 0% (n=2)")
+    assert table.loc["2", "2bw+ef"] == "3.150 (1)" and table.loc["2", "2bw+ef − sync"] == "+0.150 (n=1, no interval)"
+    assert table.loc["2", "recovered by ef"] == "75% (n=1, no interval)"  # (3.6 - 3.15) / (3.6 - 3.0), seed 0 alone
+    # seed 0: 3.2 - 3.0, seed 1: 3.25 - 3.01; shares over both seeds (3.605 - 3.225) / (3.605 - 3.005)
+    assert table.loc["3", "2bw+ef − sync"].startswith("+0.220 ± ") and table.loc["3", "2bw+ef − sync"].endswith(
+        "(n=2)")
+    assert table.loc["3", "recovered by ef"].startswith("63% ± ")
+    assert study.full_lambda_block(_runs(own + sweep)) == "Not run yet.\n"
+    block = study.full_lambda_block(runs.assign(command="c", card="card", commit="abc", declared_commit=None,
+                                                dirty=False))
+    assert "| adamw | 0.003 | 2 | 3.005 (2) | 3.605 (2) | 3.150 (1) |" in block and "4 emulation runs on card" in block
+
+
 def test_moe_table_by_hand():
     """The Mixtral study's table: per way of orthogonalising the experts' gate_up_proj, sync / 2bw / 2bw+ef with
     the gaps paired by seed and EF's share, then the paper's 10B MoE."""
@@ -687,7 +719,7 @@ def test_results_page_shows_what_the_committed_results_give():
     launch/study/results/, and the main table is the study's headline (AdamW and Muon, 3 seeds each)."""
     assert study.main(["report", "--check"]) == 0
     runs = study.load_results()
-    assert len(runs) == 236 and runs["complete"].all() and not runs["diverged"].any()
+    assert len(runs) == 239 and runs["complete"].all() and not runs["diverged"].any()
     assert (runs.groupby("group").size()[["main", "tokens", "lr", "batch", "depth", "ef_lambda", "nesterov"]].sum()
             == 18 + 32)
     assert runs.groupby("group").size()[["long", "long-lr", "long-lengths", "long-tuned", "long-async-lr", "long-own-lr",

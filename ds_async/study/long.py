@@ -21,7 +21,7 @@ from .tables import (at_reference, formatted, gap_with_interval, markdown, paire
 # The study at a real length (long.json: 20 tokens per parameter)
 
 LONG_GROUPS = ("long", "long-tuned", "long-lr", "long-async-lr", "long-own-lr", "long-lengths", "long-lambda",
-               "long-delay", "long-moe", "long-moe-ns", "long-batch")
+               "long-delay", "long-moe", "long-moe-ns", "long-batch", "long-adamw-lambda")
 LR_GROUPS = ("long", "long-tuned", "long-lr", "long-async-lr", "long-own-lr")
 """The groups whose runs sit on long.json's LR axis at its full length."""
 MAIN_GROUPS = ("long", "long-tuned")
@@ -455,6 +455,46 @@ def lambda_block(runs: pd.DataFrame) -> str:
                              "best λ": "g"})
     shown["closed at best λ"] = [share_text(v, math.nan, 1) for v in grid["closed at best λ"]]  # seed 0 alone
     return markdown(shown, index=False) + "\n" + ran_line(runs[runs["group"] == "long-lambda"])
+
+
+FULL_LAMBDA_CELLS = ("sync", "2bw", "2bw+ef", "2bw+ef − sync", "recovered by ef")
+
+
+def full_lambda_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """EF's strength at the full length (``long-adamw-lambda``) per optimizer it ran, at that optimizer's sync-tuned
+    LR (:func:`sync_tuned_lr`): per lambda, the 2bw + EF loss (mean over seeds, n), its gap to sync paired by seed with
+    the 95% interval, and the share of the 2bw gap it recovers with its interval; sync, 2bw and lambda 1 are that
+    point's :func:`main_points` runs (long's), so every lambda pairs with the same seeds' sync and 2bw."""
+    own = runs[runs["group"] == "long-adamw-lambda"]
+    tuned, main = sync_tuned_lr(runs), main_points(runs)
+    rows = []
+    for opt in sorted(set(own["optimizer"])):
+        lr = tuned[opt]
+        point = pd.concat([main[(main["optimizer"] == opt) & (main["lr"] == lr)],
+                           own[(own["optimizer"] == opt) & (own["lr"].map(_lr_key) == lr)]])
+        ef = point["correction"] == "ef"
+        column = [f"λ={float(lam):g}" if is_ef else label
+                  for is_ef, lam, label in zip(ef, point["ef_lambda"], point["label"])]
+        table = point.assign(column=column).pivot_table(index="seed", columns="column", values="final_val",
+                                                         aggfunc="mean")
+        base = {label: f"{table[label].mean():.3f} ({int(table[label].count())})" if label in table else "—"
+                for label in ("sync", "2bw")}
+        for lam in sorted({float(v) for v in point.loc[ef, "ef_lambda"]}):
+            col = f"λ={lam:g}"
+            rows.append({"optimizer": opt, "lr": f"{lr:g}", "λ": f"{lam:g}", **base,
+                         "2bw+ef": f"{table[col].mean():.3f} ({int(table[col].count())})",
+                         "2bw+ef − sync": paired_gap_cell(table, col),
+                         "recovered by ef": share_cell(table, corrected=col) if {"sync", "2bw"} <= set(table)
+                         else "—"})
+    return pd.DataFrame(rows, columns=["optimizer", "lr", "λ", *FULL_LAMBDA_CELLS])
+
+
+def full_lambda_block(runs: pd.DataFrame) -> str:
+    """The results page's full-length lambda table (:func:`full_lambda_table`), what ran and its training clock."""
+    own = runs[runs["group"] == "long-adamw-lambda"]
+    if own.empty:
+        return "Not run yet.\n"
+    return markdown(full_lambda_table(runs), index=False) + "\n" + ran_line(own) + clock_markdown(own)
 
 
 def delay_block(runs: pd.DataFrame) -> str:

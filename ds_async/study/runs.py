@@ -40,11 +40,11 @@ from ..report import time_to_loss
 from .comparisons import (engine_summary, engine_table, find_time_to_loss, load_time_to_loss, provenance,
                           time_to_loss_block, time_to_loss_curves, time_to_loss_table, time_to_targets_table,
                           within_noise)
-from .long import (LAMBDAS, LONG_GROUPS, LR_GROUPS, VARIANT_CELLS, batch_block, batch_gaps, batch_points,
-                   batch_table, clock_markdown, clock_table, delay_block, delay_table, extrapolation_table,
-                   headline_runs, lambda_block, lambda_grid, length_sweep, length_table, long_lr_table, long_table,
-                   main_points, moe_block, moe_choice_table, moe_table, own_best_lr, own_best_table, own_lr_block,
-                   own_lr_table, seed_markdown, seed_table, sync_tuned_lr)
+from .long import (LAMBDAS, LONG_GROUPS, LR_GROUPS, VARIANT_CELLS, batch_block, batch_gaps, batch_points, batch_table,
+                   clock_markdown, clock_table, delay_block, delay_table, extrapolation_table, full_lambda_block,
+                   full_lambda_table, headline_runs, lambda_block, lambda_grid, length_sweep, length_table,
+                   long_lr_table, long_table, main_points, moe_block, moe_choice_table, moe_table, own_best_lr,
+                   own_best_table, own_lr_block, own_lr_table, seed_markdown, seed_table, sync_tuned_lr)
 from .rows import (ENGINE_GROUP, PAGE, PAPER, RESULTS, ROOT, collect, find_runs, llama_parameters, load_results,
                    load_runs, model_key, model_parameters, read_run, write_results)
 from .tables import (at_reference, curves, depth_table, formatted, gap_curves, gap_table, gap_with_interval,
@@ -124,8 +124,8 @@ def engine_blocks(runs: pd.DataFrame, study: pd.DataFrame) -> dict[str, str]:
 
 def long_blocks(long: pd.DataFrame) -> dict[str, str]:
     """The study at a real length: its main table with the training clocks, the lengths, each seed, the LR sweep,
-    the extrapolation, each variant at its own LR (seed 0 and every seed), λ, the delay, the MoE and steps against
-    tokens."""
+    the extrapolation, each variant at its own LR (seed 0 and every seed), λ (the grid and the full length), the delay,
+    the MoE and steps against tokens."""
     main_long = main_points(long)
     blocks = {"long": markdown(long_table(long), index=False) + "\n" + ran_line(main_long) + clock_markdown(main_long)}
     lengths = long[long["group"].isin(["long", "long-lengths"])]
@@ -145,6 +145,7 @@ def long_blocks(long: pd.DataFrame) -> dict[str, str]:
     blocks["long-lambda"], blocks["long-delay"] = lambda_block(long), delay_block(long)
     blocks["long-moe"] = moe_block(long)
     blocks["long-batch"] = batch_block(long)
+    blocks["long-adamw-lambda"] = full_lambda_block(long)
     return blocks
 
 
