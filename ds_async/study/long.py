@@ -1,8 +1,9 @@
 """The study at a real length (``long.json``: 20 tokens per parameter): its tables (the gap against length, the LR
-sweeps, each variant at its own best LR, EF's strength against the LR, PipeDream's variable delay, the MoE), with
-paired intervals over seeds, and the numbers the page's hand-written reading quotes (the extrapolation of the gap,
-each variant at its own LR on seed 0, the MoE's fused-vs-split choice, the training clocks) as tables. Input: the
-rows of :mod:`ds_async.study.rows`; the definitions are :mod:`ds_async.study.tables`'.
+sweeps, each variant at its own best LR, EF's strength against the LR and at the full length, PipeDream's variable
+delay, the MoE, steps against tokens), with paired intervals over seeds, and the numbers the page's hand-written
+reading quotes (the extrapolation of the gap, each variant at its own LR on seed 0, the MoE's fused-vs-split choice,
+the training clocks) as tables. Input: the rows of :mod:`ds_async.study.rows`; the definitions are
+:mod:`ds_async.study.tables`'.
 """
 from __future__ import annotations
 
