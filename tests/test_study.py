@@ -402,6 +402,9 @@ def test_full_length_lambda_by_hand():
     assert table.loc["3", "2bw+ef − sync"].startswith("+0.220 ± ") and table.loc["3", "2bw+ef − sync"].endswith(
         "(n=2)")
     assert table.loc["3", "recovered by ef"].startswith("63% ± ")
+    # each lambda against lambda 1, paired by seed: seed 0 alone for lambda 2, both seeds for lambda 3
+    assert table.loc["1", "− λ=1"] == "—" and table.loc["2", "− λ=1"] == "-0.150 (n=1, no interval)"
+    assert table.loc["3", "− λ=1"] == "-0.080 ± 0.254 (n=2)"  # -0.1 and -0.06: t(1) 12.706 x sd 0.0283 / sqrt 2
     assert study.full_lambda_block(_runs(own + sweep)) == "Not run yet.\n"
     block = study.full_lambda_block(runs.assign(command="c", card="card", commit="abc", declared_commit=None,
                                                 dirty=False))

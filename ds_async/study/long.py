@@ -458,13 +458,14 @@ def lambda_block(runs: pd.DataFrame) -> str:
     return markdown(shown, index=False) + "\n" + ran_line(runs[runs["group"] == "long-lambda"])
 
 
-FULL_LAMBDA_CELLS = ("sync", "2bw", "2bw+ef", "2bw+ef − sync", "recovered by ef")
+FULL_LAMBDA_CELLS = ("sync", "2bw", "2bw+ef", "2bw+ef − sync", "recovered by ef", "− λ=1")
 
 
 def full_lambda_table(runs: pd.DataFrame) -> pd.DataFrame:
     """EF's strength at the full length (``long-adamw-lambda``) per optimizer it ran, at that optimizer's sync-tuned
     LR (:func:`sync_tuned_lr`): per lambda, the 2bw + EF loss (mean over seeds, n), its gap to sync paired by seed with
-    the 95% interval, and the share of the 2bw gap it recovers with its interval; sync, 2bw and lambda 1 are that
+    the 95% interval, the share of the 2bw gap it recovers with its interval, and its loss minus lambda 1's paired by
+    seed with the interval (what the page's rule for advising a lambda reads); sync, 2bw and lambda 1 are that
     point's :func:`main_points` runs (long's), so every lambda pairs with the same seeds' sync and 2bw."""
     own = runs[runs["group"] == "long-adamw-lambda"]
     tuned, main = sync_tuned_lr(runs), main_points(runs)
@@ -486,7 +487,8 @@ def full_lambda_table(runs: pd.DataFrame) -> pd.DataFrame:
                          "2bw+ef": f"{table[col].mean():.3f} ({int(table[col].count())})",
                          "2bw+ef − sync": paired_gap_cell(table, col),
                          "recovered by ef": share_cell(table, corrected=col) if {"sync", "2bw"} <= set(table)
-                         else "—"})
+                         else "—",
+                         "− λ=1": "—" if lam == 1.0 else paired_gap_cell(table, col, sync="λ=1")})
     return pd.DataFrame(rows, columns=["optimizer", "lr", "λ", *FULL_LAMBDA_CELLS])
 
 
