@@ -378,7 +378,8 @@ def test_steps_against_tokens_by_hand():
 
 def test_full_length_lambda_by_hand():
     """long-adamw-lambda's runs at sync's tuned LR pair by seed with that point's sync, 2bw and lambda-1 runs: each
-    lambda's loss with its n, its gap to sync and EF's share over the seeds it has; the page's block waits for them."""
+    lambda's loss with its n, its gap to sync, EF's share and its difference to lambda 1 over the seeds it has; the
+    page's block waits for them."""
     def at(group, lr, x=1.0, lam=None):
         return {"group": group, "parameters": 1000, "lr_scale": x, "lr": lr,
                 **({"ef_lambda": lam} if lam is not None else {})}
