@@ -79,13 +79,17 @@ def long_table(runs: pd.DataFrame) -> pd.DataFrame:
 VARIANT_CELLS = ("sync", "2bw", "2bw+ef", "2bw − sync", "2bw+ef − sync", "recovered by ef")
 
 
+def loss_cell(seeds: pd.DataFrame, column: str) -> str:
+    """A final loss's cell from per-seed losses (a frame by seed): ``mean (n)``, or a dash without the column."""
+    return f"{seeds[column].mean():.3f} ({int(seeds[column].count())})" if column in seeds else "—"
+
+
 def variant_cells(runs: pd.DataFrame) -> dict[str, str]:
     """One point's sync, 2bw and 2bw+ef as table cells: each final loss (mean over seeds, n), the gaps to sync paired
     by seed with their 95% intervals, and the share of the gap EF recovers with its 95% interval (over the seeds that
     have all three; :func:`~ds_async.study.tables.share_cell`)."""
     table = runs.pivot_table(index="seed", columns="label", values="final_val", aggfunc="mean")
-    row = {label: f"{table[label].mean():.3f} ({int(table[label].count())})" if label in table else "—"
-           for label in ("sync", "2bw", "2bw+ef")}
+    row = {label: loss_cell(table, label) for label in ("sync", "2bw", "2bw+ef")}
     for label in ("2bw", "2bw+ef"):
         row[f"{label} − sync"] = paired_gap_cell(table, label)
     row["recovered by ef"] = share_cell(table) if {"sync", "2bw", "2bw+ef"} <= set(table.columns) else "—"
@@ -479,12 +483,11 @@ def full_lambda_table(runs: pd.DataFrame) -> pd.DataFrame:
                   for is_ef, lam, label in zip(ef, point["ef_lambda"], point["label"])]
         table = point.assign(column=column).pivot_table(index="seed", columns="column", values="final_val",
                                                          aggfunc="mean")
-        base = {label: f"{table[label].mean():.3f} ({int(table[label].count())})" if label in table else "—"
-                for label in ("sync", "2bw")}
+        base = {label: loss_cell(table, label) for label in ("sync", "2bw")}
         for lam in sorted({float(v) for v in point.loc[ef, "ef_lambda"]}):
             col = f"λ={lam:g}"
             rows.append({"optimizer": opt, "lr": f"{lr:g}", "λ": f"{lam:g}", **base,
-                         "2bw+ef": f"{table[col].mean():.3f} ({int(table[col].count())})",
+                         "2bw+ef": loss_cell(table, col),
                          "2bw+ef − sync": paired_gap_cell(table, col),
                          "recovered by ef": share_cell(table, corrected=col) if {"sync", "2bw"} <= set(table)
                          else "—",
