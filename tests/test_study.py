@@ -376,6 +376,41 @@ def test_steps_against_tokens_by_hand():
     assert len(fig.axes[0].get_lines()) >= 2  # a line per variant (and the zero line)
 
 
+def test_steps_rule_by_hand():
+    """The page's rule for steps against tokens, fixed before the seeds ran: three seeds at every batch decide; the
+    half-batch interval wholly below long.json's and the double-batch one wholly above say the steps, a half-batch
+    interval reaching long.json's mean says the tokens a step, anything else is undecided."""
+    own = (0.055, 0.008, 3)
+    assert study.steps_rule((0.029, 0.01, 3), own, (0.096, 0.012, 3)) == "the steps"
+    assert study.steps_rule((0.029, 0.01, 3), own, (0.07, 0.012, 3)) == "undecided"  # 0.058 < 0.063: overlaps
+    assert study.steps_rule((0.050, 0.006, 3), own, (0.096, 0.012, 3)) == "the tokens a step"  # 0.056 >= 0.055
+    assert study.steps_rule((0.040, 0.010, 3), own, (0.096, 0.012, 3)) == "undecided"  # 0.050: below the mean only
+    assert study.steps_rule((0.029, 0.0, 1), own, (0.096, 0.012, 2)) == "open (seeds 1, 3, 2; needs 3 each)"
+
+    def at(group, batch, lr=0.04, x=1.0):
+        return {"group": group, "parameters": 1000, "lr_scale": x, "lr": lr, "batch": batch,
+                "steps": 256 * 10 // batch, "tokens_per_step": batch * 4}
+
+    # Muon's 2BW gaps over seeds 0-2 at batch 128, 256 (long.json's, at its sync-tuned LR 0.04 of a sweep of two)
+    # and 512; AdamW at long.json's batch and twice it, seed 0 alone.
+    gap = {128: (0.028, 0.03, 0.032), 256: (0.05, 0.055, 0.06), 512: (0.098, 0.1, 0.102)}
+    muon = [("muon", label, k, 3.0 + k / 10 + (g[k] if label == "2bw" else 0.0),
+             at("long" if b == 256 else "long-batch", b)) for b, g in gap.items() for label in ("sync", "2bw")
+            for k in range(3)]
+    sweep = [("muon", "sync", 0, 3.2, at("long-lr", 256, 0.02, 0.5)),
+             ("adamw", "sync", 0, 3.2, at("long-lr", 256, 0.006, 2.0))]
+    adamw = [("adamw", "sync", 0, 3.0, at("long", 256, 0.003)), ("adamw", "2bw", 0, 3.5, at("long", 256, 0.003)),
+             ("adamw", "sync", 0, 3.1, at("long-batch", 512, 0.003)),
+             ("adamw", "2bw", 0, 4.3, at("long-batch", 512, 0.003))]
+    table = study.steps_rule_table(_runs(muon + sweep + adamw)).set_index("optimizer")
+    assert table.columns.tolist() == ["batch 128", "batch 256", "batch 512", "the rule says"]
+    # t(2) 4.303 x sd / sqrt 3: sd 0.002 -> 0.005, sd 0.005 -> 0.012; 0.035 < 0.043 and 0.095 > 0.067
+    assert table.loc["muon"].tolist() == ["+0.030 ± 0.005 (n=3)", "+0.055 ± 0.012 (n=3)", "+0.100 ± 0.005 (n=3)",
+                                          "the steps"]
+    assert table.loc["adamw"].tolist() == ["—", "+0.500 (n=1, no interval)", "+1.200 (n=1, no interval)",
+                                           "open (seeds 0, 1, 1; needs 3 each)"]
+
+
 def test_full_length_lambda_by_hand():
     """long-adamw-lambda's runs at sync's tuned LR pair by seed with that point's sync, 2bw and lambda-1 runs: each
     lambda's loss with its n, its gap to sync, EF's share and its difference to lambda 1 over the seeds it has; the
@@ -410,6 +445,36 @@ def test_full_length_lambda_by_hand():
     block = study.full_lambda_block(runs.assign(command="c", card="card", commit="abc", declared_commit=None,
                                                 dirty=False))
     assert "| adamw | 0.003 | 2 | 3.005 (2) | 3.605 (2) | 3.150 (1) |" in block and "4 emulation runs on card" in block
+
+
+def test_lambda_rule_by_hand():
+    """The page's rule for advising an EF strength above 1, fixed before the seeds ran: with three seeds, a lambda
+    whose loss minus lambda 1's has its interval wholly below zero is below; the advice is the lowest such mean once
+    every lambda is decided, lambda 1 if none is below."""
+    below, above, close = (-0.05, 0.01, 3), (0.02, 0.01, 3), (-0.05, 0.06, 3)
+    assert study.lambda_rule({2.0: below, 3.0: close}) == ({2.0: "below λ = 1", 3.0: "not below"}, "λ = 2")
+    assert study.lambda_rule({2.0: below, 3.0: (-0.07, 0.01, 3)})[1] == "λ = 3"  # both below: the lower mean
+    assert study.lambda_rule({2.0: above, 3.0: close}) == ({2.0: "not below", 3.0: "not below"}, "λ = 1")
+    assert study.lambda_rule({2.0: below, 3.0: (-0.2, math.nan, 1)}) == (
+        {2.0: "below λ = 1", 3.0: "open (seeds 1; needs 3)"}, "open")
+
+    def at(group, lr, x=1.0, lam=None):
+        return {"group": group, "parameters": 1000, "lr_scale": x, "lr": lr,
+                **({"ef_lambda": lam} if lam is not None else {})}
+
+    # lambda 1 at 3.30, 3.31, 3.32 (seeds 0-2); lambda 2 0.05 +- 0.005 below it; lambda 3 at seed 0 alone
+    own = [("adamw", v, k, loss + k / 100, at("long", 0.003, lam=lam))
+           for v, loss, lam in (("sync", 3.0, None), ("2bw", 3.6, None), ("2bw+ef", 3.3, 1.0)) for k in range(3)]
+    sweep = [("adamw", "sync", 0, 3.02, at("long-lr", 0.0015, 0.5))]
+    lam = [("adamw", "2bw+ef λ=2", k, 3.3 + k / 100 - d, at("long-adamw-lambda", 0.003, lam=2.0))
+           for k, d in enumerate((0.048, 0.05, 0.052))] + [
+        ("adamw", "2bw+ef λ=3", 0, 3.2, at("long-adamw-lambda", 0.003, lam=3.0))]
+    table = study.lambda_rule_table(_runs(own + sweep + lam)).set_index("λ")
+    assert table.index.tolist() == ["2", "3"] and table["lr"].eq("0.003").all()
+    # t(2) 4.303 x sd 0.002 / sqrt 3
+    assert table.loc["2"].tolist() == ["adamw", "0.003", "-0.050 ± 0.005 (n=3)", "below λ = 1", "open"]
+    assert table.loc["3"].tolist() == ["adamw", "0.003", "-0.100 (n=1, no interval)", "open (seeds 1; needs 3)",
+                                       "open"]
 
 
 def test_moe_table_by_hand():

@@ -443,12 +443,50 @@ def batch_table(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["optimizer", "lr", "batch", "steps", *VARIANT_CELLS])
 
 
+RULE_SEEDS = 3
+"""The seeds (0-2) the results page's decision rules read, fixed before those seeds ran."""
+
+
+def steps_rule(half: tuple[float, float, int], own: tuple[float, float, int],
+               double: tuple[float, float, int]) -> str:
+    """The results page's rule for steps against tokens, fixed before the seeds ran, on plain 2BW's gap at half,
+    long.json's own and twice its batch (each ``(mean, 95% half-width, n)``): "the steps" if the half-batch
+    interval lies wholly below long.json's and the double-batch one wholly above it, "the tokens a step" if the
+    half-batch interval reaches long.json's mean gap, "undecided" otherwise; "open" until each batch has
+    ``RULE_SEEDS`` seeds."""
+    if min(n for _, _, n in (half, own, double)) < RULE_SEEDS:
+        return f"open (seeds {half[2]}, {own[2]}, {double[2]}; needs {RULE_SEEDS} each)"
+    low, high = (lambda g: g[0] - g[1]), (lambda g: g[0] + g[1])
+    if high(half) < low(own) and low(double) > high(own):
+        return "the steps"
+    if high(half) >= own[0]:
+        return "the tokens a step"
+    return "undecided"
+
+
+def steps_rule_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """:func:`steps_rule` per optimizer with ``long-batch`` runs: plain 2BW's gap to sync at half, long.json's own
+    and twice its batch (:func:`batch_gaps`' cells, a dash where none ran) and what the rule says."""
+    own = int(reference(runs, group="long")["batch"])
+    gaps = batch_gaps(runs)
+    gaps = gaps[gaps["variant"] == "2bw"].set_index(["optimizer", "batch"])
+    rows = []
+    for opt in sorted(set(runs.loc[runs["group"] == "long-batch", "optimizer"])):
+        at = {b: tuple(gaps.loc[(opt, b), ["gap", "gap half", "n"]]) if (opt, b) in gaps.index
+              else (math.nan, math.nan, 0) for b in (own // 2, own, own * 2)}
+        rows.append({"optimizer": opt, **{f"batch {b}": gap_with_interval(m, h, int(n)) for b, (m, h, n) in at.items()},
+                     "the rule says": steps_rule(*((m, h, int(n)) for m, h, n in at.values()))})
+    return pd.DataFrame(rows)
+
+
 def batch_block(runs: pd.DataFrame) -> str:
-    """The results page's steps-against-tokens table (:func:`batch_table`), what ran and its training clock."""
+    """The results page's steps-against-tokens table (:func:`batch_table`), the rule's reading of it
+    (:func:`steps_rule_table`), what ran and its training clock."""
     batch = runs[runs["group"] == "long-batch"]
     if batch.empty:
         return "Not run yet.\n"
-    return markdown(batch_table(runs), index=False) + "\n" + ran_line(batch) + clock_markdown(batch)
+    return (markdown(batch_table(runs), index=False) + "\nThe rule fixed before the seeds ran, on 2BW's gap:\n\n"
+            + markdown(steps_rule_table(runs), index=False) + "\n" + ran_line(batch) + clock_markdown(batch))
 
 
 def lambda_block(runs: pd.DataFrame) -> str:
@@ -465,15 +503,12 @@ def lambda_block(runs: pd.DataFrame) -> str:
 FULL_LAMBDA_CELLS = ("sync", "2bw", "2bw+ef", "2bw+ef − sync", "recovered by ef", "− λ=1")
 
 
-def full_lambda_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """EF's strength at the full length (``long-adamw-lambda``) per optimizer it ran, at that optimizer's sync-tuned
-    LR (:func:`sync_tuned_lr`): per lambda, the 2bw + EF loss (mean over seeds, n), its gap to sync paired by seed with
-    the 95% interval, the share of the 2bw gap it recovers with its interval, and its loss minus lambda 1's paired by
-    seed with the interval (what the page's rule for advising a lambda reads); sync, 2bw and lambda 1 are that
-    point's :func:`main_points` runs (long's), so every lambda pairs with the same seeds' sync and 2bw."""
+def _full_lambda_seeds(runs: pd.DataFrame) -> dict[str, tuple[float, pd.DataFrame, list[float]]]:
+    """Per optimizer ``long-adamw-lambda`` ran: its sync-tuned LR, the final losses there by seed (columns sync,
+    2bw and ``λ=X`` for every EF strength, λ = 1 being the :func:`main_points` run) and the lambdas, sorted."""
     own = runs[runs["group"] == "long-adamw-lambda"]
     tuned, main = sync_tuned_lr(runs), main_points(runs)
-    rows = []
+    out = {}
     for opt in sorted(set(own["optimizer"])):
         lr = tuned[opt]
         point = pd.concat([main[(main["optimizer"] == opt) & (main["lr"] == lr)],
@@ -483,8 +518,20 @@ def full_lambda_table(runs: pd.DataFrame) -> pd.DataFrame:
                   for is_ef, lam, label in zip(ef, point["ef_lambda"], point["label"])]
         table = point.assign(column=column).pivot_table(index="seed", columns="column", values="final_val",
                                                          aggfunc="mean")
+        out[opt] = (lr, table, sorted({float(v) for v in point.loc[ef, "ef_lambda"]}))
+    return out
+
+
+def full_lambda_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """EF's strength at the full length (``long-adamw-lambda``) per optimizer it ran, at that optimizer's sync-tuned
+    LR (:func:`sync_tuned_lr`): per lambda, the 2bw + EF loss (mean over seeds, n), its gap to sync paired by seed with
+    the 95% interval, the share of the 2bw gap it recovers with its interval, and its loss minus lambda 1's paired by
+    seed with the interval (what the page's rule for advising a lambda reads); sync, 2bw and lambda 1 are that
+    point's :func:`main_points` runs (long's), so every lambda pairs with the same seeds' sync and 2bw."""
+    rows = []
+    for opt, (lr, table, lambdas) in _full_lambda_seeds(runs).items():
         base = {label: loss_cell(table, label) for label in ("sync", "2bw")}
-        for lam in sorted({float(v) for v in point.loc[ef, "ef_lambda"]}):
+        for lam in lambdas:
             col = f"λ={lam:g}"
             rows.append({"optimizer": opt, "lr": f"{lr:g}", "λ": f"{lam:g}", **base,
                          "2bw+ef": loss_cell(table, col),
@@ -495,12 +542,42 @@ def full_lambda_table(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["optimizer", "lr", "λ", *FULL_LAMBDA_CELLS])
 
 
+def lambda_rule(diffs: dict[float, tuple[float, float, int]]) -> tuple[dict[float, str], str]:
+    """The results page's rule for advising an EF strength above 1, fixed before the seeds ran, on each lambda's
+    loss minus lambda 1's paired by seed (``(mean, 95% half-width, n)`` by lambda): with ``RULE_SEEDS`` seeds a
+    lambda is "below λ = 1" if its interval lies wholly below zero, "not below" otherwise, "open" before. The
+    advice: of the lambdas below, the lowest mean, once every lambda is decided; λ = 1 if none is below."""
+    says = {lam: (f"open (seeds {n}; needs {RULE_SEEDS})" if n < RULE_SEEDS else
+                  "below λ = 1" if m + h < 0 else "not below") for lam, (m, h, n) in diffs.items()}
+    if any(v.startswith("open") for v in says.values()):
+        return says, "open"
+    below = [lam for lam, v in says.items() if v == "below λ = 1"]
+    return says, f"λ = {min(below, key=lambda lam: diffs[lam][0]):g}" if below else "λ = 1"
+
+
+def lambda_rule_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """:func:`lambda_rule` per optimizer ``long-adamw-lambda`` ran, at its sync-tuned LR: per lambda above 1, its
+    loss minus lambda 1's (:func:`full_lambda_table`'s last column), what the rule says of it and the advice."""
+    rows = []
+    for opt, (lr, table, lambdas) in _full_lambda_seeds(runs).items():
+        diffs = {}
+        for lam in (x for x in lambdas if x != 1.0):
+            diff = paired_diff(table, f"λ={lam:g}", sync="λ=1")
+            diffs[lam] = (diff.mean(), paired_interval(diff), len(diff))
+        says, advice = lambda_rule(diffs)
+        rows += [{"optimizer": opt, "lr": f"{lr:g}", "λ": f"{lam:g}", "− λ=1": gap_with_interval(*diffs[lam]),
+                  "the rule says": says[lam], "advice": advice} for lam in diffs]
+    return pd.DataFrame(rows, columns=["optimizer", "lr", "λ", "− λ=1", "the rule says", "advice"])
+
+
 def full_lambda_block(runs: pd.DataFrame) -> str:
-    """The results page's full-length lambda table (:func:`full_lambda_table`), what ran and its training clock."""
+    """The results page's full-length lambda table (:func:`full_lambda_table`), the rule's reading of it
+    (:func:`lambda_rule_table`), what ran and its training clock."""
     own = runs[runs["group"] == "long-adamw-lambda"]
     if own.empty:
         return "Not run yet.\n"
-    return markdown(full_lambda_table(runs), index=False) + "\n" + ran_line(own) + clock_markdown(own)
+    return (markdown(full_lambda_table(runs), index=False) + "\nThe rule fixed before the seeds ran:\n\n"
+            + markdown(lambda_rule_table(runs), index=False) + "\n" + ran_line(own) + clock_markdown(own))
 
 
 def delay_block(runs: pd.DataFrame) -> str:

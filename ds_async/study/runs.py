@@ -42,9 +42,10 @@ from .comparisons import (engine_summary, engine_table, find_time_to_loss, load_
                           within_noise)
 from .long import (LAMBDAS, LONG_GROUPS, LR_GROUPS, VARIANT_CELLS, batch_block, batch_gaps, batch_points, batch_table,
                    clock_markdown, clock_table, delay_block, delay_table, extrapolation_table, full_lambda_block,
-                   full_lambda_table, headline_runs, lambda_block, lambda_grid, length_sweep, length_table,
-                   long_lr_table, long_table, main_points, moe_block, moe_choice_table, moe_table, own_best_lr,
-                   own_best_table, own_lr_block, own_lr_table, seed_markdown, seed_table, sync_tuned_lr)
+                   full_lambda_table, headline_runs, lambda_block, lambda_grid, lambda_rule, lambda_rule_table,
+                   length_sweep, length_table, long_lr_table, long_table, main_points, moe_block, moe_choice_table,
+                   moe_table, own_best_lr, own_best_table, own_lr_block, own_lr_table, seed_markdown, seed_table,
+                   steps_rule, steps_rule_table, sync_tuned_lr)
 from .rows import (ENGINE_GROUP, PAGE, PAPER, RESULTS, ROOT, collect, find_runs, llama_parameters, load_results,
                    load_runs, model_key, model_parameters, read_run, write_results)
 from .tables import (at_reference, curves, depth_table, formatted, gap_curves, gap_table, gap_with_interval,
