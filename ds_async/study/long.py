@@ -479,14 +479,21 @@ def steps_rule_table(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def ruled_block(own: pd.DataFrame, table: pd.DataFrame, rule: str, applied: pd.DataFrame) -> str:
+    """A results page block whose question a rule fixed before its seeds ran decides: the table, ``rule`` (the
+    caption) over the rule's reading of it (``applied``), what ran (``own``, the block's runs) and its clock."""
+    return (markdown(table, index=False) + f"\n{rule}:\n\n" + markdown(applied, index=False) + "\n" + ran_line(own)
+            + clock_markdown(own))
+
+
 def batch_block(runs: pd.DataFrame) -> str:
     """The results page's steps-against-tokens table (:func:`batch_table`), the rule's reading of it
     (:func:`steps_rule_table`), what ran and its training clock."""
     batch = runs[runs["group"] == "long-batch"]
     if batch.empty:
         return "Not run yet.\n"
-    return (markdown(batch_table(runs), index=False) + "\nThe rule fixed before the seeds ran, on 2BW's gap:\n\n"
-            + markdown(steps_rule_table(runs), index=False) + "\n" + ran_line(batch) + clock_markdown(batch))
+    return ruled_block(batch, batch_table(runs), "The rule fixed before the seeds ran, on 2BW's gap",
+                       steps_rule_table(runs))
 
 
 def lambda_block(runs: pd.DataFrame) -> str:
@@ -576,8 +583,7 @@ def full_lambda_block(runs: pd.DataFrame) -> str:
     own = runs[runs["group"] == "long-adamw-lambda"]
     if own.empty:
         return "Not run yet.\n"
-    return (markdown(full_lambda_table(runs), index=False) + "\nThe rule fixed before the seeds ran:\n\n"
-            + markdown(lambda_rule_table(runs), index=False) + "\n" + ran_line(own) + clock_markdown(own))
+    return ruled_block(own, full_lambda_table(runs), "The rule fixed before the seeds ran", lambda_rule_table(runs))
 
 
 def delay_block(runs: pd.DataFrame) -> str:
