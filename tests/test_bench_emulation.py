@@ -1,11 +1,12 @@
 """``launch/bench/bench_emulation.py``: its steady step time (from the logger's running means to the exact mean step
 after the read-ahead phase) and the configs of its rows."""
-import sys
+import importlib.util
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch" / "bench"))
-
-import bench_emulation  # noqa: E402
+spec = importlib.util.spec_from_file_location(
+    "bench_emulation", Path(__file__).resolve().parents[1] / "launch" / "bench" / "bench_emulation.py")
+bench_emulation = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench_emulation)
 
 
 def running_means(spans: list[float], window: int, warmup: int) -> list[tuple[int, float]]:
