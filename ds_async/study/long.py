@@ -13,8 +13,8 @@ import numpy as np
 import pandas as pd
 
 from .rows import PAPER
-from .tables import (at_reference, formatted, gap_with_interval, markdown, paired_diff, paired_gap_cell,
-                     paired_interval, ran_line, recovered_share, reference, reference_parameters, share_cell,
+from .tables import (at_reference, formatted, gap_stats, gap_with_interval, markdown, paired_diff, paired_gap_cell,
+                     ran_line, recovered_share, reference, reference_parameters, share_cell,
                      share_text, sweep)
 
 
@@ -270,8 +270,7 @@ def own_best_table(runs: pd.DataFrame) -> pd.DataFrame:
         return part.groupby("seed")["final_val"].mean()
 
     def gap(losses: pd.Series, sync: pd.Series) -> str:
-        diff = (losses - sync).dropna()
-        return gap_with_interval(diff.mean(), paired_interval(diff), len(diff)) if len(diff) else "—"
+        return gap_with_interval(*gap_stats(losses - sync))
 
     rows = []
     for opt, part in own_best_lr(runs).groupby("optimizer"):
@@ -426,10 +425,9 @@ def batch_gaps(runs: pd.DataFrame) -> pd.DataFrame:
         for label in ("2bw", "2bw+ef"):
             if not {"sync", label} <= set(table):
                 continue
-            diff = paired_diff(table, label)
             rows.append({"optimizer": opt, "batch": int(batch), "steps": int(part["steps"].max()),
                          "tokens/step": int(part["tokens_per_step"].max()), "variant": label,
-                         "gap": diff.mean(), "gap half": paired_interval(diff), "n": len(diff)})
+                         **dict(zip(("gap", "gap half", "n"), gap_stats(paired_diff(table, label))))})
     return pd.DataFrame(rows, columns=["optimizer", "batch", "steps", "tokens/step", "variant", "gap", "gap half",
                                        "n"])
 
@@ -567,10 +565,7 @@ def lambda_rule_table(runs: pd.DataFrame) -> pd.DataFrame:
     loss minus lambda 1's (:func:`full_lambda_table`'s last column), what the rule says of it and the advice."""
     rows = []
     for opt, (lr, table, lambdas) in _full_lambda_seeds(runs).items():
-        diffs = {}
-        for lam in (x for x in lambdas if x != 1.0):
-            diff = paired_diff(table, f"λ={lam:g}", sync="λ=1")
-            diffs[lam] = (diff.mean(), paired_interval(diff), len(diff))
+        diffs = {lam: gap_stats(paired_diff(table, f"λ={lam:g}", sync="λ=1")) for lam in lambdas if lam != 1.0}
         says, advice = lambda_rule(diffs)
         rows += [{"optimizer": opt, "lr": f"{lr:g}", "λ": f"{lam:g}", "− λ=1": gap_with_interval(*diffs[lam]),
                   "the rule says": says[lam], "advice": advice} for lam in diffs]

@@ -47,6 +47,13 @@ def share_interval(sync: pd.Series, delayed: pd.Series, corrected: pd.Series) ->
     return paired_interval(a - share * b) / abs(b.mean())
 
 
+def gap_stats(diff: pd.Series) -> tuple[float, float, int]:
+    """Paired differences (NaN left out) as a gap: their mean, the 95% interval's half-width
+    (:func:`paired_interval`) and n; the mean is NaN without a pair."""
+    diff = diff.dropna()
+    return diff.mean(), paired_interval(diff), len(diff)
+
+
 def gap_with_interval(mean: float, half: float, n: int) -> str:
     """A gap's cell: ``+m ± h (n=N)``, or ``+m (n=N, no interval)``; a dash without a gap."""
     if not math.isfinite(mean):
@@ -170,8 +177,7 @@ def sweep(runs: pd.DataFrame, axis: str, ref: dict | None = None, labels: tuple[
         for label in labels:
             row[label] = table[label].mean() if label in table else math.nan
         if all(label in table for label in labels[:2]):
-            diff = (table[labels[1]] - table[labels[0]]).dropna()
-            row["gap"], row["gap half"], row["seeds"] = diff.mean(), paired_interval(diff), int(diff.count())
+            row["gap"], row["gap half"], row["seeds"] = gap_stats(table[labels[1]] - table[labels[0]])
         rows.append(row)
     return pd.DataFrame(rows) if rows else pd.DataFrame(columns=["optimizer", axis])
 
@@ -238,8 +244,7 @@ def paired_diff(seeds: pd.DataFrame, delayed: str = "2bw", sync: str = "sync") -
 
 def paired_gap_cell(seeds: pd.DataFrame, delayed: str = "2bw", sync: str = "sync") -> str:
     """:func:`paired_diff` as :func:`gap_with_interval`'s cell; a dash without a seed that has both."""
-    diff = paired_diff(seeds, delayed, sync)
-    return gap_with_interval(diff.mean(), paired_interval(diff), len(diff)) if len(diff) else "—"
+    return gap_with_interval(*gap_stats(paired_diff(seeds, delayed, sync)))
 
 
 def main_table(runs: pd.DataFrame, labels: tuple[str, ...] = ("sync", "2bw", "2bw+ef", "2bw+nesterov"),
