@@ -203,12 +203,15 @@ def execute_notebook(path: str | Path, runs: str | None = None, timeout: int = 6
     if runs:
         os.environ["DS_ASYNC_RUNS"] = runs
     try:
-        nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
+        # No per-cell timestamps: the notebook is committed executed, and they would change every line of its diff.
+        nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
                                 resources={"metadata": {"path": str(path.parent)}}).execute()
     finally:
         os.environ.pop("DS_ASYNC_RUNS", None)
         if old is not None:
             os.environ["DS_ASYNC_RUNS"] = old
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)  # left by an earlier run that recorded them
     compact_images(nb)
     nbformat.write(nb, path)
 
