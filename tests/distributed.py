@@ -21,6 +21,10 @@ import torch
 from safetensors.torch import load_file
 
 from ds_async.builder import free_local_port
+from ds_async.models import hf_state_dict
+from ds_async.models.partition import build_layers, uniform_stages
+from ds_async.optim import build_optimizer
+from ds_async.pipe.delayed import DelayedTrainer
 from ds_async.pipe.versions import WeightVersions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,10 +182,6 @@ def emulate_run(schedule: str, stages: int, steps: int, micro_batches: int, data
     optimizer's fp32 masters (:class:`~ds_async.optim.master.MasterWeights`), as the engine runs ds_async's
     optimizers under ``"bf16": {"enabled": true}``; ``with_masters``: also return those masters flattened, in the
     order of ``master_stage<s>.pt`` concatenated over the stages."""
-    from ds_async.models.partition import build_layers, uniform_stages
-    from ds_async.pipe.delayed import DelayedTrainer
-    from ds_async.models import hf_state_dict
-    from ds_async.optim import build_optimizer
     from jobs import TINY_LLAMA, global_micro_batches
 
     torch.set_num_threads(1)  # as the job's ranks (OMP_NUM_THREADS=1): the same kernels, the same rounding

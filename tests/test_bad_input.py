@@ -21,6 +21,11 @@ import pytest
 
 from ds_async import config
 from ds_async.config import ConfigError
+from ds_async.data import load_tokenizer
+from ds_async.models import model_config
+from ds_async.optim.client import OptimizerSetupError, check_optimizer_block, client_optimizer
+from ds_async.resume import check_optimizer_type
+from ds_async.tokenizer import train_for_run
 
 from distributed import free_port, train_py_error
 
@@ -55,8 +60,6 @@ def train_cli(argv: list[str], capsys) -> str:
     ("mixtral", {"sliding_window": 64}, r"ds_async.model.config.sliding_window: 64 is not supported"),
 ])
 def test_hf_config_errors_name_the_key(family, kwargs, message):
-    from ds_async.models import model_config
-
     with pytest.raises(ConfigError, match=message):
         model_config(parse({"family": family, "config": {**TINY, **kwargs}}))
 
@@ -65,9 +68,6 @@ def test_model_folder_config_errors_and_remote_code_name_model_path(tmp_path, ca
     """A folder's config.json is checked like an inline config; one with ``auto_map`` is refused before
     transformers reads it (no code of its own runs, nothing asks on stdin)."""
     from transformers import LlamaConfig
-
-    from ds_async.data import load_tokenizer
-    from ds_async.models import model_config
 
     tied = tmp_path / "tied"
     LlamaConfig(**TINY, tie_word_embeddings=True).save_pretrained(tied)
@@ -216,8 +216,6 @@ def test_a_hub_dataset_with_the_hub_unreachable_fails_at_once(tmp_path):
 def test_optimizer_blocks_deepspeed_cannot_build_name_the_key(tmp_path, capsys, monkeypatch, block, message):
     """Checked when the job starts, before the model is built (DeepSpeed raised AssertionError/TypeError deep in
     its engine)."""
-    from ds_async.optim.client import OptimizerSetupError, check_optimizer_block
-
     with pytest.raises(OptimizerSetupError, match=message):
         check_optimizer_block({"optimizer": block})
     path = tmp_path / "c.json"
@@ -231,8 +229,6 @@ def test_optimizer_blocks_deepspeed_cannot_build_name_the_key(tmp_path, capsys, 
 def test_ds_async_optimizer_params_are_named_as_they_are_built():
     import torch
 
-    from ds_async.optim.client import OptimizerSetupError, client_optimizer
-
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(OptimizerSetupError, match=r"optimizer.params.lrr: unknown key for type 'Lion' \(did you mean "
                                                   r"'lr'\?\)"):
@@ -244,8 +240,6 @@ def test_ds_async_optimizer_params_are_named_as_they_are_built():
 def test_resume_with_another_optimizer_type_is_refused():
     """The type a checkpoint was saved with against the resumed run's (the 2-rank refusal is in
     tests/test_checkpoint.py); a checkpoint saved before the type was recorded is not checked."""
-    from ds_async.resume import check_optimizer_type
-
     saved = {"optimizer": {"type": "AdamW"}}
     check_optimizer_type(saved, {"optimizer": {"type": "adamw"}}, "ckpt")
     with pytest.raises(ConfigError, match=r"optimizer.type: 'SGD', but the checkpoint ckpt was saved with 'AdamW'"):
@@ -257,8 +251,6 @@ def test_train_tokenizer_is_retrained_when_its_recipe_changes(tmp_path, capsys):
     """``train:<vocab>`` reuses the run folder's tokenizer only if the folder's previous run (its manifest, which
     every run writes at start) trained it with the same vocabulary size and data; otherwise, or without a record,
     it trains a new one and says so."""
-    from ds_async.tokenizer import train_for_run
-
     docs = tmp_path / "docs.txt"
     docs.write_text("\n".join(f"document number {i} says something about topic {i % 7} and more" for i in range(300)))
     run = tmp_path / "run"

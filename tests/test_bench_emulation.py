@@ -3,6 +3,8 @@ after the read-ahead phase) and the configs of its rows."""
 import importlib.util
 from pathlib import Path
 
+from ds_async.study.matrices import LONG_OPTIMIZERS, OPTIMIZERS
+
 spec = importlib.util.spec_from_file_location(
     "bench_emulation", Path(__file__).resolve().parents[1] / "launch" / "bench" / "bench_emulation.py")
 bench_emulation = importlib.util.module_from_spec(spec)
@@ -32,8 +34,6 @@ def test_steady_step_time_is_the_mean_step_after_the_read_ahead():
 def test_a_row_named_by_optimizer_and_variant_is_the_studys_run_config():
     """``CONFIG:OPTIMIZER-VARIANT`` rows take the study's optimizer blocks (the long table's for ``long.json``) and
     its schedule variants, then the ``--set`` keys."""
-    from ds_async.study.matrices import LONG_OPTIMIZERS, OPTIMIZERS
-
     _, long = bench_emulation.row_config("launch/study/long.json:muon-2bw+ef", {"ds_async.train.steps": 5})
     assert long["optimizer"] == LONG_OPTIMIZERS["muon"]["optimizer"]
     assert long["ds_async"]["performance"]["fused_optimizer_step"] is True

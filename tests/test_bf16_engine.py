@@ -10,6 +10,8 @@ import torch
 
 from distributed import assert_params_close, run_job, stage_params
 
+from ds_async.pipe import schedule, version_rule
+
 ADAMW = {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.1, "torch_adam": True}}
 MBS, SEQ = 2, 32
 
@@ -107,8 +109,6 @@ def test_4_stage_2bw_gradients_that_wait_for_the_step_survive_the_next_batchs_ba
     as they are handed over, or read by the fused step), DeepSpeed's per-backward zeroing of those parameters'
     gradients must not reach them: both leave every stage's fp32 master, bf16 weights and losses bit-equal to
     handing the gradients over at the batch boundary, where nothing waits."""
-    from ds_async.pipe import schedule, version_rule
-
     for stage in (2, 3):  # the premise: a backward between the batch's ReduceGrads and its OptimizerStep
         steps = [type(c).__name__ for cmds in schedule.FlushFreeSchedule(4, 4, stage, version_rule.get("2bw"),
                                                                        first_batch=0, end_batch=2).steps()

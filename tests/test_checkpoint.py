@@ -35,6 +35,15 @@ from safetensors.torch import load_file
 
 from ds_async import checkpoint
 from ds_async.checkpoint import CheckpointError
+from ds_async.config import ConfigError, check_batch, parse
+from ds_async.data import LEE_CORPUS, DataError, PackedBatches, load_text_stream, load_tokenizer
+from ds_async.export import export
+from ds_async.export import main as export_main
+from ds_async.models import check_vocab
+from ds_async.optim import build_optimizer
+from ds_async.optim.sharded import ShardedOptimizer
+from ds_async.resume import checkpoint_to_resume as _resume_from
+from ds_async.tokenizer import train_bpe
 
 from distributed import checkpoint_weights, free_port, job_env, run_job, train_py_error
 
@@ -67,9 +76,6 @@ CASES = {  # name: (schedule, optimizer, correction, extra keys: DeepSpeed's; "p
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     """A folder with a small BPE tokenizer trained on the Lee corpus."""
-    from ds_async.data import LEE_CORPUS, load_text_stream
-    from ds_async.tokenizer import train_bpe
-
     path = tmp_path_factory.mktemp("ckpt")
     texts = [row["text"] for row in load_text_stream(LEE_CORPUS, "train")]
     train_bpe(iter(texts), TINY["vocab_size"], str(path / "tokenizer.json"))
@@ -274,8 +280,6 @@ def test_a_save_that_takes_most_of_the_preemption_grace_is_said_once(work, refer
 def test_export_loads_with_from_pretrained(work, references, name, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ds_async.export import main as export_main
-
     export_main([str(ckpt_root(work, name)), str(tmp_path / "hf")])  # a folder of checkpoints: the newest
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert type(model).__name__ == ("MixtralForCausalLM" if "mixtral" in name else "LlamaForCausalLM")
@@ -295,8 +299,6 @@ def test_export_loads_with_from_pretrained(work, references, name, tmp_path):
 
 
 def test_export_refuses_a_corrupt_checkpoint(work, references, tmp_path):
-    from ds_async.export import export
-
     folder = tmp_path / "step_00000003"
     shutil.copytree(references["ref-mixtral"], folder)
     shard = folder / "model-stage02-of-02.safetensors"
@@ -311,7 +313,6 @@ def test_export_refuses_a_corrupt_checkpoint(work, references, tmp_path):
 # ----------------------------------------------------------------------------------------- NaN / inf loss
 def test_nonfinite_loss_stop_and_skip(work):
     # Training text with documents to skip: empty, too short (min_chars 3) and not UTF-8.
-    from ds_async.data import LEE_CORPUS, load_text_stream
 
     texts = [row["text"] for row in load_text_stream(LEE_CORPUS, "train")]
     lines = b"".join(t.encode() + b"\n" + (b"\n" if i % 10 == 0 else b"") + (b"ok\n" if i % 10 == 1 else b"")
@@ -545,16 +546,12 @@ def test_malformed_or_missing_config_keys_fail_clearly(tmp_path, capsys):
 
 
 def test_missing_batch_size_is_named():
-    from ds_async.config import ConfigError, check_batch, parse
-
     cfg = parse({"model": {"config": TINY}, "train": {"steps": 3}})
     with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu: required"):
         check_batch({"gradient_accumulation_steps": 2}, cfg, 2)
 
 
 def test_missing_or_unreadable_data_files_name_the_path(tmp_path):
-    from ds_async.data import DataError, load_text_stream
-
     with pytest.raises(FileNotFoundError, match="no data files match .*absent-"):
         load_text_stream(str(tmp_path / "absent-*.parquet"), "train")
     corrupt = tmp_path / "corrupt.parquet"
@@ -567,7 +564,6 @@ def test_missing_or_unreadable_data_files_name_the_path(tmp_path):
         load_text_stream(str(folder), "train")
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "fine"}\n{"text": "cut off\n')
-    from ds_async.data import PackedBatches
     batches = PackedBatches(load_text_stream(str(broken), "train"), _tokenizer(tmp_path), 4, 1,
                             shuffle_buffer=0, repeat=False, source=str(broken))
     with pytest.raises(DataError, match=f"{broken}: reading failed"):
@@ -575,9 +571,6 @@ def test_missing_or_unreadable_data_files_name_the_path(tmp_path):
 
 
 def _tokenizer(tmp_path):
-    from ds_async.data import load_tokenizer
-    from ds_async.tokenizer import train_bpe
-
     path = tmp_path / "tok" / "tokenizer.json"
     if not path.exists():
         train_bpe(iter(["some text to learn a few merges from", "and some more text"] * 20), 300, str(path))
@@ -586,8 +579,6 @@ def _tokenizer(tmp_path):
 
 @pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
 def test_empty_short_and_non_utf8_documents_are_skipped_and_counted(tmp_path, suffix):
-    from ds_async.data import PackedBatches, load_text_stream
-
     docs = ["a first real document", "", "   ", "x", "ok", "a second real document", "third document here"]
     path = tmp_path / f"docs{suffix}"
     if suffix == ".txt":
@@ -613,9 +604,6 @@ def test_empty_short_and_non_utf8_documents_are_skipped_and_counted(tmp_path, su
 def test_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
     from transformers import LlamaConfig
 
-    from ds_async.config import ConfigError
-    from ds_async.models import check_vocab
-
     tok = _tokenizer(tmp_path)
     check_vocab(tok, LlamaConfig(vocab_size=len(tok)), "tok.json")
     with pytest.raises(ConfigError, match=rf"vocab_size 100 is smaller than the tokenizer's vocabulary \({len(tok)} "
@@ -625,9 +613,6 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
 
 def _sharded_reload_worker(rank, port, out):
     import torch.distributed as dist
-
-    from ds_async.optim import build_optimizer
-    from ds_async.optim.sharded import ShardedOptimizer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
     try:
@@ -724,7 +709,6 @@ def test_bad_checkpoint_folders_and_sources_stop_the_job_at_start(work):
     # of non-UTF-8 lines that trains with a warning.
     import random
 
-    from ds_async.data import LEE_CORPUS, load_text_stream
     (work / "empty.txt").write_text("")
     (work / "body.jsonl").write_text("".join(json.dumps({"body": f"document {i} of some text"}) + "\n"
                                              for i in range(50)))
@@ -899,9 +883,6 @@ def test_checkpoint_folder_lock_refuses_a_second_holder_until_it_dies(tmp_path):
 
 
 def test_resume_path_takes_a_run_folder_and_refuses_one_without_checkpoints(tmp_path):
-    from ds_async.config import parse
-    from ds_async.resume import checkpoint_to_resume as _resume_from
-
     cfg = parse({"model": {"config": TINY}, "train": {"steps": 3}})
     run = tmp_path / "runs" / "R"
     for step in (2, 4):
@@ -925,8 +906,6 @@ def test_resume_path_takes_a_run_folder_and_refuses_one_without_checkpoints(tmp_
     ({"train": {"steps": 3}, "data": {"shuffle_buffer": -5}}, "ds_async.data.shuffle_buffer: must be >= 0, got -5"),
 ])
 def test_nonsense_run_lengths_and_cadences_are_refused(section, message):
-    from ds_async.config import ConfigError, parse
-
     with pytest.raises(ConfigError, match=message):
         parse({"model": {"config": TINY}, **section})
 

@@ -21,7 +21,7 @@ import torch
 
 from distributed import checkpoint_weights, job_env, torchrun_train_py
 
-from ds_async import checkpoint
+from ds_async import checkpoint, jsonfile
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY, END = 40, 2, 8  # a 40-step schedule, saved every 2 steps, killed mid-run, resumed up to step 8
@@ -133,8 +133,6 @@ def test_manifest_values_that_are_not_plain_json_are_refused_naming_where():
     """No value is stringified behind the writer's back: a numpy integer (what DeepSpeed's partition returns) or a
     str subclass is refused with its path, the builtin types are written as themselves."""
     import numpy as np
-
-    from ds_async import jsonfile
 
     with pytest.raises(TypeError, match=r"\$\.parts\[1\]: np.int64\(3\) \(numpy.int64\) is not plain JSON"):
         jsonfile.dumps({"parts": [0, np.int64(3), 6]})

@@ -4,7 +4,8 @@ import torch
 import torch._dynamo
 from transformers import LlamaConfig
 
-from ds_async.models import compiled_stage, llama
+from ds_async.config import PerformanceConfig
+from ds_async.models import compile_line, compiled_stage, llama
 from distributed import two_versions
 
 
@@ -48,9 +49,6 @@ def test_compiled_stage_follows_the_swapped_in_version_without_recompiling():
 
 
 def test_a_compiling_run_says_why_its_first_step_waits_and_where_the_code_is_kept(monkeypatch):
-    from ds_async.config import PerformanceConfig
-    from ds_async.models import compile_line
-
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
     monkeypatch.setattr(torch._dynamo.config, "disable", False)
     monkeypatch.setenv("CACHE_ROOT", "/scratch")

@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from ds_async import config
-from ds_async.config import ConfigError
-from ds_async.job import use_deterministic
+from ds_async.config import ConfigError, recomputed_layers
+from ds_async.job import default_run_name, use_deterministic
+from ds_async.models import check_seq_len, model_config
+from ds_async.models.partition import stage_bounds
+from ds_async.resume import stream_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,7 +102,6 @@ def test_compile_scope_needs_compile_and_no_checkpointing():
 
 def test_recomputed_layers_per_stage():
     """``activation_checkpoint_layers``: one count for every stage or one per stage; refused naming the key."""
-    from ds_async.config import recomputed_layers
     assert recomputed_layers(parse(performance={"activation_checkpoint_layers": 2}).performance, 2) == [2, 2]
     perf = parse(performance={"activation_checkpoint_layers": [3, 0]}).performance
     assert perf.activation_checkpoint_layers == [3, 0] and recomputed_layers(perf, 2) == [3, 0]
@@ -141,8 +143,6 @@ def test_scheduler_length_comes_from_the_run_length():
 def test_model_config_keys_stage_count_and_batch_key_typos_are_named():
     """Hugging Face configs keep unknown kwargs silently; more stages than layers and a misspelled DeepSpeed batch
     key used to fail later with unrelated messages."""
-    from ds_async.models import model_config
-
     cfg = config.parse({"model": {"config": {"hidden_sise": 64}}, "train": {"steps": 1}})
     with pytest.raises(ConfigError, match=r"ds_async.model.config.hidden_sise: not a llama config key \(did you "
                                           r"mean 'ds_async.model.config.hidden_size'\?\)"):
@@ -159,9 +159,6 @@ def test_model_config_keys_stage_count_and_batch_key_typos_are_named():
 
 
 def test_seq_len_longer_than_the_model_is_named():
-    from ds_async.models import model_config
-    from ds_async.models import check_seq_len
-
     cfg = config.parse({"model": {"config": {"max_position_embeddings": 64}}, "train": {"steps": 1},
                         "data": {"seq_len": 128}})
     with pytest.raises(ConfigError, match=r"ds_async.data.seq_len: 128 is longer than the model's "
@@ -170,8 +167,6 @@ def test_seq_len_longer_than_the_model_is_named():
 
 
 def test_default_run_name_without_an_optimizer_block():
-    from ds_async.job import default_run_name
-
     cfg = config.parse({"model": {"config": {"vocab_size": 64}}, "train": {"steps": 1}})
     for ds_config in ({}, {"optimizer": None}, {"optimizer": {"type": "Muon"}}):
         name = default_run_name(cfg, ds_config)
@@ -179,8 +174,6 @@ def test_default_run_name_without_an_optimizer_block():
 
 
 def test_the_stream_recipe_a_resume_compares_names_what_moves_the_saved_position():
-    from ds_async.resume import stream_recipe
-
     def recipe(**over):
         section = {"model": {"config": {"vocab_size": 64}}, "train": {"steps": 1},
                    "data": {"train": "x", "validation": {"from_train": 5}}}
@@ -216,8 +209,6 @@ def test_gradient_clipping_defaults_to_deepspeeds():
 ])
 def test_rotary_settings_that_cannot_be_built_are_refused_at_start(extra, error):
     """HF checks them only when a stage builds its rotary embedding, with an error that names no key."""
-    from ds_async.models import model_config
-
     section = {"model": {"config": {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
                                     "num_hidden_layers": 1, "num_attention_heads": 2, **extra}}, "train": {"steps": 1}}
     with pytest.raises(ConfigError, match=r"^ds_async.model.config.rope_\*: the rotary embedding cannot be built "
@@ -231,8 +222,6 @@ def test_explicit_boundaries_must_cut_every_layer_into_the_stages_in_order(bound
     each stage must own at least one layer. The check (which build_pipeline runs) and the emulation's stage_bounds
     refuse alike, naming the key."""
     from torch import nn
-
-    from ds_async.models.partition import stage_bounds
 
     with pytest.raises(ConfigError, match=r"^ds_async\.partition\.boundaries: need 4 strictly increasing indices "
                                           r"from 0 to 6 \(embedding \+ 4 decoder layers \+ head\)"):

@@ -11,12 +11,15 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from ds_async import hub
+from ds_async.checkpoint.state import data_state_from_file, data_state_to_file
 from ds_async.config import ConfigError, DataConfig, parse
 from ds_async.config_sections import DataSource
 from ds_async.data import (
     LEE_CORPUS,
     DataError,
     PackedBatches,
+    check_encoding,
     document_encoder,
     eos_id,
     load_text_stream,
@@ -295,8 +298,6 @@ def test_peek_keeps_the_micro_batch_and_counts_what_it_read(tmp_path, lee_texts)
 
 
 def test_share_of_non_utf8_documents_is_refused_or_warned_about():
-    from ds_async.data import check_encoding
-
     assert check_encoding(100, 9, "ds_async.data.train: x.txt") is None
     assert check_encoding(0, 0, "ds_async.data.train: x.txt") is None
     assert check_encoding(100, 10, "ds_async.data.train: x.txt") == (
@@ -455,8 +456,6 @@ def test_config_names_splits_and_data_files_of_a_local_dataset_folder(tmp_path, 
 def test_every_load_dataset_argument_is_passed_through(monkeypatch):
     import datasets
 
-    from ds_async import hub
-
     calls = []
     monkeypatch.setattr(hub, "unreachable", lambda: None)  # a hub that answers, as the stand-in load_dataset does
     monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: calls.append((args, kwargs)) or
@@ -530,8 +529,6 @@ def test_resume_continues_from_the_streams_own_position(tmp_path, tokenizer, lee
     """Exact resume from the stream's own state: after loading it, the documents read before the save do not pass
     through the dataset again, where the fallback for streams without a state re-reads them all. (Counts of rows
     passed vary by datasets' look-ahead of one row per interleaved file, read by threads.)"""
-    from ds_async.checkpoint.state import data_state_from_file, data_state_to_file
-
     texts = [t[:90] for t in lee_texts[:48]]
     for i in range(4):  # 4 files: ranks take whole files (1 or 2 ranks) or every third document (3 ranks)
         write_docs(tmp_path / f"part{i}.txt", texts[i * 12 : (i + 1) * 12])

@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ds_async import plan
+from ds_async import config as cfgmod
+
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = "bash launch/demo_cpu.sh"
 
@@ -96,9 +99,6 @@ def test_gpu_demo_configs_are_valid_and_it_needs_gpus(tmp_path):
     """``bash launch/demo_gpu.sh``: without GPUs one line saying what it needs; its two configs (one stage per GPU)
     load under the strict config, differ only in schedule and correction, and the planner finds them fitting an
     80 GiB card at 4 GPUs."""
-    from ds_async import config as cfgmod
-    from ds_async import plan
-
     env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(["bash", "launch/demo_gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stderr.strip() == (

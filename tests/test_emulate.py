@@ -13,7 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from ds_async import config
+from ds_async import config, emulate
+from ds_async.config import data_parallel_degree
+from ds_async.emulate import build_scheduler
+from ds_async.models import llama, model_config
+from ds_async.models.partition import build_layers, stage_bounds, stage_of_layers
 from ds_async.pipe.delayed import DelayedTrainer
 
 
@@ -86,9 +90,6 @@ def test_stage_bounds_are_the_pipeline_modules():
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.utils import partition_balanced
 
-    from ds_async.models.partition import build_layers, stage_bounds, stage_of_layers
-    from ds_async.models import llama, model_config
-
     section = {"config": {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 5,
                           "num_attention_heads": 4, "num_key_value_heads": 2}}
     layers, _, hf = build_layers(section)
@@ -105,9 +106,6 @@ def test_stage_bounds_are_the_pipeline_modules():
 
 def test_scheduler_and_batch_split_as_deepspeed_builds_them():
     from deepspeed.runtime.lr_schedules import WarmupCosineLR
-
-    from ds_async.config import data_parallel_degree
-    from ds_async.emulate import build_scheduler
 
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
     sched = build_scheduler({"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_num_steps": 2,
@@ -134,7 +132,6 @@ def test_cli_trains_the_demo_config(tmp_path, monkeypatch):
     launch/train.py run writes, the manifest adding the emulation's device and precision, the summary where the
     start went."""
     pytest.importorskip("gensim")
-    from ds_async import emulate
 
     monkeypatch.chdir(tmp_path)
     assert emulate.main(["--config", str(ROOT / "ds_configs" / "demo_cpu.json"), "--max-steps", "3",
@@ -154,8 +151,6 @@ def test_cli_trains_the_demo_config(tmp_path, monkeypatch):
 
 
 def test_cli_errors_name_the_key(tmp_path, capsys):
-    from ds_async import emulate
-
     raw = json.loads((ROOT / "ds_configs" / "demo_cpu.json").read_text())
     raw["ds_async"]["schedule"], raw["gradient_accumulation_steps"] = "2bw", 1
     path = tmp_path / "bad.json"
@@ -172,7 +167,6 @@ def test_time_limit_and_resume_equal_an_uninterrupted_run(tmp_path, monkeypatch)
     training clock (``history["validation_seconds"]``) rises, and the resumed run's continues from the seconds its
     last process saved: the run's clock is the sum of its processes'."""
     pytest.importorskip("gensim")
-    from ds_async import emulate
 
     monkeypatch.chdir(tmp_path)
     raw = json.loads((ROOT / "ds_configs" / "demo_cpu_2bw.json").read_text())

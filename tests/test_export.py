@@ -26,8 +26,12 @@ import pytest
 import torch
 
 from ds_async import checkpoint
+from ds_async import config as cfgmod
 from ds_async.checkpoint import CheckpointError
-from ds_async.data import EOS_TOKEN
+from ds_async.data import EOS_TOKEN, LEE_CORPUS, load_text_stream, load_tokenizer
+from ds_async.export import ExportError, export, main
+from ds_async.models import FAMILIES, model_config
+from ds_async.tokenizer import load_from_checkpoint, train_bpe
 from distributed import run_ckpt_jobs, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,9 +44,6 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
     """A tokenizer trained on the Lee corpus and a 2-stage 2BW run of the trainer that saves its final step."""
-    from ds_async.data import LEE_CORPUS, load_text_stream
-    from ds_async.tokenizer import train_bpe
-
     work = tmp_path_factory.mktemp("export")
     train_bpe((row["text"] for row in load_text_stream(LEE_CORPUS, "train")), TINY["vocab_size"],
               str(work / "tokenizer.json"))
@@ -67,8 +68,6 @@ def run(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def exported(run) -> Path:
-    from ds_async.export import main
-
     out = run["work"] / "hf"
     main([str(run["root"]), str(out)])  # the folder of checkpoints: its newest
     return out
@@ -107,8 +106,6 @@ def _rewrite(folder: Path, name: str, data: bytes) -> None:
 
 def _export_cli(argv: list[str], capsys) -> str:
     """``python -m ds_async.export ARGV`` that must fail: exit 1 and one error line; returns the line."""
-    from ds_async.export import main
-
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 1
@@ -152,10 +149,6 @@ def test_config_generation_config_and_tokenizer_agree_on_end_of_text(run, export
 def test_model_config_takes_the_tokenizers_ids_and_leaves_pad_alone(run):
     """``model_config(cfg, tokenizer)``: the run's config carries BOS/EOS from the tokenizer; pad_token_id stays
     unset, since it is the embedding's ``padding_idx`` (EOS as pad would get no gradient)."""
-    from ds_async import config as cfgmod
-    from ds_async.data import load_tokenizer
-    from ds_async.models import model_config
-
     tok = load_tokenizer(str(run["work"] / "tokenizer.json"))
     cfg = cfgmod.parse({"model": {"config": TINY}, "train": {"steps": 1}})
     hf = model_config(cfg, tok)
@@ -182,10 +175,6 @@ def test_generate_with_max_new_tokens_is_quiet(hf, recwarn, caplog):
 def test_training_from_an_export_keeps_end_of_text_trainable(exported):
     """``model.path`` = an export: its pad is its EOS, which ds_async's training does not take as the embedding's
     padding row (packed rows pad nothing, and that row would get no gradient)."""
-    from ds_async import config as cfgmod
-    from ds_async.data import load_tokenizer
-    from ds_async.models import model_config
-
     assert json.loads((exported / "config.json").read_text())["pad_token_id"] == 0
     cfg = cfgmod.parse({"model": {"path": str(exported)}, "train": {"steps": 1}})
     hf = model_config(cfg, load_tokenizer(str(exported)))
@@ -251,8 +240,6 @@ def test_checkpoint_written_before_the_fix_exports_right(run, tmp_path):
     """A checkpoint whose config.json has HF's default ids, whose tokenizer has no pad and a ~1e30 length, and
     which has no generation_config.json (as ds_async wrote them before): the export fixes all of it."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    from ds_async.export import export
 
     old = tmp_path / "step_00000003"
     shutil.copytree(run["folder"], old)
@@ -334,8 +321,6 @@ def test_target_that_is_not_a_previous_export_is_left_alone(run, exported, tmp_p
 
 
 def test_overwrite_replaces_a_previous_export(run, exported, tmp_path):
-    from ds_async.export import ExportError, export
-
     out = tmp_path / "hf"
     shutil.copytree(exported, out)
     stale = out / "model-stage01-of-03.safetensors"  # of another pipeline layout: must not survive
@@ -355,9 +340,6 @@ def test_overwrite_replaces_a_previous_export(run, exported, tmp_path):
 
 # -------------------------------------------------------------------------- everything read is checked
 def test_corrupt_tokenizer_is_refused_naming_the_file(run, tmp_path, capsys):
-    from ds_async.export import export
-    from ds_async.tokenizer import load_from_checkpoint
-
     folder = tmp_path / "step_00000003"
     shutil.copytree(run["folder"], folder)
     file = folder / "tokenizer.json"
@@ -389,9 +371,6 @@ def test_corrupt_tokenizer_is_refused_naming_the_file(run, tmp_path, capsys):
 def test_seeded_init_zeroes_the_padding_row_as_hf_does():
     """With a ``pad_token_id`` the embedding's padding row starts at zero (HF's ``_init_weights``), the rest
     normal."""
-    from ds_async import config as cfgmod
-    from ds_async.models import FAMILIES, model_config
-
     hf = model_config(cfgmod.parse({"model": {"config": {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
                                                          "num_hidden_layers": 1, "num_attention_heads": 2,
                                                          "pad_token_id": 3}}, "train": {"steps": 1}}))
@@ -404,9 +383,6 @@ def test_a_model_path_checkpoint_that_does_not_fit_names_the_key(tmp_path):
     naming ``ds_async.model.path`` and the tensor, not a KeyError or a load_state_dict traceback."""
     from safetensors.torch import load_file, save_file
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from ds_async import config as cfgmod
-    from ds_async.models import FAMILIES, model_config
 
     small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                  tie_word_embeddings=False)

@@ -11,8 +11,9 @@ import torch
 from transformers import LlamaConfig, MixtralConfig
 
 from ds_async import config as cfgmod
-from ds_async import fp8
+from ds_async import fp8, plan
 from ds_async.config import ConfigError
+from ds_async.emulate import Emulation
 from ds_async.models import FAMILIES, decoder_layers
 from ds_async.optim.roles import param_roles
 
@@ -60,8 +61,6 @@ def test_where_fp8_cannot_run_it_is_refused_naming_what_to_do(monkeypatch):
 
 def test_the_cli_and_the_emulation_refuse_it_on_cpu(tmp_path, capsys, monkeypatch):
     """Before anything is built: one line, exit 1 (the trainer in a one-process world; the emulation's job)."""
-    from ds_async.emulate import Emulation
-
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
            "bf16": {"enabled": True},
            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
@@ -135,8 +134,6 @@ def test_the_planner_counts_fp8s_casts(tmp_path):
     casts of its largest product (weight and transpose, input and output gradient, a byte an element), nothing
     else changes."""
     from pathlib import Path
-
-    from ds_async import plan
 
     shipped = Path(__file__).resolve().parents[1] / "ds_configs" / "llama3_8b_4gpu_2bw_adamw.json"
     config = json.loads(shipped.read_text())

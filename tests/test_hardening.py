@@ -31,6 +31,8 @@ import torch
 
 from ds_async import checkpoint
 from ds_async.checkpoint import CheckpointError
+from ds_async.checkpoint.state import data_state_from_file, data_state_to_file
+from ds_async.data import PIECE_CHARS, PackedBatches, document_encoder, load_text_stream, load_tokenizer
 
 from distributed import free_port, job_env
 from test_checkpoint import (ADAMW, ROOT, assert_bit_equal, ckpt_root, final_state, launch,  # noqa: F401 - work
@@ -319,8 +321,6 @@ def test_a_huge_document_is_tokenized_in_pieces_with_flat_memory(tmp_path):
     document's, and the stream's state buffers a piece's tokens, not the document's."""
     import pyarrow.parquet as pq
 
-    from ds_async.data import document_encoder, load_tokenizer
-
     corpus = ROOT.parent / "shared" / "corpus"
     if not (corpus / "gutenberg-validation.parquet").exists():
         pytest.skip("needs ../shared/corpus")
@@ -380,9 +380,6 @@ def test_a_second_sigterm_or_the_grace_period_ends_the_process_at_once(grace, th
 def test_a_stream_saved_inside_a_long_document_resumes_exactly(tmp_path):
     """A state taken between two pieces of a long document, through a checkpoint file's form, continues with the
     same micro-batches as the stream that was not interrupted."""
-    from ds_async.checkpoint.state import data_state_from_file, data_state_to_file
-    from ds_async.data import PIECE_CHARS, PackedBatches, load_text_stream, load_tokenizer
-
     corpus = ROOT.parent / "shared" / "corpus"
     if not (corpus / "tokenizers" / "bpe8192.json").exists():
         pytest.skip("needs ../shared/corpus")

@@ -10,18 +10,19 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
+from ds_async.builder import start_reader, without_throughput_sync
 from ds_async.config import ConfigError, parse
+from ds_async.emulate import Emulation
 from ds_async.models import (StagedPipelineModule, compiled_stage, dropout_free, llama, loss_as_in_training,
                              mixtral, model_config, use_compile_cache)
 from ds_async.pipe.delayed import DelayedTrainer
+from ds_async.telemetry import StartClock, process_age
 
 
 def test_deepspeed_throughput_timer_is_off_unless_configured():
     """DeepSpeed's pipeline engine starts its throughput timer at every forward pass, and by default each start
     waits for the device (``timers.throughput.synchronized``): the host could never run ahead of the GPU."""
     from deepspeed.runtime.config import DeepSpeedConfig
-
-    from ds_async.builder import without_throughput_sync
 
     base = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
     assert DeepSpeedConfig(base, mpu=None).timers_config.enabled  # DeepSpeed's default
@@ -144,8 +145,6 @@ def test_reader_processes_start_on_the_first_and_last_stages(world, stages):
     the stages do not divide gets none (the job's own checks refuse it)."""
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
-    from ds_async.builder import start_reader
-
     model = {"model": {"config": {"hidden_size": 32}}, "pipeline_stages": stages}
     cfg = parse({**model, "performance": {"data_reader": "process"}})
     topology = PipeDataParallelTopology(num_pp=stages, num_dp=world // stages)
@@ -249,8 +248,6 @@ def test_the_command_line_exits_at_once_after_its_summary(tmp_path):
 def test_the_emulation_keeps_its_compiled_code_in_the_configs_cache(tmp_path, monkeypatch):
     """``performance.compile_cache`` is the emulation's too: a run of it compiles the same layers and Muon passes as
     the pipeline, and the second run of a config should load them."""
-    from ds_async.emulate import Emulation
-
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
@@ -308,8 +305,6 @@ def test_the_start_clock_splits_the_time_since_launch_into_its_marks():
     """``imports`` runs from the process's launch to the clock's creation; each mark's span from the one before;
     together they are the time from launch to the last mark."""
     import time
-
-    from ds_async.telemetry import StartClock, process_age
 
     clock = StartClock()
     time.sleep(0.05)

@@ -15,8 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_async import telemetry
+from ds_async import checkpoint, emulate, metrics, telemetry
 from ds_async.config import ConfigError, parse
+from ds_async.data import LEE_CORPUS, load_text_stream
+from ds_async.flops import model_flops_per_token
+from ds_async.pipe import delayed
+from ds_async.tokenizer import train_bpe
 from distributed import run_ckpt_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,9 +59,6 @@ def write_config(work: Path, schedule: str) -> Path:
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     """Both schedules trained in one torchrun job; the folder holds their configs, run folders and csv files."""
-    from ds_async.data import LEE_CORPUS, load_text_stream
-    from ds_async.tokenizer import train_bpe
-
     path = tmp_path_factory.mktemp("metrics")
     texts = [row["text"] for row in load_text_stream(LEE_CORPUS, "train")]
     train_bpe(iter(texts), TINY["vocab_size"], str(path / "tokenizer.json"))
@@ -89,7 +90,6 @@ def test_a_finished_run_leaves_its_process_as_it_found_it(work):
 def test_summary_and_tensorboard_hold_the_metrics(work, schedule):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from ds_async.flops import model_flops_per_token
     from transformers import LlamaConfig
 
     got = summary(work, schedule)
@@ -148,9 +148,6 @@ def test_grad_norm_is_the_one_the_engine_clips_by(work, monkeypatch):
     """Every step's logged norm equals the norm the emulation clips by on the same JSON (bit-equal to the engine on
     CPU in fp32): under 2bw the pipeline's global norm of gradients taken on W(t-1), on the reporting rank. Both
     schedules' first steps see W(0) and the same batch: the same norm."""
-    from ds_async import emulate
-    from ds_async.pipe import delayed
-
     logged = {s: [v for _, v in summary(work, s)["history"]["grad_norm"]] for s in SCHEDULES}
     assert logged["2bw"][0] == pytest.approx(logged["1f1b"][0], rel=1e-6)
     assert logged["2bw"][1] != pytest.approx(logged["1f1b"][1], rel=1e-6)  # W(0) again vs W(1)
@@ -195,8 +192,6 @@ def test_engine_run_resumed_from_a_checkpoint_continues_the_clock(work, tmp_path
     """Through launch/train.py's trainer: a 2bw run of 4 steps saves its clock and curves with its checkpoint, and
     the run of 8 resumed from it keeps the evaluation at step 4 and evaluates at step 8 on a clock that goes on
     from there."""
-    from ds_async import checkpoint
-
     runs = []
     for steps, resume in ((4, None), (8, "latest")):
         raw = json.loads(write_config(tmp_path, "2bw").read_text())
@@ -224,8 +219,6 @@ def test_validation_clock_continues_a_resumed_run(tmp_path, monkeypatch):
     """``history["validation_seconds"]``: the clock at each evaluation, from the logger's making on, plus the
     seconds of the processes a resumed run continues; ``history["validation"]`` keeps its (step, loss) pairs; the
     summary's ``seconds`` is that clock at the end."""
-    from ds_async import metrics
-
     now = [50.0]
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
     log = metrics.RunLogger(tmp_path / "run", 10, 1, enabled=True, progress=False, start_step=4,

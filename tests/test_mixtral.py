@@ -8,7 +8,10 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from distributed import assert_params_close, emulate_run, run_job, stage_params
-from ds_async.models import mixtral
+from ds_async import config as cfgmod
+from ds_async.config import ConfigError
+from ds_async.models import FAMILIES, mixtral, model_config
+from ds_async.optim.roles import fused_gate_up, param_roles
 
 # router_aux_loss_coef far above Mixtral's 0.02 so that the aux loss's share of each router gradient is large
 TINY_MIXTRAL = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
@@ -161,10 +164,8 @@ def test_seeded_init_and_roles():
 
 
 def test_every_parameter_has_a_role():
-    from ds_async.optim import roles
-
     layers = torch.nn.ModuleList(spec.build() for spec in mixtral.layer_specs(MixtralConfig(**TINY_MIXTRAL)))
-    got = roles.param_roles(layers)
+    got = param_roles(layers)
     assert len(got) == len(list(layers.parameters()))
     by_shape = {(tuple(p.shape), role) for p, role in got.items()}
     assert ((4, 192, 64), "matrix") in by_shape and ((4, 64), "matrix") in by_shape
@@ -175,8 +176,6 @@ def test_fused_gate_up_is_found_and_is_two_contiguous_halves():
     """What ``split_gate_up`` relies on: every decoder layer's expert ``gate_up_proj`` is listed as a fused
     ``[gate; up]`` stack (and nothing else is), and HF's experts apply it as two contiguous halves of rows, not
     interleaved rows: zeroing either half zeroes the experts' output (``silu(0) * up = silu(gate) * 0 = 0``)."""
-    from ds_async.optim.roles import fused_gate_up
-
     layers = torch.nn.ModuleList(spec.build() for spec in mixtral.layer_specs(MixtralConfig(**TINY_MIXTRAL), seed=2))
     decoders = list(layers)[1:-1]
     assert [id(p) for p in fused_gate_up(layers)] == [id(d.layer.mlp.experts.gate_up_proj) for d in decoders]
@@ -203,8 +202,6 @@ def test_tied_embeddings_refused():
 def test_a_config_built_in_python_is_refused_as_the_json_one_naming_the_module():
     """``layer_specs`` of a config built in Python runs the refusals ``model_config`` runs on a JSON config, the
     same ConfigError with this module in place of the JSON key's path."""
-    from ds_async.config import ConfigError
-
     for change, message in (({"num_experts_per_tok": 3}, r"num_experts_per_tok: 3 must be in 1..num_local_experts"),
                             ({"sliding_window": 64}, r"sliding_window: 64 is not supported")):
         with pytest.raises(ConfigError, match=r"^ds_async.models \(mixtral\): " + message):
@@ -212,9 +209,6 @@ def test_a_config_built_in_python_is_refused_as_the_json_one_naming_the_module()
 
 
 def test_family_selects_mixtral(hf_model):
-    from ds_async import config as cfgmod
-    from ds_async.models import FAMILIES, model_config
-
     inline = cfgmod.parse({"model": {"family": "mixtral", "config": {"num_local_experts": 4}}, "train": {"steps": 1}})
     config = model_config(inline)
     assert isinstance(config, MixtralConfig) and config.num_local_experts == 4 and not config.tie_word_embeddings

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from ds_async.optim import ErrorFeedback, Muon, muon_param_groups
+from ds_async.optim import ErrorFeedback, Muon, NesterovLookahead, muon_param_groups
 from ds_async.optim.muon_pass import hybrid_muon_step_, muon_hyper, muon_pass_
 
 # Repeated shapes (batched Newton-Schulz), tall and wide, an expert stack, a matrix with an odd number of entries.
@@ -181,8 +181,6 @@ def assert_fused_step_equals_class_step(ref, fast, grad_dtype):
 def test_hybrid_muon_step_skips_missing_gradients_and_refuses_other_corrections():
     """A ``None`` gradient leaves its parameter and state alone (as the class skips a parameter without ``.grad``);
     lists of the wrong length and a correction other than EF are refused rather than silently misapplied."""
-    from ds_async.optim import NesterovLookahead
-
     _, fast = hybrid_twins(False)
     masters = [p for g in fast.param_groups for p in g["params"]]
     grads = [torch.ones_like(p, dtype=torch.bfloat16) for p in masters]

@@ -11,9 +11,13 @@ from torch import nn
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
 
 from ds_async.config import ConfigError
+from ds_async.models import mixtral
+from ds_async.models.llama import DecoderLayerPipe, EmbeddingPipe, HeadPipe, check_supported
 from ds_async.optim import (SGD, AdamW, ErrorFeedback, Lion, Muon, NesterovLookahead, build_correction,
                             build_optimizer, muon_param_groups, param_roles)
+from ds_async.optim.client import OptimizerSetupError, client_optimizer
 from ds_async.optim.muon import NS_COEFFICIENTS, orthogonalise_batched, zeropower_via_newtonschulz
+from ds_async.optim.roles import fused_gate_up
 
 from muon_reference import ReferenceHybridMuon
 
@@ -157,8 +161,6 @@ def test_lion_equals_hand_written_lion():
 def tiny_llama(layers: int = 2):
     from transformers import LlamaConfig
 
-    from ds_async.models.llama import DecoderLayerPipe, EmbeddingPipe, HeadPipe, check_supported
-
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
                          tie_word_embeddings=False)
@@ -197,8 +199,6 @@ def test_mixtral_experts_and_router_train_with_muon():
     """A real Mixtral pipeline: expert stacks [E, rows, cols] and the router are Muon matrices, and one step on a
     real loss (through the experts' grouped matmul) moves every parameter the batch reaches."""
     from transformers import MixtralConfig
-
-    from ds_async.models import mixtral
 
     config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
@@ -386,8 +386,6 @@ def tiny_mixtral(layers: int = 2, intermediate: int = 24):
     the two orthogonalisations then differ in orientation, rank and lr adjustment, not only in coupling."""
     from transformers import MixtralConfig
 
-    from ds_async.models import mixtral
-
     config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=intermediate, num_hidden_layers=layers,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
                            num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
@@ -401,8 +399,6 @@ def test_split_gate_up_groups():
     """``split_gate_up`` moves exactly the fused expert stacks into a ``gate_up`` Muon group of 2 row blocks, right
     after ``matrix``, with the same hyper-parameters (the default); off, the groups are the ones from before the
     option; a dense model has no fused matrix, so its groups do not depend on it."""
-    from ds_async.optim.roles import fused_gate_up
-
     model = tiny_mixtral()
     fused = fused_gate_up(model)
     assert [id(p) for p in fused] == [id(d.layer.mlp.experts.gate_up_proj) for d in model[1:3]]
@@ -500,8 +496,6 @@ def test_split_gate_up_option_is_checked():
     """``optimizer.params.split_gate_up`` is accepted as a JSON boolean and refused otherwise, naming the key, both
     where the emulation builds the optimizer and where the engine hands it to DeepSpeed; a ``row_blocks`` that does
     not divide a matrix's rows is refused when the optimizer is built."""
-    from ds_async.optim.client import OptimizerSetupError, client_optimizer
-
     model = tiny_mixtral(layers=1)
     for value in (True, False):
         opt = build_optimizer({"type": "Muon", "params": {"split_gate_up": value}}, model)

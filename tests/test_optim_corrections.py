@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ds_async.pipe.delayed import DelayedTrainer
-from ds_async.optim import SGD, AdamW, ErrorFeedback, Lion, Muon, NesterovLookahead, build_optimizer
+from ds_async.optim import SGD, AdamW, ErrorFeedback, Lion, Muon, NesterovLookahead, build_optimizer, optimizers
 
 N, K = 6, 4
 
@@ -194,8 +194,6 @@ def test_chunked_apply_equals_whole_group(monkeypatch, correction):
     """Updates are applied with foreach kernels over chunks of parameters; where the chunks fall must not change
     a single bit of the parameters or the optimizer state. The statistics are sums over the chunks, added in
     another grouping, so they agree to rounding."""
-    import ds_async.optim.optimizers as optimizers
-
     gen = torch.Generator().manual_seed(11)
     shapes = [(6, 4), (5,), (3, 7), (7, 3), (2,)]
     base = [torch.randn(s, generator=gen) for s in shapes]

@@ -6,6 +6,7 @@ from torch import nn
 
 from distributed import assert_params_close, emulate_run, run_job, stage_params
 from ds_async.optim.client import OptimizerSetupError, client_optimizer
+from ds_async.optim.master import MasterWeights
 
 MUON = {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01, "adam_lr": 3e-3,
                                    "adam_weight_decay": 0.1}}
@@ -110,8 +111,6 @@ def test_adamw_ef_trains_under_deepspeed_bf16(tmp_path):
 def test_bf16_muon_keeps_fp32_masters_per_whole_tensor():
     """Under ``"bf16"`` Muon is not refused: DeepSpeed gets the job without its bf16 block (so no flat partitions),
     the module's weights become bf16 and the optimizer keeps fp32 masters of the same shapes."""
-    from ds_async.optim.master import MasterWeights
-
     module = _Tiny()
     config, opt = client_optimizer(module, {"optimizer": MUON, "bf16": {"enabled": True}}, EF, None, 1)
     assert "bf16" not in config and isinstance(opt, MasterWeights)

@@ -22,9 +22,16 @@ import torch
 from torch import nn
 
 from distributed import free_port
-from ds_async import memory_model
+from ds_async import init_distributed, initialize, memory_model
 from ds_async import plan as planner
+from ds_async import config as cfgmod
+from ds_async.config import ConfigError
+from ds_async.models import FAMILIES, build_pipeline, compiled_stage, model_config, trainable_counts
 from ds_async.models.partition import build_layers
+from ds_async.optim.client import client_optimizer
+from ds_async.optim.muon import muon_param_groups, orthogonalise_batched, orthogonalise_blocks, row_blocks
+from ds_async.pipe.simulate import simulate
+from ds_async.pipe.versions import WeightVersions
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 4,
@@ -64,12 +71,8 @@ def nbytes(tensors) -> int:
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
 def test_state_bytes_equal_master_weights_muon_ef(tmp_path, family):
     """Muon + EF under bf16 (ds_async's MasterWeights, fused step), 2BW: every stage's state bytes exactly."""
-    from ds_async.optim.client import client_optimizer
-    from ds_async.pipe.versions import WeightVersions
-
     path = write_config(tmp_path, family, performance={"fused_optimizer_step": True})
     p = planner.plan(str(path), gpu_memory_gib=80)
-    from ds_async import config as cfgmod
     ds_config, cfg = cfgmod.load(str(path))
     layers, loss_fn, _ = build_layers(cfg.model, seed=cfg.seed)
     stages = [nn.Sequential(*layers[a:b]) for a, b in zip(p.boundaries, p.boundaries[1:])]
@@ -96,10 +99,6 @@ def test_state_bytes_equal_master_weights_muon_ef(tmp_path, family):
 def engine_job(config_path: str, out: str) -> None:
     """One process, one stage: a real ds_async engine (DeepSpeed's bf16 optimizer) trains one step; the bytes of
     its tensors go to ``out``."""
-    from ds_async import config as cfgmod
-    from ds_async import init_distributed, initialize
-    from ds_async.models import build_pipeline, model_config
-
     init_distributed()  # ds_async's: gloo, without DeepSpeed's JIT build of its CPU shm op
     ds_config, cfg = cfgmod.load(config_path)
     module = build_pipeline(cfg, model_config(cfg))
@@ -176,10 +175,6 @@ def test_muon_workspace_against_live_tensors(tmp_path, family):
     ``orthogonalise_batched`` runs over a stage's matrices on CPU (two decoder layers of the tiny model), plus the
     bf16 directions the fused step makes for it: equal, byte for byte (the planner counts those very tensors; its
     earlier formula, every result beside the largest stack's iterates, was 11% and 21% above)."""
-    from ds_async import config as cfgmod
-    from ds_async.models import model_config
-    from ds_async.optim.muon import orthogonalise_batched
-
     _, cfg = cfgmod.load(str(write_config(tmp_path, family)))
     layers = planner.layers_of(model_config(cfg), family, 64)
     shapes = [s for layer in layers[1:3] for s, r in zip(layer.shapes, layer.roles) if r == "matrix"]
@@ -204,11 +199,6 @@ def test_muon_workspace_of_a_stage_follows_its_groups(tmp_path, split, fused_ste
     with ``split_gate_up`` (the default) the experts' ``[gate; up]`` stacks are a second group, of halves; the
     fused step lets go of a group's directions and results before the next, the unfused one keeps the results until
     it applies them all. Equal, byte for byte."""
-    from ds_async import config as cfgmod
-    from ds_async.models import FAMILIES, model_config
-    from ds_async.optim.muon import orthogonalise_batched, orthogonalise_blocks
-    from ds_async.optim.muon import muon_param_groups, row_blocks
-
     optimizer = {"type": "Muon", "params": {**MUON["params"], "split_gate_up": split}}
     path = write_config(tmp_path, "mixtral", optimizer=optimizer, performance={"fused_optimizer_step": fused_step})
     ds_config, cfg = cfgmod.load(str(path))
@@ -236,8 +226,6 @@ def test_muon_workspace_of_a_stage_follows_its_groups(tmp_path, split, fused_ste
 
 
 def test_planner_refuses_a_split_gate_up_that_is_not_a_boolean(tmp_path):
-    from ds_async.config import ConfigError
-
     optimizer = {"type": "Muon", "params": {**MUON["params"], "split_gate_up": "yes"}}
     with pytest.raises(ConfigError, match=r"^optimizer.params.split_gate_up: must be true or false, got 'yes'$"):
         planner.plan(str(write_config(tmp_path, "mixtral", optimizer=optimizer)), gpus=2, gpu_memory_gib=80)
@@ -280,8 +268,6 @@ def saved_bytes(layers, x) -> tuple[int, torch.Tensor]:
 def test_activations_of_a_middle_stage(tmp_path, family, dtype):
     """Two decoder layers of a middle stage, one micro-batch of 2 x 128 tokens: within 10% of the real bytes."""
     path = write_config(tmp_path, family, stages=3, gas=4, seq_len=128, bf16=dtype == torch.bfloat16)
-    from ds_async import config as cfgmod
-    from ds_async.models import model_config
     ds_config, cfg = cfgmod.load(str(path))
     job, hf = planner.job_of(ds_config, cfg, 3), model_config(cfg)
     layers, _, _ = build_layers(cfg.model)
@@ -320,8 +306,6 @@ def last_stage_saved_bytes(cfg, checkpointed: list[bool]) -> int:
 def test_activations_of_the_last_stage_with_checkpointing(tmp_path):
     """The last stage (decoder, decoder, head, chunked loss) with and without per-layer checkpointing (reentrant,
     as DeepSpeed's: a checkpointed layer keeps its input)."""
-    from ds_async import config as cfgmod
-    from ds_async.models import model_config
     for interval in (0, 1):
         path = write_config(tmp_path, stages=2, seq_len=128, bf16=False,
                             performance={"loss_chunk": 64, "activation_checkpoint_interval": interval})
@@ -337,8 +321,6 @@ def test_activations_of_the_last_stage_with_checkpointing(tmp_path):
 def test_activations_of_the_last_stage_with_recomputed_layers(tmp_path, recompute):
     """``activation_checkpoint_layers``: the last stage (decoder, decoder, head, chunked loss) with its first
     ``recompute`` decoder layers checkpointed one by one (reentrant, as the module runs them): within 10%."""
-    from ds_async import config as cfgmod
-    from ds_async.models import model_config
     path = write_config(tmp_path, stages=2, seq_len=128, bf16=False,
                         performance={"loss_chunk": 64, "activation_checkpoint_layers": [0, recompute]})
     ds_config, cfg = cfgmod.load(str(path))
@@ -430,8 +412,6 @@ def test_compiled_activations_match_inductor(tmp_path, backend):
         if not os.environ.get("DS_ASYNC_FULL_INDUCTOR"):
             pytest.skip("the real inductor compile takes ~40 s on two cores (set DS_ASYNC_FULL_INDUCTOR=1); "
                         "inductor-partition saves the same tensors")
-    from ds_async import config as cfgmod
-    from ds_async.models import compiled_stage, model_config
 
     torch._dynamo.reset()
     path = write_config(tmp_path, stages=3, gas=4, seq_len=128, performance={"compile": True,
@@ -477,9 +457,6 @@ def test_compiled_mixtral_layers_match_inductor(tmp_path):
     the tensors the graphs save (routing and the experts' gathered rows included), plus the stage's input and output,
     within 10% of the planner's compiled estimate and well under its eager one (exact on eager layers:
     :func:`test_activations_of_a_middle_stage`)."""
-    from ds_async import config as cfgmod
-    from ds_async.models import model_config
-
     torch._dynamo.reset()
     path = write_config(tmp_path, "mixtral", stages=3, gas=4, seq_len=128, performance={"compile": True})
     ds_config, cfg = cfgmod.load(str(path))
@@ -644,8 +621,6 @@ def test_bubble_matches_the_simulator():
     """The planner's 2BW bubble is the steady state's, none: over ``batches`` batches the simulator's idle steps are
     only the segment's warm-up and drain. 1F1B's is (p - 1) / (m + p - 1) (DeepSpeed's TrainSchedule, which the
     simulator does not run)."""
-    from ds_async.pipe.simulate import simulate
-
     for m, batches in ((4, 5), (8, 3)):
         measured = simulate("2bw", 4, m, batches).bubble[0]
         assert planner.bubble("2bw", 4, m) == 0.0
@@ -708,9 +683,6 @@ def test_parameter_partition_counts_each_layer_on_the_meta_device(tmp_path, fami
     """``partition.method: parameters`` counts each layer's trainable parameters from a meta build without its
     weights: the real layers' counts, without reading ``model.path`` (absent here, so building for real, as
     DeepSpeed's own count does on every rank, fails) or initialising any weight."""
-    from ds_async import config as cfgmod
-    from ds_async.models import FAMILIES, model_config, trainable_counts
-
     section = {"model": {"family": family, "config": TINY if family == "llama" else {**TINY, **MOE}},
                "train": {"steps": 1}}
     hf = model_config(cfgmod.parse(section))

@@ -5,9 +5,12 @@ from pathlib import Path
 import pytest
 from deepspeed.runtime.pipe import schedule as ds
 
+from ds_async import config as cfgmod
 from ds_async.pipe import schedule as fs
+from ds_async.pipe.engine import AsyncPipelineEngine
 from ds_async.pipe.version_rule import RULES, SCHEDULES, ConstantDelay, get
 from ds_async.pipe.simulate import ScheduleError, simulate
+from ds_async.trainer import Trainer
 
 GRID = [(2, 2), (2, 5), (3, 3), (3, 5), (4, 4), (4, 8), (5, 7), (8, 8), (8, 16)]
 
@@ -128,10 +131,6 @@ def test_constant_delay_is_emulation_only(tmp_path):
     """The config takes ``delay<d>`` (the emulation runs it); the engine and the trainer refuse it at setup, by key,
     before DeepSpeed or a process group is made."""
     import json
-
-    from ds_async import config as cfgmod
-    from ds_async.pipe.engine import AsyncPipelineEngine
-    from ds_async.trainer import Trainer
 
     section = {"model": {"config": {"hidden_size": 8}}, "train": {"steps": 1}}
     assert cfgmod.parse({**section, "schedule": "delay2"}).schedule == "delay2"

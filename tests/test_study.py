@@ -15,6 +15,7 @@ import torch
 from distributed import free_port
 from ds_async import config as cfgmod
 from ds_async.config import data_parallel_degree
+from ds_async.pipe.version_rule import get
 from ds_async.study import driver, matrices
 from ds_async.study import runs as study
 
@@ -675,8 +676,6 @@ def test_the_own_lr_matrix_trains_each_async_variant_at_its_committed_own_best()
 def test_long_lambda_and_long_delay_matrices():
     """EF lambda x peak LR at 1/9 of long's length, with sync and 2bw at the LRs long-lengths lacks there; PipeDream
     at m = 1 against the constant delay of its mean on the same stages, with sync and 2bw at m = 1, at 1/3."""
-    from ds_async.pipe.version_rule import get
-
     long = {r.name: r.config() for r in matrices.matrix("long")}
     lengths = {r.name: r.config() for r in matrices.matrix("long-lengths")}
     lam = {r.name: r.config() for r in matrices.matrix("long-lambda")}

@@ -11,6 +11,7 @@ import pytest
 from distributed import SHARED, free_port, job_env
 
 from ds_async.study import runs
+from ds_async.study import time_to_loss as driver
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,8 +139,6 @@ def test_the_driver_adds_the_tuned_adamw_run_and_earlier_targets(tmp_path):
 
 
 def test_the_variants_and_the_adamw_lr_go_together():
-    from ds_async.study import time_to_loss as driver
-
     adamw = ["--variants", "sync,sync-adamw"]
     for argv in (["--variants", "2bw+ef,sync"], adamw, ["--adamw-lr", "1e-3"], ["--variants", "sync,sync"],
                  ["--variants", "sync,adamw"], ["--targets", "0"], [*adamw, "--adamw-lr", "1e-3,x"],
