@@ -193,7 +193,7 @@ def compact_images(nb, colors: int = 32) -> None:
 
 def execute_notebook(path: str | Path, runs: str | None = None, timeout: int = 600) -> None:
     """Run the notebook at ``path`` top to bottom (on the run folders ``runs``, ``os.pathsep``-separated, else the
-    committed results) and save it in place with its outputs (:func:`compact_images`)."""
+    committed results) and save it in place with its outputs (:func:`compact_images`), without per-cell timestamps."""
     import nbclient
     import nbformat
 
