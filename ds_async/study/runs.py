@@ -210,8 +210,6 @@ def execute_notebook(path: str | Path, runs: str | None = None, timeout: int = 6
         os.environ.pop("DS_ASYNC_RUNS", None)
         if old is not None:
             os.environ["DS_ASYNC_RUNS"] = old
-    for cell in nb.cells:
-        cell.metadata.pop("execution", None)  # left by an earlier run that recorded them
     compact_images(nb)
     nbformat.write(nb, path)
 
