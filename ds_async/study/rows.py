@@ -176,8 +176,9 @@ def load_runs(roots: str | Path | Iterable[str | Path]) -> pd.DataFrame:
 
 def write_results(runs: pd.DataFrame, folder: str | Path = RESULTS) -> None:
     """``runs.csv`` (one row per run, curves left out) and ``curves.json`` (``"<runner>/<group>/<name>": {"val":
-    [[step, loss], ...], "train": [...]}``, one run a line: every validation point; training steps 1, every
-    :func:`train_stride`-th and the last)."""
+    {"steps": [...], "loss": [...]}, "train": {...}}``, one run a line: every validation point; training steps 1,
+    every :func:`train_stride`-th and the last; losses to 6 significant digits). Steps and losses are columns, not
+    ``[step, loss]`` pairs, since the file is committed and grows with every run."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     runs = runs.sort_values(ID).reset_index(drop=True)
@@ -190,8 +191,9 @@ def write_results(runs: pd.DataFrame, folder: str | Path = RESULTS) -> None:
             steps, losses = run[f"{curve}_steps"], run[f"{curve}_loss"]
             last = steps[-1] if steps else None
             every = train_stride(last or 0)
-            doc[curve] = [[step, float(f"{loss:.6g}")] for step, loss in zip(steps, losses)
-                          if curve == "val" or step == 1 or step % every == 0 or step == last]
+            kept = [(step, float(f"{loss:.6g}")) for step, loss in zip(steps, losses)
+                    if curve == "val" or step == 1 or step % every == 0 or step == last]
+            doc[curve] = {"steps": [step for step, _ in kept], "loss": [loss for _, loss in kept]}
         lines.append(json.dumps("/".join(run[ID])) + ": " + json.dumps(doc, separators=(",", ":")))
     (folder / "curves.json").write_text("{\n" + ",\n".join(lines) + "\n}\n")
 
@@ -215,9 +217,9 @@ def load_results(folder: str | Path = RESULTS) -> pd.DataFrame:
         run_id = "/".join(str(rec[k]) for k in ID)
         rec["path"] = "results:" + run_id
         for curve in CURVES:
-            points = curves.get(run_id, {}).get(curve, [])
-            rec[f"{curve}_steps"] = [int(s) for s, _ in points]
-            rec[f"{curve}_loss"] = [float(v) for _, v in points]
+            points = curves.get(run_id, {}).get(curve, {"steps": [], "loss": []})
+            rec[f"{curve}_steps"] = [int(s) for s in points["steps"]]
+            rec[f"{curve}_loss"] = [float(v) for v in points["loss"]]
         rows.append(rec)
     return frame(rows)
 
