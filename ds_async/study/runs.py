@@ -176,14 +176,17 @@ def render(page: str, blocks: dict[str, str]) -> str:
     return BLOCK.sub(lambda m: m[1] + blocks[m["name"]] + m[4], page)
 
 
-def compact_images(nb, colors: int = 32) -> None:
-    """Re-encode the notebook's PNG outputs with an adaptive palette of ``colors`` (line plots need few): about a
-    quarter of the bytes, so that the executed notebook stays small enough to commit."""
+def compact_outputs(nb, colors: int = 32) -> None:
+    """Keep the executed notebook small enough to commit: re-encode its PNG outputs with an adaptive palette of
+    ``colors`` (line plots need few; about a quarter of the bytes), and drop the ``text/plain`` beside a Markdown or
+    PNG output, which for those is only the object's repr (``<IPython.core.display.Markdown object>``)."""
     from PIL import Image
 
     for cell in nb.cells:
         for out in cell.get("outputs", []):
             data = out.get("data", {})
+            if "text/markdown" in data or "image/png" in data:
+                data.pop("text/plain", None)
             if "image/png" in data:
                 image = Image.open(io.BytesIO(base64.b64decode(data["image/png"]))).convert("RGB")
                 buf = io.BytesIO()
@@ -193,7 +196,7 @@ def compact_images(nb, colors: int = 32) -> None:
 
 def execute_notebook(path: str | Path, runs: str | None = None, timeout: int = 600) -> None:
     """Run the notebook at ``path`` top to bottom (on the run folders ``runs``, ``os.pathsep``-separated, else the
-    committed results) and save it in place with its outputs (:func:`compact_images`), without per-cell timestamps."""
+    committed results) and save it in place with its outputs (:func:`compact_outputs`), without per-cell timestamps."""
     import nbclient
     import nbformat
 
@@ -210,7 +213,7 @@ def execute_notebook(path: str | Path, runs: str | None = None, timeout: int = 6
         os.environ.pop("DS_ASYNC_RUNS", None)
         if old is not None:
             os.environ["DS_ASYNC_RUNS"] = old
-    compact_images(nb)
+    compact_outputs(nb)
     nbformat.write(nb, path)
 
 
