@@ -2,7 +2,9 @@
 committed results page against the committed results, and the whole chain on CPU (the ``tiny`` matrix through
 ``launch/study/run.py``, a run through ``launch/train.py`` next to its emulation, ``notebooks/loss_curves.ipynb``
 executed on the run folders)."""
+import base64
 import importlib.util
+import io
 import json
 import math
 import os
@@ -985,6 +987,29 @@ def _scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     acc.Reload()
     return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_the_saved_notebook_drops_only_the_reprs_beside_markdown_and_figures():
+    """``compact_outputs``: a Markdown or PNG output loses its ``text/plain`` (only the object's repr), a table keeps
+    its plain-text form beside its HTML, and a figure comes back a (re-encoded) PNG of the same size in pixels."""
+    nbformat = pytest.importorskip("nbformat")
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.linear_gradient("L").convert("RGB").save(buf, "PNG")
+    png = base64.b64encode(buf.getvalue()).decode()
+    outputs = [nbformat.v4.new_output("display_data", data=data) for data in (
+        {"text/markdown": "| a |\n|---|\n| 1 |", "text/plain": "<IPython.core.display.Markdown object>"},
+        {"text/html": "<table></table>", "text/plain": "   a\n0  1"},
+        {"image/png": png, "text/plain": "<Figure size 600x210 with 2 Axes>"})]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("", outputs=outputs)])
+    study.compact_outputs(nb)
+    markdown, table, figure = (out["data"] for out in nb.cells[0].outputs)
+    assert markdown == {"text/markdown": "| a |\n|---|\n| 1 |"}
+    assert table == {"text/html": "<table></table>", "text/plain": "   a\n0  1"}
+    assert list(figure) == ["image/png"]
+    assert Image.open(io.BytesIO(base64.b64decode(figure["image/png"]))).size == (256, 256)
+    nbformat.validate(nb)
 
 
 def test_notebook_executes_on_the_run_folders(study_out, engine_run):
