@@ -789,7 +789,7 @@ def test_results_page_shows_what_the_committed_results_give():
     launch/study/results/, and the main table is the study's headline (AdamW and Muon, 3 seeds each)."""
     assert study.main(["report", "--check"]) == 0
     runs = study.load_results()
-    assert len(runs) == 263 and runs["complete"].all() and not runs["diverged"].any()
+    assert len(runs) == 266 and runs["complete"].all() and not runs["diverged"].any()
     assert (runs.groupby("group").size()[["main", "tokens", "lr", "batch", "depth", "ef_lambda", "nesterov"]].sum()
             == 18 + 32)
     assert runs.groupby("group").size()[["long", "long-lr", "long-lengths", "long-tuned", "long-async-lr", "long-own-lr",
