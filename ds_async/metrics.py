@@ -7,6 +7,7 @@ writes what the reporting rank sends it into DeepSpeed's monitor blocks. How eac
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -22,6 +23,8 @@ import torch.distributed as tdist
 
 from . import __version__, console, jsonfile
 
+ROOT = Path(__file__).resolve().parents[1]  # the checkout whose code runs
+
 
 def card_name(device) -> str:
     """What ``device`` (a ``torch.device``) is, for the records: the GPU's name, or the CPU and its thread count."""
@@ -31,29 +34,71 @@ def card_name(device) -> str:
 
 
 def code_version() -> dict:
-    """The code that ran: git commit and dirty flag of the ds_async checkout, and library versions.
+    """The code that ran: the ds_async checkout's git commit, whether its tracked files differ from it
+    (``dirty``), how that was known (``source``), and library versions.
 
-    ``DS_ASYNC_COMMIT`` in the environment names the commit instead, for a copy of the tree whose ``.git`` is not
-    that commit's (the GPU machine gets the working tree with a ``.git`` that may be older).
+    ``source`` "git": asked of ``git`` in the checkout (commit and ``dirty`` None where there is no repository).
+    A copy of the tree whose ``.git`` is missing or another commit's (the GPU machine gets the working tree
+    without it) names its commit in ``DS_ASYNC_COMMIT``: ``source`` "DS_ASYNC_COMMIT", ``dirty`` None (unknown).
+    With ``DS_ASYNC_TREE`` also set, to a file holding that commit's ``git ls-tree -r [-z] COMMIT``, every file it
+    lists is hashed as git would hash it and ``dirty`` says whether any differs (``source`` "DS_ASYNC_COMMIT, files
+    checked against DS_ASYNC_TREE"). Untracked files count in none of them, as in ``git status
+    --untracked-files=no``.
     """
     import deepspeed  # slow imports, which only the version strings need
     import transformers
 
-    root = Path(__file__).resolve().parents[1]
-
     def git(*args):
         try:
-            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+            return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
                                   timeout=10).stdout.strip() or None
         except (OSError, subprocess.TimeoutExpired):
             return None
 
-    named = os.environ.get("DS_ASYNC_COMMIT")
-    return {"ds_async": __version__, "commit": named or git("rev-parse", "HEAD"),
-            "dirty": None if named else bool(git("status", "--porcelain", "--untracked-files=no")),
+    named, listing = os.environ.get("DS_ASYNC_COMMIT"), os.environ.get("DS_ASYNC_TREE")
+    if not named:
+        commit, source = git("rev-parse", "HEAD"), "git"
+        dirty = None if commit is None else bool(git("status", "--porcelain", "--untracked-files=no"))
+    elif listing:
+        commit, source = named, "DS_ASYNC_COMMIT, files checked against DS_ASYNC_TREE"
+        dirty = bool(tree_differences(ROOT, Path(listing).read_bytes()))
+    else:
+        commit, dirty, source = named, None, "DS_ASYNC_COMMIT"
+    return {"ds_async": __version__, "commit": commit, "dirty": dirty, "source": source,
             # torch's version is a str subclass (TorchVersion): recorded as the plain string it prints as
             "torch": str(torch.__version__), "deepspeed": str(deepspeed.__version__),
             "transformers": str(transformers.__version__), "python": platform.python_version()}
+
+
+def tree_differences(root: Path, listing: bytes) -> list[str]:
+    """The paths of ``listing`` (``git ls-tree -r`` output, newline- or, with ``-z``, NUL-separated) whose file
+    below ``root`` is missing or does not hash to its blob id (a symlink: its target, as git stores it). Submodule
+    entries are not files here and are passed over."""
+    differ = []
+    for entry in filter(None, listing.split(b"\0" if b"\0" in listing else b"\n")):
+        meta, _, raw = entry.partition(b"\t")
+        mode, kind, blob = meta.decode().split()
+        if kind != "blob":
+            continue
+        path = _unquote(raw.decode())
+        file = root / path
+        try:
+            data = os.fsencode(os.readlink(file)) if mode == "120000" else file.read_bytes()
+        except OSError:
+            differ.append(path)
+            continue
+        digest = hashlib.sha256 if len(blob) == 64 else hashlib.sha1  # a SHA-256 repository's ids are longer
+        if digest(b"blob %d\0" % len(data) + data).hexdigest() != blob:
+            differ.append(path)
+    return differ
+
+
+def _unquote(path: str) -> str:
+    """A path as ``git ls-tree`` prints it without ``-z``: in double quotes with C escapes (octal bytes of UTF-8)
+    where it holds unusual characters, else as is."""
+    if not (path.startswith('"') and path.endswith('"')):
+        return path
+    return path[1:-1].encode("latin-1").decode("unicode_escape").encode("latin-1").decode("utf-8")
 
 
 class HostValue:

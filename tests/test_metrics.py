@@ -10,6 +10,8 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -288,3 +290,61 @@ def test_stage_clock_window_and_warmup(monkeypatch):
     assert telemetry.idle_fraction(2.5, 7.0) == pytest.approx(1 - 2.5 / 7.0)
     assert telemetry.optimizer_fraction(0.75, 7.0) == pytest.approx(0.75 / 7.0)
     assert clock.optimizer_begin() is None  # outside a step: not timed
+
+
+def _git(root: Path, *args: str) -> bytes:
+    return subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          check=True, capture_output=True).stdout
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_tree_differences_hashes_files_as_git_does(tmp_path):
+    """A copy of a commit's files is checked against ``git ls-tree -r`` in both of its forms (quoted paths, and
+    ``-z``): nothing differs until a file changes, a tracked file goes or a symlink points elsewhere; an untracked
+    file is not looked at."""
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "a.txt").write_text("alpha\n")
+    (tmp_path / "dir" / "b c.py").write_text("print('b')\n")
+    (tmp_path / "é\ttab.txt").write_bytes(b"\x00\xff binary")
+    (tmp_path / "link").symlink_to("dir/b c.py")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "commit", "-q", "-m", "c")
+    quoted, nul = _git(tmp_path, "ls-tree", "-r", "HEAD"), _git(tmp_path, "ls-tree", "-r", "-z", "HEAD")
+    assert b'"' in quoted  # git quotes the non-ASCII, tab-holding name: the unquoting is exercised
+    for listing in (quoted, nul):
+        assert metrics.tree_differences(tmp_path, listing) == []
+    (tmp_path / "untracked.py").write_text("x = 1\n")
+    assert metrics.tree_differences(tmp_path, quoted) == []
+    (tmp_path / "a.txt").write_text("alphA\n")  # same length, other bytes
+    (tmp_path / "link").unlink()
+    (tmp_path / "link").symlink_to("a.txt")
+    (tmp_path / "é\ttab.txt").unlink()
+    for listing in (quoted, nul):
+        assert sorted(metrics.tree_differences(tmp_path, listing)) == ["a.txt", "link", "é\ttab.txt"]
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs this checkout's git")
+def test_code_version_of_a_copy_names_its_commit_and_checks_its_files(tmp_path, monkeypatch):
+    """Where the checkout has no usable ``.git``: ``DS_ASYNC_COMMIT`` names the commit (clean or not unknown), and
+    with ``DS_ASYNC_TREE`` the files are checked against that commit's listing, so a changed blob id makes the
+    copy dirty. Without either, git is asked."""
+    head = _git(ROOT, "rev-parse", "HEAD").decode().strip()
+    dirty = bool(_git(ROOT, "status", "--porcelain", "--untracked-files=no"))
+    monkeypatch.delenv("DS_ASYNC_COMMIT", raising=False)
+    monkeypatch.delenv("DS_ASYNC_TREE", raising=False)
+    assert {k: metrics.code_version()[k] for k in ("commit", "dirty", "source")} == {
+        "commit": head, "dirty": dirty, "source": "git"}
+    monkeypatch.setenv("DS_ASYNC_COMMIT", "c0ffee")
+    assert {k: metrics.code_version()[k] for k in ("commit", "dirty", "source")} == {
+        "commit": "c0ffee", "dirty": None, "source": "DS_ASYNC_COMMIT"}
+    listing = _git(ROOT, "ls-tree", "-r", "HEAD")
+    (tmp_path / "tree").write_bytes(listing)
+    monkeypatch.setenv("DS_ASYNC_TREE", str(tmp_path / "tree"))
+    version = metrics.code_version()
+    assert (version["commit"], version["dirty"]) == ("c0ffee", dirty)
+    assert version["source"] == "DS_ASYNC_COMMIT, files checked against DS_ASYNC_TREE"
+    line = next(x for x in listing.split(b"\n") if x.endswith(b"\tds_async/metrics.py"))
+    mode, kind, blob = line.split(b"\t")[0].split()
+    (tmp_path / "tree").write_bytes(listing.replace(line, b"%s %s %s\tds_async/metrics.py" % (mode, kind, b"0" * 40)))
+    assert metrics.code_version()["dirty"] is True

@@ -8,6 +8,8 @@ import io
 import json
 import math
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pandas as pd
@@ -929,6 +931,34 @@ def test_a_diverging_emulation_run_is_a_result_not_a_failure(tmp_path, monkeypat
     assert row["diverged"] and not row["complete"] and math.isnan(row["final_val"])  # no final loss
     written = (folder / "summary.json").stat().st_mtime_ns
     assert driver.main(args) == 0 and (folder / "summary.json").stat().st_mtime_ns == written
+
+
+def test_a_run_from_a_copied_tree_resumed_in_a_second_call_says_so_in_its_row(tmp_path, monkeypatch):
+    """The GPU machine's way: a copy of the tree without its ``.git`` names its commit (``DS_ASYNC_COMMIT``) and
+    that commit's file listing (``DS_ASYNC_TREE``); the run stops at its call's time limit and the next call resumes
+    it. Its row holds that commit, ``dirty`` as the files' hashes give it, and a note saying both."""
+    _corpus()
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs this checkout's git")
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True).stdout
+
+    (tmp_path / "tree").write_bytes(git("ls-tree", "-r", "HEAD"))
+    head, dirty = git("rev-parse", "HEAD").decode().strip(), bool(git("status", "--porcelain", "--untracked-files=no"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("DS_ASYNC_COMMIT", head)
+    monkeypatch.setenv("DS_ASYNC_TREE", str(tmp_path / "tree"))
+    args = ["tiny", "--only", "main/adamw-sync-s0", "--device", "cpu", "--out", str(tmp_path / "out")]
+    folder = tmp_path / "out" / "emulation" / "main" / "adamw-sync-s0"
+    assert driver.main([*args, "--time-limit", "0.05"]) == 0  # starts, then stops after its first step
+    assert (folder / "emulation_state.pt").exists() and not (folder / "summary.json").exists()
+    assert driver.main(args) == 0
+    row = study.read_run(folder)
+    assert row["complete"] and (row["commit"], row["dirty"]) == (head, dirty)
+    assert row["note"] == ("a copy of the tree (no usable .git): the commit as DS_ASYNC_COMMIT named it, every tracked "
+                           "file hashed against its git ls-tree (DS_ASYNC_TREE); resumed from a saved state: the "
+                           "manifest is the last call's")
 
 
 def test_tiny_matrix_run_folders(study_out):

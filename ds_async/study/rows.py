@@ -135,7 +135,8 @@ def read_run(folder: str | Path) -> dict:
         "diverged": diverged,
         "complete": bool(summary) and bool(train) and train[-1][0] >= steps,
         "card": emulation["card"] if emulation else manifest.get("card"), "commit": manifest["code"].get("commit"),
-        "dirty": manifest["code"].get("dirty"), "declared_commit": None, "note": None,
+        "dirty": manifest["code"].get("dirty"), "declared_commit": None,
+        "note": provenance_note(manifest["code"], summary),
         "driver": "ds_async.emulate" if emulation else "launch/train.py",
         "command": (f"python -m ds_async.emulate --config {config_file}" if emulation
                     else f"torchrun --nproc_per_node {manifest.get('world_size')} launch/train.py --config "
@@ -145,6 +146,22 @@ def read_run(folder: str | Path) -> dict:
         "val_steps": [s for s, _ in val], "val_loss": [v for _, v in val],
         "train_steps": [s for s, _ in train], "train_loss": [v for _, v in train],
     }
+
+
+# What a row's commit and dirty flag rest on where git in the checkout did not give them (``metrics.code_version``).
+SOURCES = {"DS_ASYNC_COMMIT": "a copy of the tree (no usable .git): the commit as DS_ASYNC_COMMIT named it, its files "
+                              "not checked",
+           "DS_ASYNC_COMMIT, files checked against DS_ASYNC_TREE": "a copy of the tree (no usable .git): the commit as "
+           "DS_ASYNC_COMMIT named it, every tracked file hashed against its git ls-tree (DS_ASYNC_TREE)"}
+
+
+def provenance_note(code: dict, summary: dict) -> str | None:
+    """The row's ``note``: how its commit was known, unless git in the checkout said it, and whether the run
+    resumed from a saved state (its manifest, commit included, is the last call's)."""
+    parts = [SOURCES[code["source"]]] if code.get("source", "git") != "git" else []
+    if summary.get("resumed_from"):
+        parts.append("resumed from a saved state: the manifest is the last call's")
+    return "; ".join(parts) or None
 
 
 def find_runs(root: str | Path) -> list[Path]:
