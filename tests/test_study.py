@@ -929,6 +929,8 @@ def test_a_diverging_emulation_run_is_a_result_not_a_failure(tmp_path, monkeypat
     assert not math.isfinite(summary["history"]["train"][-1][1])
     row = study.read_run(folder)
     assert row["diverged"] and not row["complete"] and math.isnan(row["final_val"])  # no final loss
+    # its JSON is not the matrix's (--set): the command that reproduces it is the job's on that JSON
+    assert row["command"] == f"python -m ds_async.emulate --config {folder / 'config.json'}"
     written = (folder / "summary.json").stat().st_mtime_ns
     assert driver.main(args) == 0 and (folder / "summary.json").stat().st_mtime_ns == written
 
@@ -956,6 +958,7 @@ def test_a_run_from_a_copied_tree_resumed_in_a_second_call_says_so_in_its_row(tm
     assert driver.main(args) == 0
     row = study.read_run(folder)
     assert row["complete"] and (row["commit"], row["dirty"]) == (head, dirty)
+    assert row["command"] == "python launch/study/run.py tiny --only 'main/adamw-sync-s0'"
     assert row["note"] == ("a copy of the tree (no usable .git): the commit as DS_ASYNC_COMMIT named it, every tracked "
                            "file hashed against its git ls-tree (DS_ASYNC_TREE); resumed from a saved state: the "
                            "manifest is the last call's")
@@ -974,6 +977,8 @@ def test_tiny_matrix_run_folders(study_out):
         assert manifest["deepspeed"]["optimizer"]["type"] in ("AdamW", "Muon")
     runs = study.load_runs(study_out / "emulation")
     assert runs["complete"].all() and not runs["diverged"].any()
+    assert list(runs["command"]) == [f"python launch/study/run.py {'tiny-pairs' if group == 'engine' else 'tiny'} "
+                                     f"--only '{group}/{name}'" for group, name in zip(runs["group"], runs["name"])]
     assert runs["val_steps"].map(len).min() >= 1 and runs["train_steps"].map(len).min() >= 10
     tiny = runs[runs["group"] != "engine"]
     table = study.gap_table(study.at_reference(tiny, study.reference(tiny)))
@@ -995,6 +1000,8 @@ def test_train_py_and_the_emulation_runner_are_bit_equal_under_2bw(engine_run, s
         "config.json", "manifest.json", "summary.json"]
     m_eng, m_emu = (json.loads((d / "manifest.json").read_text()) for d in (engine_run, twin))
     assert m_eng["world_size"] == 2 and "emulation" not in m_eng and m_emu["emulation"]["precision"] == "fp32"
+    assert study.read_run(engine_run)["command"] == (
+        "python launch/study/run.py tiny-pairs --only 'engine/muon-2bw+ef-s0' --runner engine")
     assert m_eng["deepspeed"] == m_emu["deepspeed"] and m_eng["ds_async"]["schedule"] == "2bw"
     assert {k: v for k, v in m_eng["ds_async"].items() if k != "logging"} == {
         k: v for k, v in m_emu["ds_async"].items() if k != "logging"}

@@ -12,6 +12,7 @@ Also the constants the tables share: where the results live, the sweep axes, the
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -19,6 +20,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pandas as pd
+
+from ..config import override
+from .matrices import MATRICES, Run, matrix
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,14 +142,46 @@ def read_run(folder: str | Path) -> dict:
         "dirty": manifest["code"].get("dirty"), "declared_commit": None,
         "note": provenance_note(manifest["code"], summary),
         "driver": "ds_async.emulate" if emulation else "launch/train.py",
-        "command": (f"python -m ds_async.emulate --config {config_file}" if emulation
-                    else f"torchrun --nproc_per_node {manifest.get('world_size')} launch/train.py --config "
-                         f"{config_file}"),
+        "command": study_command(folder, runner) or (
+            f"python -m ds_async.emulate --config {config_file}" if emulation
+            else f"torchrun --nproc_per_node {manifest.get('world_size')} launch/train.py --config {config_file}"),
         "seconds_per_step": round(summary["seconds"] / max(1, steps), 5) if summary else None,
         "config_key": config_key(ds, dsc),
         "val_steps": [s for s, _ in val], "val_loss": [v for _, v in val],
         "train_steps": [s for s, _ in train], "train_loss": [v for _, v in train],
     }
+
+
+@functools.cache
+def matrix_runs() -> dict[tuple[str, str], list[tuple[str, Run]]]:
+    """Every matrix's runs by (group, name), each with the matrices that list it, in ``MATRICES``' order (``tiny``
+    names its runs as ``main`` does, on another base)."""
+    found = {}
+    for name in MATRICES:
+        for run in matrix(name):
+            found.setdefault((run.group, run.name), []).append((name, run))
+    return found
+
+
+def study_command(folder: Path, runner: str) -> str | None:
+    """The study driver's command that trains the run in ``folder`` again, where the folder is the driver's
+    (``OUT/<runner>/<group>/<name>/``) and its ``config.json`` is the run as a matrix defines it now (no ``--set``,
+    no matrix changed since): the first such matrix's; else None."""
+    config = folder / "config.json"
+    if folder.parent.parent.name != runner or not config.exists():
+        return None
+    written = json.loads(config.read_text())
+    logging = written.get("ds_async", {}).get("logging", {})
+    if "dir" not in logging or "run_name" not in logging:
+        return None
+    for name, run in matrix_runs().get((folder.parent.name, folder.name), []):
+        # what the driver writes (``driver.write_config``): the run's JSON, logging into its folder
+        defined = override(run.config(), {"ds_async.logging.dir": logging["dir"],
+                                          "ds_async.logging.run_name": logging["run_name"]})
+        if json.loads(json.dumps(defined)) == written:
+            return f"python launch/study/run.py {name} --only '{run.group}/{run.name}'" + (
+                " --runner engine" if runner == "engine" else "")
+    return None
 
 
 # What a row's commit and dirty flag rest on where git in the checkout did not give them (``metrics.code_version``).
