@@ -41,9 +41,8 @@ def code_version() -> dict:
     A copy of the tree whose ``.git`` is missing or another commit's (the GPU machine gets the working tree
     without it) names its commit in ``DS_ASYNC_COMMIT``: ``source`` "DS_ASYNC_COMMIT", ``dirty`` None (unknown).
     With ``DS_ASYNC_TREE`` also set, to a file holding that commit's ``git ls-tree -r [-z] COMMIT``, every file it
-    lists is hashed as git would hash it and ``dirty`` says whether any differs (``source`` "DS_ASYNC_COMMIT, files
-    checked against DS_ASYNC_TREE"). Untracked files count in none of them, as in ``git status
-    --untracked-files=no``.
+    lists is hashed as git would hash it and ``dirty`` says whether any differs (``source`` "DS_ASYNC_TREE").
+    Untracked files count in none of them, as in ``git status --untracked-files=no``.
     """
     import deepspeed  # slow imports, which only the version strings need
     import transformers
@@ -60,7 +59,7 @@ def code_version() -> dict:
         commit, source = git("rev-parse", "HEAD"), "git"
         dirty = None if commit is None else bool(git("status", "--porcelain", "--untracked-files=no"))
     elif listing:
-        commit, source = named, "DS_ASYNC_COMMIT, files checked against DS_ASYNC_TREE"
+        commit, source = named, "DS_ASYNC_TREE"
         dirty = bool(tree_differences(ROOT, Path(listing).read_bytes()))
     else:
         commit, dirty, source = named, None, "DS_ASYNC_COMMIT"

@@ -343,7 +343,7 @@ def test_code_version_of_a_copy_names_its_commit_and_checks_its_files(tmp_path, 
     monkeypatch.setenv("DS_ASYNC_TREE", str(tmp_path / "tree"))
     version = metrics.code_version()
     assert (version["commit"], version["dirty"]) == ("c0ffee", dirty)
-    assert version["source"] == "DS_ASYNC_COMMIT, files checked against DS_ASYNC_TREE"
+    assert version["source"] == "DS_ASYNC_TREE"
     line = next(x for x in listing.split(b"\n") if x.endswith(b"\tds_async/metrics.py"))
     mode, kind, blob = line.split(b"\t")[0].split()
     (tmp_path / "tree").write_bytes(listing.replace(line, b"%s %s %s\tds_async/metrics.py" % (mode, kind, b"0" * 40)))

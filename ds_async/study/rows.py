@@ -184,11 +184,13 @@ def study_command(folder: Path, runner: str) -> str | None:
     return None
 
 
-# What a row's commit and dirty flag rest on where git in the checkout did not give them (``metrics.code_version``).
-SOURCES = {"DS_ASYNC_COMMIT": "a copy of the tree (no usable .git): the commit as DS_ASYNC_COMMIT named it, its files "
-                              "not checked",
-           "DS_ASYNC_COMMIT, files checked against DS_ASYNC_TREE": "a copy of the tree (no usable .git): the commit as "
-           "DS_ASYNC_COMMIT named it, every tracked file hashed against its git ls-tree (DS_ASYNC_TREE)"}
+# How a row's commit and dirty flag were known where git in the checkout did not say (``metrics.code_version``).
+SOURCES = {
+    "DS_ASYNC_COMMIT": "a copy of the tree (no usable .git): the commit as DS_ASYNC_COMMIT named it, its files not "
+                       "checked",
+    "DS_ASYNC_TREE": "a copy of the tree (no usable .git): the commit as DS_ASYNC_COMMIT named it, every tracked file "
+                     "hashed against its git ls-tree (DS_ASYNC_TREE)",
+}
 
 
 def provenance_note(code: dict, summary: dict) -> str | None:
