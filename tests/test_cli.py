@@ -67,3 +67,18 @@ def test_two_different_configs_are_refused(tmp_path, capsys):
     """``--config`` and DeepSpeed's ``--deepspeed_config`` naming two files: refused by the argument parser."""
     assert train_py_exit(["--config", "a.json", "--deepspeed_config", "b.json"]) == 2
     assert "two configs given: --config a.json, --deepspeed_config b.json; pass one" in capsys.readouterr().err
+
+
+def test_python_m_commands_start_as_quietly_as_train_py(tmp_path):
+    """``python -m ds_async.plan`` (as every ``python -m ds_async.<command>``) prints its own lines only: not
+    DeepSpeed's notice that it fell back to the CPU, nor torchao's lines about the optional kernel libraries it
+    could not load (transformers imports torchao where it is installed) and torch's notes on how it registers its
+    enums. ``import ds_async`` in a script of one's own leaves the accelerator choice to DeepSpeed."""
+    env = {k: v for k, v in job_env().items() if k != "DS_ACCELERATOR"}
+    proc = subprocess.run([sys.executable, "-m", "ds_async.plan", str(ROOT / "ds_configs" / "demo_cpu.json")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("ds_async plan: ") and proc.stderr == "", proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "-c", "import os, ds_async; print(os.environ.get('DS_ACCELERATOR'))"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.stdout == "None\n", proc.stderr[-3000:]

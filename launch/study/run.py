@@ -5,7 +5,11 @@ has the commands).
 """
 import sys
 
-from ds_async.study.driver import main
+from ds_async import console
+
+console.quiet_imports()  # before DeepSpeed and transformers are imported, which the driver's imports do
+
+from ds_async.study.driver import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())
