@@ -405,8 +405,9 @@ def with_schedule_length(ds_config: dict, total_steps: int, schedule_steps: int 
     return {**ds_config, "scheduler": {**block, "params": params}}
 
 
-def load(path: str) -> tuple[dict, DsAsyncConfig]:
-    """Read a DeepSpeed JSON file; return (DeepSpeed's part, parsed ds_async section)."""
+def load(path: str, overrides: dict | None = None) -> tuple[dict, DsAsyncConfig]:
+    """Read a DeepSpeed JSON file, set ``overrides`` in it (dotted key -> value: the command line's ``--set``, see
+    :func:`parse_set`); return (DeepSpeed's part, parsed ds_async section)."""
     try:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
@@ -418,6 +419,10 @@ def load(path: str) -> tuple[dict, DsAsyncConfig]:
         raise ConfigError(f"{path}: not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object at the top, got {type(raw).__name__}")
+    try:
+        raw = override(raw, overrides or {})
+    except ValueError as e:
+        raise ConfigError(f"--set {e}") from None
     section = raw.pop("ds_async", None)
     if section is None:
         raise ConfigError(f"{path}: no \"ds_async\" section")
@@ -448,8 +453,8 @@ def data_parallel_degree(ds_config: dict) -> int:
 
 
 def parse_set(text: str) -> tuple[str, object]:
-    """A ``--set KEY=VALUE`` argument (the study driver's, the benchmarks'): the dotted key and the value as JSON,
-    else as the string it is."""
+    """A ``--set KEY=VALUE`` argument (the jobs', the study driver's, the benchmarks'): the dotted key and the value
+    as JSON, else as the string it is."""
     key, sep, value = text.partition("=")
     if not sep:
         raise argparse.ArgumentTypeError(f"--set {text!r}: expected KEY=VALUE")

@@ -153,11 +153,11 @@ class Emulation:
     runs the steps and :meth:`finish` writes the summary."""
 
     def __init__(self, config_path: str, max_steps: int | None = None, run_name: str | None = None,
-                 device: str | None = None):
+                 device: str | None = None, overrides: dict | None = None):
 
         self.start_clock = telemetry.StartClock()  # marked along the build and at the end of the first step
-        self.config_path = config_path
-        ds_config, cfg = cfgmod.load(config_path)
+        self.config_path, self.overrides = config_path, dict(overrides or {})
+        ds_config, cfg = cfgmod.load(config_path, self.overrides)
         if run_name is not None:
             cfg = replace(cfg, logging=replace(cfg.logging, run_name=run_name))
         self.cfg, self.dp = cfg, data_parallel_degree(ds_config)
@@ -328,7 +328,7 @@ class Emulation:
 
         cfg = self.cfg
         self.log = start_run_log(
-            self.run_dir, cfg, self.config_path, self.ds_config, self.hf_config, start_step=self.done,
+            self.run_dir, cfg, self.config_path, self.overrides, self.ds_config, self.hf_config, start_step=self.done,
             total_steps=self.total_steps, tokens_per_step=self.tokens_per_step, micro_batch_size=self.mbs,
             micro_batches=self.gas, data_parallel=self.dp,
             peak_flops=telemetry.peak_flops(cfg.logging.peak_tflops, self.device), carried=state,
@@ -398,16 +398,18 @@ class Emulation:
 
 
 def run(config_path: str, max_steps: int | None = None, run_name: str | None = None,
-        device: str | None = None, resume: bool = False, time_limit: float | None = None) -> dict:
-    """Train the job of the DeepSpeed JSON at ``config_path`` in this process (see the module docstring); returns
-    the run summary (also written to ``<run folder>/summary.json``).
+        device: str | None = None, resume: bool = False, time_limit: float | None = None,
+        overrides: dict | None = None) -> dict:
+    """Train the job of the DeepSpeed JSON at ``config_path``, with ``overrides`` (dotted key -> value, the command
+    line's ``--set``) set in it, in this process (see the module docstring); returns the run summary (also written
+    to ``<run folder>/summary.json``).
 
     ``time_limit`` (seconds from the call): once a step ends past it, the run saves its state to
     ``<run folder>/emulation_state.pt`` and raises :class:`Stopped`; so does a ``checkpoint.every`` step (without
     stopping). ``resume``: continue from that file when the run folder has one (the same config only). A NaN or
     inf loss raises :class:`~ds_async.nonfinite.NonFiniteLoss` after the summary of the steps run is written."""
     deadline = None if time_limit is None else time.perf_counter() + time_limit
-    job = Emulation(config_path, max_steps=max_steps, run_name=run_name, device=device)
+    job = Emulation(config_path, max_steps=max_steps, run_name=run_name, device=device, overrides=overrides)
     job.start_logging(job.restore() if resume else None)
     try:
         job.train(deadline)
@@ -423,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Train a ds_async JSON config's job in one process under its "
                                                  "schedule's weight delays (the delay emulation).")
     parser.add_argument("--config", required=True, help="DeepSpeed JSON with a \"ds_async\" section")
+    parser.add_argument("--set", dest="sets", type=cfgmod.parse_set, action="append", default=[], metavar="KEY=VALUE",
+                        help="set a dotted key of the JSON (a JSON value, else a string), e.g. "
+                             "optimizer.params.lr=3e-4 or ds_async.train.steps=100 (repeatable)")
     parser.add_argument("--run-name", default=None, help="override ds_async.logging.run_name")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
@@ -434,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         run(args.config, max_steps=args.max_steps, run_name=args.run_name, device=args.device, resume=args.resume,
-            time_limit=args.time_limit)
+            time_limit=args.time_limit, overrides=dict(args.sets))
     except Stopped as e:
         print(f"ds_async: {e}", file=sys.stderr, flush=True)
         return 75  # EX_TEMPFAIL: schedulers treat it as "run again"

@@ -51,7 +51,8 @@ def steps_for(cfg: DsAsyncConfig, tokens_per_step: int) -> int:
     return math.ceil(cfg.train.tokens / tokens_per_step)
 
 
-def start_run_log(run_dir: Path, cfg: DsAsyncConfig, config_path, ds_config: dict, hf_config, *, start_step: int,
+def start_run_log(run_dir: Path, cfg: DsAsyncConfig, config_path, overrides: dict, ds_config: dict, hf_config, *,
+                  start_step: int,
                   total_steps: int, tokens_per_step: int, micro_batch_size: int, micro_batches: int,
                   data_parallel: int, peak_flops: float | None, carried: dict | None, resumed_from,
                   enabled: bool = True, monitor=None, **manifest_extra) -> metrics.RunLogger:
@@ -66,7 +67,7 @@ def start_run_log(run_dir: Path, cfg: DsAsyncConfig, config_path, ds_config: dic
                             peak_flops=peak_flops, monitor=monitor,
                             seconds_before=float(carried.get("seconds", 0.0)))
     log.history.update(carried.get("history", {}))  # keys a saved state lacks start empty
-    log.manifest(config_file=str(config_path), ds_async=resolved(cfg), deepspeed=ds_config,
+    log.manifest(config_file=str(config_path), overrides=overrides, ds_async=resolved(cfg), deepspeed=ds_config,
                  world_size=cfg.pipeline_stages * data_parallel, pipeline_stages=cfg.pipeline_stages,
                  data_parallel=data_parallel, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
                  tokens_per_step=tokens_per_step, total_steps=total_steps, model=hf_io.config_dict(hf_config),

@@ -35,15 +35,16 @@ from .trainer_setup import TrainerSetup
 
 
 def train(config_path: str, max_steps: int | None = None, run_name: str | None = None,
-          resume: str | None = None, reader: ReaderProcess | None = None) -> dict | None:
-    """Run the job described by the DeepSpeed JSON at ``config_path``; returns the summary on the reporting rank.
+          resume: str | None = None, reader: ReaderProcess | None = None, overrides: dict | None = None) -> dict | None:
+    """Run the job described by the DeepSpeed JSON at ``config_path`` with ``overrides`` set in it (dotted key ->
+    value, the command line's ``--set``); returns the summary on the reporting rank.
 
     ``resume``: ``"latest"`` continues from the newest complete checkpoint in the run's checkpoint folder (or
     starts afresh if there is none); a path names a checkpoint or a folder of them. ``reader``: this rank's reader
     process, started by the caller (:func:`~ds_async.builder.start_reader`), which the job then owns.
     """
     try:
-        trainer = Trainer(config_path, max_steps=max_steps, run_name=run_name)
+        trainer = Trainer(config_path, max_steps=max_steps, run_name=run_name, overrides=overrides)
     except BaseException:
         if reader is not None:
             reader.close()
@@ -68,6 +69,7 @@ class Trainer(TrainerSetup):
 
     # The job's state, all of it. Set by __init__: what the config and the launcher fix.
     config_path: str
+    overrides: dict  # --set: dotted key -> value, set in the JSON at config_path
     cfg: DsAsyncConfig
     ds_config: dict  # DeepSpeed's part, its schedule length this run's (a resume may set another)
     max_steps: int | None  # --max-steps: stops the run early, changes nothing else
@@ -114,10 +116,11 @@ class Trainer(TrainerSetup):
     weights_ok_at: int | None  # the last step whose weights were checked finite
     end_checked: bool  # the end's checks ran (skipped steps, weights)
 
-    def __init__(self, config_path: str, max_steps: int | None = None, run_name: str | None = None):
+    def __init__(self, config_path: str, max_steps: int | None = None, run_name: str | None = None,
+                 overrides: dict | None = None):
         self.start_clock = telemetry.StartClock()  # marked along set-up and at the end of the first step
-        self.config_path = config_path
-        self.ds_config, cfg = cfgmod.load(config_path)
+        self.config_path, self.overrides = config_path, dict(overrides or {})
+        self.ds_config, cfg = cfgmod.load(config_path, self.overrides)
         cfgmod.check_engine(cfg)  # before any process group: an emulation-only schedule stops every rank at once
         check_optimizer_block(self.ds_config, cfg.correction)
         self.cfg = cfg if run_name is None else replace(cfg, logging=replace(cfg.logging, run_name=run_name))
@@ -165,7 +168,7 @@ class Trainer(TrainerSetup):
         self.ds_monitor = metrics.DeepSpeedMonitor(engine, next(r for r, (*_, reports) in enumerate(layout) if reports))
         peak = telemetry.peak_flops(log_cfg.peak_tflops, engine.device)
         self.log = start_run_log(
-            self.run_dir, cfg, self.config_path, self.ds_config, self.hf_config, start_step=self.start,
+            self.run_dir, cfg, self.config_path, self.overrides, self.ds_config, self.hf_config, start_step=self.start,
             total_steps=self.total_steps, tokens_per_step=self.tokens_per_step, micro_batch_size=self.mbs,
             micro_batches=self.gas, data_parallel=engine.grid.data_parallel_size,
             peak_flops=None if peak is None else peak * self.world, carried=carried, resumed_from=self.resume_from,

@@ -73,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      allow_abbrev=False)
     parser.add_argument("--config", default=None,
                         help="DeepSpeed JSON with a \"ds_async\" section (or DeepSpeed's --deepspeed_config)")
+    parser.add_argument("--set", dest="sets", type=cfgmod.parse_set, action="append", default=[], metavar="KEY=VALUE",
+                        help="set a dotted key of the JSON (a JSON value, else a string), e.g. "
+                             "optimizer.params.lr=3e-4 or ds_async.train.steps=100 (repeatable)")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
     parser.add_argument("--run-name", default=None, help="override ds_async.logging.run_name")
     parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
@@ -98,13 +101,15 @@ def main() -> None:
     try:
         if args.max_steps is not None and args.max_steps < 1:
             raise ConfigError(f"--max-steps: must be >= 1, got {args.max_steps}")
-        _, cfg = cfgmod.load(args.config)  # checked here once; the trainer loads it itself
+        overrides = dict(args.sets)
+        _, cfg = cfgmod.load(args.config, overrides)  # checked here once; the trainer loads it itself
         without_launcher(args.config, cfg)
         reader = early_reader(cfg)
         # Imported once the reader process imports too: transformers and datasets, most of a start's imports.
         from ds_async.trainer import train
 
-        train(args.config, max_steps=args.max_steps, run_name=args.run_name, resume=args.resume, reader=reader)
+        train(args.config, max_steps=args.max_steps, run_name=args.run_name, resume=args.resume, reader=reader,
+              overrides=overrides)
     except EXPECTED as e:
         line = console.error_line(e)
         if line is not None:

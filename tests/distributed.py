@@ -29,6 +29,9 @@ from ds_async.pipe.versions import WeightVersions
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
+# What makes launch/train.py take its world from a launcher (its own LAUNCHER_ENV, and torchrun's LOCAL_RANK): a
+# test of a run without one removes these from the environment it passes on.
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
 
 
 def free_port() -> int:

@@ -27,12 +27,11 @@ from ds_async.optim.client import OptimizerSetupError, check_optimizer_block, cl
 from ds_async.resume import check_optimizer_type
 from ds_async.tokenizer import train_for_run
 
-from distributed import free_port, train_py_error
+from distributed import LAUNCHER_ENV, free_port, train_py_error
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
 
 
 def parse(model: dict, **section):

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from distributed import free_port, job_env, train_py_exit
+from distributed import LAUNCHER_ENV, free_port, job_env, train_py_error, train_py_exit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,3 +82,30 @@ def test_python_m_commands_start_as_quietly_as_train_py(tmp_path):
     proc = subprocess.run([sys.executable, "-c", "import os, ds_async; print(os.environ.get('DS_ACCELERATOR'))"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.stdout == "None\n", proc.stderr[-3000:]
+
+
+def test_set_overrides_keys_of_a_shipped_config_for_one_run(tmp_path, capsys):
+    """``--set KEY=VALUE`` sets a dotted key of the JSON for this run only: the shipped demo config as one stage,
+    so without a launcher, at another LR and length. The manifest records each ``--set`` beside the file and the
+    config that resulted. A key the config does not know stops the run with the strict parser's line naming it,
+    a key through a value with one naming the ``--set``."""
+    env = {k: v for k, v in job_env().items() if k not in LAUNCHER_ENV}
+    demo = ROOT / "ds_configs" / "demo_cpu.json"
+    sets = {"ds_async.pipeline_stages": 1, "ds_async.train.steps": 3, "optimizer.params.lr": 0.001,
+            "ds_async.logging.dir": str(tmp_path / "runs"), "ds_async.logging.progress": False,
+            "ds_async.eval.batches": 1}
+    args = [a for k, v in sets.items() for a in ("--set", f"{k}={v if isinstance(v, str) else json.dumps(v)}")]
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(demo), *args,
+                           "--run-name", "set"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    manifest = json.loads((tmp_path / "runs" / "set" / "manifest.json").read_text())
+    assert manifest["config_file"] == str(demo) and manifest["overrides"] == sets
+    assert manifest["ds_async"]["pipeline_stages"] == 1 and manifest["world_size"] == 1
+    assert manifest["deepspeed"]["optimizer"]["params"]["lr"] == 0.001 and manifest["total_steps"] == 3
+    assert json.loads((tmp_path / "runs" / "set" / "summary.json").read_text())["steps"] == 3
+
+    assert train_py_error(["--config", str(demo), "--set", "ds_async.data.seq_lenght=8"], capsys).startswith(
+        "ds_async: error: ds_async.data.seq_lenght: unknown key (did you mean 'ds_async.data.seq_len'?)")
+    assert train_py_error(["--config", str(demo), "--set", "optimizer.params.lr.peak=1"], capsys) == (
+        "ds_async: error: --set optimizer.params.lr.peak: 'lr' is not an object in the config")
+    assert train_py_exit(["--config", str(demo), "--set", "optimizer.params.lr"]) == 2

@@ -17,6 +17,7 @@ from ds_async import config, emulate
 from ds_async.config import data_parallel_degree
 from ds_async.emulate import build_scheduler
 from ds_async.models import llama, model_config
+from ds_async.study import rows
 from ds_async.models.partition import build_layers, stage_bounds, stage_of_layers
 from ds_async.pipe.delayed import DelayedTrainer
 
@@ -148,6 +149,24 @@ def test_cli_trains_the_demo_config(tmp_path, monkeypatch):
     assert [s for s, _ in summary["history"]["validation"]] == [3] and math.isfinite(summary["final_validation_loss"])
     assert list(summary["start_s"]) == ["imports", "model", "data", "first step"]
     assert all(v >= 0 for v in summary["start_s"].values())
+
+
+def test_cli_set_overrides_keys_and_the_row_command_repeats_them(tmp_path, monkeypatch):
+    """``python -m ds_async.emulate --config ds_configs/demo_cpu.json --set ...``: the run trains the config with
+    those keys set (its manifest records them beside the file), and its study row's command, this run's own line,
+    carries them, so that it runs the same job again."""
+    monkeypatch.chdir(tmp_path)
+    demo = ROOT / "ds_configs" / "demo_cpu.json"
+    assert emulate.main(["--config", str(demo), "--max-steps", "2", "--run-name", "set", "--device", "cpu",
+                         "--set", "optimizer.params.lr=0.001", "--set", "ds_async.schedule=2bw",
+                         "--set", "ds_async.logging.plot=false"]) == 0
+    manifest = json.loads((tmp_path / "runs" / "set" / "manifest.json").read_text())
+    assert manifest["overrides"] == {"optimizer.params.lr": 0.001, "ds_async.schedule": "2bw",
+                                     "ds_async.logging.plot": False}
+    assert manifest["deepspeed"]["optimizer"]["params"]["lr"] == 0.001 and manifest["ds_async"]["schedule"] == "2bw"
+    assert rows.read_run(tmp_path / "runs" / "set")["command"] == (
+        "python -m ds_async.emulate --config ds_configs/demo_cpu.json --set optimizer.params.lr=0.001 "
+        "--set 'ds_async.schedule=\"2bw\"' --set ds_async.logging.plot=false")
 
 
 def test_cli_errors_name_the_key(tmp_path, capsys):

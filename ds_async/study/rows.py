@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import math
+import shlex
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -142,14 +143,22 @@ def read_run(folder: str | Path) -> dict:
         "dirty": manifest["code"].get("dirty"), "declared_commit": None,
         "note": provenance_note(manifest["code"], summary),
         "driver": "ds_async.emulate" if emulation else "launch/train.py",
-        "command": study_command(folder, runner) or (
-            f"python -m ds_async.emulate --config {config_file}" if emulation
-            else f"torchrun --nproc_per_node {manifest.get('world_size')} launch/train.py --config {config_file}"),
+        "command": study_command(folder, runner) or job_command(manifest, config_file),
         "seconds_per_step": round(summary["seconds"] / max(1, steps), 5) if summary else None,
         "config_key": config_key(ds, dsc),
         "val_steps": [s for s, _ in val], "val_loss": [v for _, v in val],
         "train_steps": [s for s, _ in train], "train_loss": [v for _, v in train],
     }
+
+
+def job_command(manifest: dict, config_file: str) -> str:
+    """The job's own command line that ran: its JSON file and the ``--set`` overrides the manifest records."""
+    if manifest.get("emulation"):
+        line = f"python -m ds_async.emulate --config {config_file}"
+    else:
+        line = f"torchrun --nproc_per_node {manifest.get('world_size')} launch/train.py --config {config_file}"
+    return line + "".join(f" --set {shlex.quote(f'{key}={json.dumps(value)}')}"
+                          for key, value in manifest.get("overrides", {}).items())
 
 
 @functools.cache
