@@ -464,6 +464,14 @@ def parse_set(text: str) -> tuple[str, object]:
         return key, value
 
 
+def add_set_argument(parser: argparse.ArgumentParser) -> None:
+    """The jobs' ``--set KEY=VALUE`` (``args.sets``: (key, value) pairs, in order; :func:`load` takes them as a
+    dict, the last of a key winning)."""
+    parser.add_argument("--set", dest="sets", type=parse_set, action="append", default=[], metavar="KEY=VALUE",
+                        help="set a dotted key of the JSON for this run (a JSON value, else a string), e.g. "
+                             "optimizer.params.lr=3e-4 or ds_async.train.steps=100 (repeatable)")
+
+
 def override(config: dict, overrides: dict) -> dict:
     """A copy of ``config`` with each dotted key set to its value (missing objects on the way are created)."""
     out = copy.deepcopy(config)

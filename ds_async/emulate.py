@@ -425,9 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Train a ds_async JSON config's job in one process under its "
                                                  "schedule's weight delays (the delay emulation).")
     parser.add_argument("--config", required=True, help="DeepSpeed JSON with a \"ds_async\" section")
-    parser.add_argument("--set", dest="sets", type=cfgmod.parse_set, action="append", default=[], metavar="KEY=VALUE",
-                        help="set a dotted key of the JSON (a JSON value, else a string), e.g. "
-                             "optimizer.params.lr=3e-4 or ds_async.train.steps=100 (repeatable)")
+    cfgmod.add_set_argument(parser)
     parser.add_argument("--run-name", default=None, help="override ds_async.logging.run_name")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke runs)")

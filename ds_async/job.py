@@ -52,8 +52,7 @@ def steps_for(cfg: DsAsyncConfig, tokens_per_step: int) -> int:
 
 
 def start_run_log(run_dir: Path, cfg: DsAsyncConfig, config_path, overrides: dict, ds_config: dict, hf_config, *,
-                  start_step: int,
-                  total_steps: int, tokens_per_step: int, micro_batch_size: int, micro_batches: int,
+                  start_step: int, total_steps: int, tokens_per_step: int, micro_batch_size: int, micro_batches: int,
                   data_parallel: int, peak_flops: float | None, carried: dict | None, resumed_from,
                   enabled: bool = True, monitor=None, **manifest_extra) -> metrics.RunLogger:
     """The run folder's logger (:class:`~ds_async.metrics.RunLogger`) and its ``manifest.json``, as both jobs write

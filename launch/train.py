@@ -16,6 +16,7 @@ status).
 """
 import argparse
 import os
+import shlex
 import sys
 
 import torch
@@ -41,17 +42,17 @@ EXPECTED = (ConfigError, DataError, CheckpointError, NonFiniteLoss, OptimizerSet
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
 
 
-def without_launcher(config: str, cfg: cfgmod.DsAsyncConfig) -> None:
-    """Started as ``python launch/train.py`` (no deepspeed/torchrun/MPI environment; DeepSpeed would look for MPI
-    and fail on a missing mpi4py): a config with one pipeline stage runs as a world of one process; any other is
-    refused with the launcher line that runs it."""
+def without_launcher(arguments: str, cfg: cfgmod.DsAsyncConfig) -> None:
+    """Started as ``python launch/train.py ARGUMENTS`` (no deepspeed/torchrun/MPI environment; DeepSpeed would look
+    for MPI and fail on a missing mpi4py): a config with one pipeline stage runs as a world of one process; any other
+    is refused with the launcher line that runs it with the same arguments."""
     if any(k in os.environ for k in LAUNCHER_ENV):
         return
     p = cfg.pipeline_stages
     if p > 1:
         raise ConfigError(f"no launcher: ds_async.pipeline_stages is {p}, so the job needs {p} processes (or a "
-                          f"multiple of {p}): deepspeed --num_gpus {p} launch/train.py --config {config} (or "
-                          f"torchrun --nproc_per_node {p} launch/train.py --config {config})")
+                          f"multiple of {p}): deepspeed --num_gpus {p} launch/train.py {arguments} (or "
+                          f"torchrun --nproc_per_node {p} launch/train.py {arguments})")
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_local_port())})
 
@@ -73,9 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      allow_abbrev=False)
     parser.add_argument("--config", default=None,
                         help="DeepSpeed JSON with a \"ds_async\" section (or DeepSpeed's --deepspeed_config)")
-    parser.add_argument("--set", dest="sets", type=cfgmod.parse_set, action="append", default=[], metavar="KEY=VALUE",
-                        help="set a dotted key of the JSON (a JSON value, else a string), e.g. "
-                             "optimizer.params.lr=3e-4 or ds_async.train.steps=100 (repeatable)")
+    cfgmod.add_set_argument(parser)
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
     parser.add_argument("--run-name", default=None, help="override ds_async.logging.run_name")
     parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
@@ -103,7 +102,7 @@ def main() -> None:
             raise ConfigError(f"--max-steps: must be >= 1, got {args.max_steps}")
         overrides = dict(args.sets)
         _, cfg = cfgmod.load(args.config, overrides)  # checked here once; the trainer loads it itself
-        without_launcher(args.config, cfg)
+        without_launcher(shlex.join(sys.argv[1:]), cfg)
         reader = early_reader(cfg)
         # Imported once the reader process imports too: transformers and datasets, most of a start's imports.
         from ds_async.trainer import train

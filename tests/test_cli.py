@@ -84,11 +84,12 @@ def test_python_m_commands_start_as_quietly_as_train_py(tmp_path):
     assert proc.stdout == "None\n", proc.stderr[-3000:]
 
 
-def test_set_overrides_keys_of_a_shipped_config_for_one_run(tmp_path, capsys):
+def test_set_overrides_keys_of_a_shipped_config_for_one_run(tmp_path, capsys, monkeypatch):
     """``--set KEY=VALUE`` sets a dotted key of the JSON for this run only: the shipped demo config as one stage,
     so without a launcher, at another LR and length. The manifest records each ``--set`` beside the file and the
     config that resulted. A key the config does not know stops the run with the strict parser's line naming it,
-    a key through a value with one naming the ``--set``."""
+    a key through a value with one naming the ``--set``; without a launcher, two stages are refused with the
+    launcher line that runs the same arguments."""
     env = {k: v for k, v in job_env().items() if k not in LAUNCHER_ENV}
     demo = ROOT / "ds_configs" / "demo_cpu.json"
     sets = {"ds_async.pipeline_stages": 1, "ds_async.train.steps": 3, "optimizer.params.lr": 0.001,
@@ -109,3 +110,10 @@ def test_set_overrides_keys_of_a_shipped_config_for_one_run(tmp_path, capsys):
     assert train_py_error(["--config", str(demo), "--set", "optimizer.params.lr.peak=1"], capsys) == (
         "ds_async: error: --set optimizer.params.lr.peak: 'lr' is not an object in the config")
     assert train_py_exit(["--config", str(demo), "--set", "optimizer.params.lr"]) == 2
+    for key in LAUNCHER_ENV:
+        monkeypatch.delenv(key, raising=False)
+    arguments = f"--config {demo} --set ds_async.train.steps=5"
+    assert train_py_error(arguments.split(), capsys) == (
+        f"ds_async: error: no launcher: ds_async.pipeline_stages is 2, so the job needs 2 processes (or a multiple "
+        f"of 2): deepspeed --num_gpus 2 launch/train.py {arguments} (or torchrun --nproc_per_node 2 launch/train.py "
+        f"{arguments})")
