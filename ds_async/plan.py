@@ -258,10 +258,12 @@ def suggest_recompute(job: Job, hf, layers: list[Layer], bounds: list[int], gpu_
     return counts, peak
 
 
-def plan(config_path: str, gpus: int | None = None, gpu_memory_gib: float | None = None) -> Plan:
-    """The plan of the job at ``config_path`` (see the module docstring); raises ``ConfigError`` naming the key."""
+def plan(config_path: str, gpus: int | None = None, gpu_memory_gib: float | None = None,
+         overrides: dict | None = None) -> Plan:
+    """The plan of the job at ``config_path`` with ``overrides`` set (dotted key -> value, the jobs' ``--set``; see
+    the module docstring); raises ``ConfigError`` naming the key."""
 
-    ds_config, cfg = cfgmod.load(config_path)
+    ds_config, cfg = cfgmod.load(config_path, overrides)
     if gpus is None:
         gpus = cfg.pipeline_stages * data_parallel_degree(ds_config)
     if gpus < 1:
@@ -388,9 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, default=None, help="world size (default: stages x replicas)")
     parser.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU (default: this GPU, else 80)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    cfgmod.add_set_argument(parser)
     args = parser.parse_args(argv)
     try:
-        result = plan(args.config, args.gpus, args.gpu_memory)
+        result = plan(args.config, args.gpus, args.gpu_memory, dict(args.sets))
     except (ConfigError, ValueError) as e:
         print(f"ds_async: error: {e}", file=sys.stderr)
         return 1

@@ -674,6 +674,15 @@ def test_cli_table_json_and_errors(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("ds_async: error: ds_async.schedule: 'delay2' is emulation only")
 
 
+def test_cli_set_plans_the_config_with_keys_changed(tmp_path, capsys):
+    """``python -m ds_async.plan C.json --set KEY=VALUE``: the plan of the job the jobs' ``--set`` would train."""
+    path = write_config(tmp_path)
+    assert planner.main([str(path), "--json", "--set", "ds_async.pipeline_stages=1"]) == 0
+    assert json.loads(capsys.readouterr().out)["stages"] == 1
+    assert planner.main([str(path), "--set", "ds_async.pipeline_stagez=1"]) == 1
+    assert capsys.readouterr().err.startswith("ds_async: error: ds_async.pipeline_stagez: unknown key")
+
+
 if __name__ == "__main__":
     engine_job(sys.argv[1], sys.argv[2])
 
