@@ -4,5 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config=${1:?DeepSpeed JSON config}; shift
-ngpu=${1:-$(python3 -c "import torch; print(torch.cuda.device_count())")}; [ $# -gt 0 ] && shift
+# NUM_GPUS only where given: "train_gpu.sh C.json --set K=V" takes every GPU and passes the flags on.
+if [[ ${1:-} =~ ^[0-9]+$ ]]; then
+  ngpu=$1; shift
+else
+  ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+fi
 exec deepspeed --num_gpus "$ngpu" launch/train.py --config "$config" "$@"
