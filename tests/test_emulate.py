@@ -17,9 +17,9 @@ from ds_async import config, emulate
 from ds_async.config import data_parallel_degree
 from ds_async.emulate import build_scheduler
 from ds_async.models import llama, model_config
-from ds_async.study import rows
 from ds_async.models.partition import build_layers, stage_bounds, stage_of_layers
 from ds_async.pipe.delayed import DelayedTrainer
+from ds_async.study import rows
 
 
 def scalar_run(schedule: str, steps: int, lr: float = 0.5, w0: float = 1.0, stages: int = 1, stage: int = 0,

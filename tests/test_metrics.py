@@ -326,7 +326,7 @@ def test_tree_differences_hashes_files_as_git_does(tmp_path):
 
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs this checkout's git")
 def test_code_version_of_a_copy_names_its_commit_and_checks_its_files(tmp_path, monkeypatch):
-    """Where the checkout has no usable ``.git``: ``DS_ASYNC_COMMIT`` names the commit (clean or not unknown), and
+    """Where the checkout has no usable ``.git``: ``DS_ASYNC_COMMIT`` names the commit (whether clean: unknown), and
     with ``DS_ASYNC_TREE`` the files are checked against that commit's listing, so a changed blob id makes the
     copy dirty. Without either, git is asked."""
     head = _git(ROOT, "rev-parse", "HEAD").decode().strip()
