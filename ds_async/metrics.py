@@ -72,13 +72,18 @@ def code_version() -> dict:
 def tree_differences(root: Path, listing: bytes) -> list[str]:
     """The paths of ``listing`` (``git ls-tree -r`` output, newline- or, with ``-z``, NUL-separated) whose file
     below ``root`` is missing or does not hash to its blob id (a symlink: its target, as git stores it). Submodule
-    entries are not files here and are passed over."""
-    differ = []
+    entries are not files here and are passed over. Anything else (``git ls-files -s``, whose third field is a
+    stage, or a listing without a single file) raises ``ValueError``: passing over it would call the copy clean."""
+    differ, blobs = [], 0
     for entry in filter(None, listing.split(b"\0" if b"\0" in listing else b"\n")):
         meta, _, raw = entry.partition(b"\t")
-        mode, kind, blob = meta.decode().split()
+        fields = meta.decode(errors="replace").split()
+        if len(fields) != 3 or fields[1] not in ("blob", "commit") or not raw:
+            raise ValueError(f"DS_ASYNC_TREE: {entry[:200]!r} is not a line of git ls-tree -r")
+        mode, kind, blob = fields
         if kind != "blob":
             continue
+        blobs += 1
         path = _unquote(raw.decode())
         file = root / path
         try:
@@ -89,6 +94,8 @@ def tree_differences(root: Path, listing: bytes) -> list[str]:
         digest = hashlib.sha256 if len(blob) == 64 else hashlib.sha1  # a SHA-256 repository's ids are longer
         if digest(b"blob %d\0" % len(data) + data).hexdigest() != blob:
             differ.append(path)
+    if not blobs:
+        raise ValueError("DS_ASYNC_TREE: the listing names no file (expected git ls-tree -r COMMIT)")
     return differ
 
 

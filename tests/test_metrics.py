@@ -322,6 +322,11 @@ def test_tree_differences_hashes_files_as_git_does(tmp_path):
     (tmp_path / "é\ttab.txt").unlink()
     for listing in (quoted, nul):
         assert sorted(metrics.tree_differences(tmp_path, listing)) == ["a.txt", "link", "é\ttab.txt"]
+    # a listing of another kind, or of nothing, is refused rather than taken for a clean copy
+    with pytest.raises(ValueError, match="is not a line of git ls-tree -r"):
+        metrics.tree_differences(tmp_path, _git(tmp_path, "ls-files", "-s"))
+    with pytest.raises(ValueError, match="names no file"):
+        metrics.tree_differences(tmp_path, b"")
 
 
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs this checkout's git")
